@@ -1,0 +1,227 @@
+"""Typed config tree: dataclasses, YAML presets and dotted ``key=value`` overrides.
+
+Pure Python on purpose: the CLI validates a config before JAX starts, so bad input
+costs no backend start-up and writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxdist.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    kind: str = "llama"  # llama | resnet
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 0  # 0 -> d_model // n_heads
+    mlp_dim: int = 0  # 0 -> SwiGLU width 8/3 * d_model rounded up to a multiple of 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    param_dtype: str = "float32"
+    remat: str = "none"  # none | full | save_matmuls
+    # resnet only
+    image_size: int = 32
+    num_classes: int = 10
+    resnet_widths: tuple[int, ...] = (16, 32, 64)
+    resnet_blocks: int = 2  # residual blocks per stage
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def resolved_mlp_dim(self) -> int:
+        if self.mlp_dim:
+            return self.mlp_dim
+        return -(-int(8 * self.d_model / 3) // 64) * 64
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 16
+    seq_len: int = 64
+    microbatches: int = 1  # gradient accumulation
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    seed: int = 0
+    log_every: int = 1
+    eval_every: int = 0  # 0: no periodic eval
+    eval_batches: int = 2
+    peak_flops: float = 0.0  # per device, for MFU; 0: look up (GPU) or measure (CPU)
+
+
+@dataclasses.dataclass
+class DataConfig:
+    source: str = "synthetic"  # synthetic (more sources come with the data pipeline)
+    path: str = ""
+    workers: int = 0
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    mesh: str = "auto"  # the --mesh flag overrides this
+    strategy: str = "auto"  # auto | dp | fsdp | zero1, optionally "+tp"
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    name: str = "default"
+
+    def to_dict(self) -> dict[str, Any]:
+        def plain(value: Any) -> Any:
+            return list(value) if isinstance(value, tuple) else value
+
+        return {k: ({f: plain(x) for f, x in v.items()} if isinstance(v, dict) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check one value against its field's type; ints widen to floats, lists to tuples."""
+    origin = typing.get_origin(annotation)
+    if origin in (tuple,):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = {a for a in typing.get_args(annotation) if a is not Ellipsis}
+        return tuple(_coerce(key, v, item) for v in value)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            if option is type(None) and value is None:
+                return None
+            try:
+                return _coerce(key, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {annotation}, got {value!r}")
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is str and isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)  # e.g. data.path=2024
+    if annotation in (int, float, str, bool) and type(value) is not annotation:
+        raise ConfigError(f"{key}: expected {annotation.__name__}, got {value!r}")
+    return value
+
+
+def _apply(config: Config, key: str, value: Any) -> None:
+    parts = key.split(".")
+    target: Any = config
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(target) or part not in _field_types(type(target)):
+            raise ConfigError(f"unknown config key {'.'.join(parts[: i + 1])!r}")
+        annotation = _field_types(type(target))[part]
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(getattr(target, part)):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+                for sub, subvalue in value.items():
+                    _apply(config, f"{key}.{sub}", subvalue)
+            else:
+                setattr(target, part, _coerce(key, value, annotation))
+        else:
+            target = getattr(target, part)
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        candidate = path
+    else:
+        candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        presets = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+        raise ConfigError(f"config {name_or_path!r} not found (no file {candidate}; presets: {presets})")
+    return candidate
+
+
+def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML preset or file <- ``key=value`` overrides, then validated."""
+    config = Config()
+    if name_or_path:
+        path = resolve_config_path(name_or_path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config {path}: invalid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {path}: expected a mapping at the top level")
+        config.name = path.stem
+        for key, value in data.items():
+            if key == "name":
+                config.name = str(value)
+            else:
+                _apply(config, key, value)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _apply(config, key.strip(), value)
+    validate(config)
+    return config
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(config: Config) -> None:
+    """Checks that need no devices; mesh-dependent checks live in ``mesh.check_divisibility``."""
+    m, t = config.model, config.train
+    _require(m.kind in ("llama", "resnet"), f"model.kind must be llama or resnet, got {m.kind!r}")
+    _require(m.dtype in ("auto", "float32", "bfloat16"), f"model.dtype must be auto, float32 or bfloat16, got {m.dtype!r}")
+    _require(m.param_dtype in ("float32", "bfloat16"), f"model.param_dtype must be float32 or bfloat16, got {m.param_dtype!r}")
+    _require(m.remat in ("none", "full", "save_matmuls"), f"model.remat must be none, full or save_matmuls, got {m.remat!r}")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"):
+        _require(getattr(m, name) > 0, f"model.{name} must be positive, got {getattr(m, name)}")
+    _require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
+    _require(
+        m.head_dim > 0 or m.d_model % m.n_heads == 0,
+        f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}) unless model.head_dim is set",
+    )
+    _require(m.resolved_head_dim % 2 == 0, f"head dim must be even for RoPE, got {m.resolved_head_dim}")
+    for name in ("steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches"):
+        _require(getattr(t, name) > 0, f"train.{name} must be positive, got {getattr(t, name)}")
+    _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    _require(t.warmup_steps >= 0 and t.eval_every >= 0, "train.warmup_steps and train.eval_every must be >= 0")
+    _require(
+        t.global_batch % t.microbatches == 0,
+        f"train.global_batch ({t.global_batch}) must be divisible by train.microbatches ({t.microbatches})",
+    )
+    _require(config.data.source in ("synthetic",), f"data.source must be synthetic, got {config.data.source!r}")
+    strategy_parts = set(config.parallel.strategy.split("+"))
+    _require(
+        strategy_parts <= {"auto", "dp", "fsdp", "zero1", "tp"} and len(strategy_parts & {"auto", "dp", "fsdp", "zero1"}) <= 1,
+        f"parallel.strategy must be auto, dp, fsdp or zero1, optionally with +tp, got {config.parallel.strategy!r}",
+    )

@@ -1,0 +1,143 @@
+"""Mesh specs (``8x4``, ``data=2,fsdp=4``, ``auto``), fake CPU devices, and the device mesh.
+
+Parsing is pure Python so that ``ensure_fake_cpu_devices`` can run before JAX starts its
+backend; only ``build_mesh`` touches JAX.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import sys
+
+from jaxdist.errors import MeshError
+
+# Mesh axes, outermost first: data crosses hosts, tensor stays innermost (NVLink).
+MESH_AXES = ("data", "fsdp", "tensor")
+# What a positional spec means, by its number of factors.
+POSITIONAL_AXES = {1: ("data",), 2: ("data", "tensor")}
+BATCH_AXES = ("data", "fsdp")  # the batch is split over both
+
+MeshSizes = dict[str, int]
+
+
+def parse_mesh(spec: str) -> MeshSizes | None:
+    """``'8x4'`` -> data 8, tensor 4; ``'data=2,fsdp=4'`` -> named; ``'auto'`` -> None."""
+    spec = spec.strip()
+    if spec == "auto":
+        return None
+    if re.fullmatch(r"\d+(x\d+)*", spec):
+        factors = [int(f) for f in spec.split("x")]
+        if len(factors) not in POSITIONAL_AXES:
+            raise MeshError(
+                f"mesh {spec!r}: a positional mesh is N (data) or AxB (data x tensor); name other axes, e.g. data=2,fsdp=2,tensor=2"
+            )
+        sizes = dict(zip(POSITIONAL_AXES[len(factors)], factors, strict=True))
+    elif re.fullmatch(r"[a-z_]+=\d+(,[a-z_]+=\d+)*", spec):
+        sizes = {}
+        for item in spec.split(","):
+            name, value = item.split("=")
+            if name not in MESH_AXES:
+                raise MeshError(f"mesh {spec!r}: unknown axis {name!r} (axes: {', '.join(MESH_AXES)})")
+            if name in sizes:
+                raise MeshError(f"mesh {spec!r}: axis {name!r} given twice")
+            sizes[name] = int(value)
+    else:
+        raise MeshError(f"malformed mesh {spec!r}: use AxB (data x tensor), name=size,... ({', '.join(MESH_AXES)}) or auto")
+    if any(v < 1 for v in sizes.values()):
+        raise MeshError(f"mesh {spec!r}: axis sizes must be >= 1")
+    return {axis: sizes.get(axis, 1) for axis in MESH_AXES}
+
+
+def format_mesh(sizes: MeshSizes) -> str:
+    named = [f"{a}={s}" for a, s in sizes.items() if s > 1]
+    return ",".join(named) or "data=1"
+
+
+def mesh_device_count(sizes: MeshSizes) -> int:
+    return math.prod(sizes.values())
+
+
+def auto_mesh(n_devices: int, n_params: int) -> MeshSizes:
+    """Small models replicate (plain DP is fastest); past 1B params shard them (ZeRO-3)."""
+    axis = "fsdp" if n_params > 1_000_000_000 else "data"
+    return {a: (n_devices if a == axis else 1) for a in MESH_AXES}
+
+
+def gpu_plugin_installed() -> bool:
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False
+    return any(_module_exists(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"))
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # parent package missing
+        return False
+
+
+def _forced_host_device_count() -> int | None:
+    match = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(match.group(1)) if match else None
+
+
+def ensure_fake_cpu_devices(n: int) -> None:
+    """Ask XLA for ``n`` host devices; must run before JAX starts its backend.
+
+    On a machine with a GPU plugin nothing changes: a GPU mesh must match real devices.
+    """
+    if n <= 1 or gpu_plugin_installed() or "jax" in sys.modules and _backend_started():
+        return
+    forced = _forced_host_device_count()
+    if forced is not None and forced >= n:
+        return
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    print(f"jaxdist: no accelerator; using {n} fake CPU devices for the mesh", file=sys.stderr)
+
+
+def _backend_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)  # noqa: SLF001 - no public "is initialised" query
+    except (ImportError, AttributeError):
+        return False
+
+
+def check_divisibility(sizes: MeshSizes, config) -> None:
+    """Shapes the mesh must divide; raises MeshError naming both numbers."""
+    t, m = config.train, config.model
+    batch_shards = sizes["data"] * sizes["fsdp"]
+    if t.global_batch % (batch_shards * t.microbatches):
+        raise MeshError(
+            f"train.global_batch ({t.global_batch}) must be divisible by data x fsdp ({batch_shards}) "
+            f"x train.microbatches ({t.microbatches})"
+        )
+    tensor = sizes["tensor"]
+    if m.kind == "llama" and tensor > 1:
+        for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("mlp width", m.resolved_mlp_dim)):
+            if value % tensor:
+                raise MeshError(f"{name} ({value}) must be divisible by the tensor axis ({tensor})")
+    if m.kind == "resnet" and tensor > 1:
+        raise MeshError("model.kind=resnet supports data and fsdp axes, not tensor")
+
+
+def build_mesh(sizes: MeshSizes, devices=None):
+    """A ``jax.sharding.Mesh`` with every axis present (size 1 if unused), Auto axis types."""
+    import jax
+    from jax.sharding import AxisType
+
+    available = jax.devices() if devices is None else list(devices)
+    needed = mesh_device_count(sizes)
+    if needed > len(available):
+        kind = available[0].platform
+        hint = "" if kind != "cpu" else " (set XLA_FLAGS=--xla_force_host_platform_device_count before JAX starts)"
+        raise MeshError(f"mesh {format_mesh(sizes)} needs {needed} devices but {len(available)} {kind} devices are visible{hint}")
+    if needed < len(available) and available[0].platform != "cpu" and devices is None:
+        raise MeshError(f"mesh {format_mesh(sizes)} uses {needed} of the {len(available)} visible devices; size it to all of them")
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=available[:needed])

@@ -1,0 +1,113 @@
+"""Throughput and MFU, and where metrics go: metrics.jsonl, TensorBoard, a progress bar.
+
+Only process 0 writes or prints.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+# Dense bf16 peak per device (FLOP/s), by substring of jax's device_kind.
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+}
+
+
+@functools.cache
+def measured_cpu_peak_flops(n: int = 1024, repeats: int = 5) -> float:
+    """Peak of the whole host, by a large fp32 matmul on one device (median of repeats)."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / sorted(times)[len(times) // 2]
+
+
+def peak_flops_per_device(devices: list, override: float = 0.0) -> float:
+    """Peak FLOP/s of one device; fake CPU devices share the host, so they split its peak."""
+    if override > 0:
+        return override
+    kind = devices[0].device_kind
+    for name, peak in GPU_PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return peak
+    if devices[0].platform == "cpu":
+        local = sum(1 for d in devices if d.process_index == devices[0].process_index)
+        return measured_cpu_peak_flops() / max(local, 1)
+    return math.nan  # unknown accelerator: MFU is reported as NaN rather than guessed
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step to metrics.jsonl, scalars to TensorBoard,
+    and keeps a progress bar with loss and tokens/s. A no-op on processes other than 0."""
+
+    def __init__(self, run_dir: Path | None, total_steps: int, *, enabled: bool = True, progress: bool = True):
+        self.enabled = enabled and run_dir is not None
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not self.enabled:
+            return
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        from tensorboardX import SummaryWriter
+
+        self._tb = SummaryWriter(logdir=str(run_dir / "tensorboard"))
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=True)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in values.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                self._tb.add_scalar(key, value, step)
+        if self._bar is not None and "loss" in record:
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_sec', 0):.0f}", refresh=False)
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+
+
+def _plain(value: Any) -> Any:
+    try:
+        return float(value) if not isinstance(value, int | str | bool) else value
+    except (TypeError, ValueError):
+        return str(value)

@@ -1,0 +1,75 @@
+"""Model registry: what the trainer needs to know about a model, for any NNX module.
+
+The trainer takes a ``Task``: how to build the module, how to turn it and a batch into a
+summed loss and a weight (so gradient accumulation averages exactly), and its FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxdist.config import Config
+
+Batch = dict[str, jax.Array]
+LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    make_model: Callable[[nnx.Rngs], nnx.Module]
+    loss_fn: LossFn  # (model, batch) -> (sum of per-example losses, number of examples/tokens)
+    flops_per_example: float  # training FLOPs (forward + backward) per batch row
+    tokens_per_example: int  # what "tokens/s" counts per batch row
+    n_params: int
+
+
+def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Next-token cross-entropy summed over the unmasked target tokens."""
+    logits = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    weights = batch.get("loss_mask", jnp.ones_like(losses))
+    return jnp.sum(losses * weights), jnp.sum(weights).astype(jnp.float32)
+
+
+def classification_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    logits = model(batch["images"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    return jnp.sum(losses), jnp.asarray(losses.shape[0], jnp.float32)
+
+
+def compute_dtype(config: Config, platform: str) -> Any:
+    name = config.model.dtype
+    if name == "auto":
+        name = "bfloat16" if platform == "gpu" else "float32"
+    return jnp.dtype(name)
+
+
+def build_task(config: Config, platform: str = "cpu") -> Task:
+    cfg, dtype = config.model, compute_dtype(config, platform)
+    if cfg.kind == "llama":
+        from jaxdist.models.llama import Llama, count_params, flops_per_token
+
+        seq = config.train.seq_len
+        return Task(
+            make_model=lambda rngs: Llama(cfg, dtype=dtype, rngs=rngs),
+            loss_fn=lm_loss,
+            flops_per_example=flops_per_token(cfg, seq) * seq,
+            tokens_per_example=seq,
+            n_params=count_params(cfg),
+        )
+    from jaxdist.models.resnet import ResNet, count_params, flops_per_image
+
+    return Task(
+        make_model=lambda rngs: ResNet(cfg, dtype=dtype, rngs=rngs),
+        loss_fn=classification_loss,
+        flops_per_example=flops_per_image(cfg),
+        tokens_per_example=1,  # images/s
+        n_params=count_params(cfg),
+    )

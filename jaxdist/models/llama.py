@@ -1,0 +1,188 @@
+"""A LLaMA-family decoder in Flax NNX: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+Every parameter carries ``axes`` metadata (logical names, see ``jaxdist.sharding``); key
+activations are pinned with ``constrain``. The layers are stacked on a leading
+``layers`` axis and run with ``jax.lax.scan``, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdist.config import ModelConfig
+from jaxdist.sharding import constrain
+
+Initializer = Callable[..., jax.Array]
+
+
+def _param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
+    return nnx.Param(init(rngs.params(), shape, dtype), axes=axes)
+
+
+def _fan_in_init(fan_in: int) -> Initializer:
+    return jax.nn.initializers.normal(stddev=fan_in**-0.5)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("embed",), no_decay=True)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding on [batch, seq, heads, head_dim] by absolute token positions [batch, seq]."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[..., None].astype(jnp.float32) * freqs  # [b, t, half]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+        pd = jnp.dtype(cfg.param_dtype)
+        self.wq = _param(rngs, _fan_in_init(d), (d, h, hd), ("embed", "heads", "head_dim"), pd)
+        self.wk = _param(rngs, _fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+        self.wv = _param(rngs, _fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+        self.wo = _param(rngs, _fan_in_init(h * hd), (h, hd, d), ("heads", "head_dim", "embed"), pd)
+        self.rope_theta = cfg.rope_theta
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None) -> jax.Array:
+        w = lambda p: p[...].astype(self.dtype)  # noqa: E731 - cast fp32 master weights to compute dtype
+        q = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wq)), ("batch", "seq", "act_heads", None))
+        k = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wk)), ("batch", "seq", "act_kv_heads", None))
+        v = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wv)), ("batch", "seq", "act_kv_heads", None))
+        q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+        # cuDNN flash attention on GPU when shapes allow; XLA's fused attention elsewhere.
+        if mask is None:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        out = constrain(out, ("batch", "seq", "act_heads", None))
+        return jnp.einsum("bthk,hkd->btd", out, w(self.wo))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.resolved_mlp_dim
+        pd = jnp.dtype(cfg.param_dtype)
+        self.w_gate = _param(rngs, _fan_in_init(d), (d, f), ("embed", "mlp"), pd)
+        self.w_up = _param(rngs, _fan_in_init(d), (d, f), ("embed", "mlp"), pd)
+        self.w_down = _param(rngs, _fan_in_init(f), (f, d), ("mlp", "embed"), pd)
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(self.dtype))
+        up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(self.dtype))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+        return jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(self.dtype))
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
+        self.attn = Attention(cfg, dtype, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, mask)
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "seq", "act_embed"))
+
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = _param(rngs, jax.nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd)
+        self.blocks = _stacked_blocks(cfg, dtype, rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs, _fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+        """Logits [batch, seq, vocab] in float32 for tokens [batch, seq]."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        mask = None if segment_ids is None else _document_causal_mask(segment_ids)
+        # Gather the table over FSDP first: a lookup into a vocab-split table then needs
+        # only a masked gather plus one all-reduce over 'tensor'.
+        table = constrain(self.embed[...], ("vocab", None))
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        x = constrain(x, ("batch", "seq", "act_embed"))
+
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(h: jax.Array, params) -> tuple[jax.Array, None]:
+            return nnx.merge(graphdef, params)(h, positions, mask), None
+
+        if self.cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, stacked)
+
+        x = self.final_norm(x)
+        head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(self.dtype))
+        return constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab"))
+
+
+def _stacked_blocks(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> Block:
+    """``n_layers`` blocks whose parameters are stacked on a leading ``layers`` axis."""
+    keys = jax.random.split(rngs.params(), cfg.n_layers)
+
+    def one(key: jax.Array):
+        return nnx.split(Block(cfg, dtype, nnx.Rngs(params=key)))
+
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Block(cfg, dtype, nnx.Rngs(0))))
+    stacked = jax.vmap(lambda k: one(k)[1])(keys)
+    stacked = jax.tree.map(
+        lambda v: v.replace(v[...], axes=("layers", *v.get_metadata()["axes"])),
+        stacked,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    return nnx.merge(graphdef, stacked)
+
+
+def _document_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """[batch, 1, q, k] mask: causal and within the same packed document."""
+    t = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal & same_doc)[:, None, :, :]
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameter count from the config alone (no JAX arrays)."""
+    d, h, kv, hd, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.resolved_mlp_dim, cfg.vocab_size
+    per_layer = d * hd * (h + 2 * kv) + h * hd * d + 3 * d * f + 2 * d
+    return v * d * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * per_layer + d
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul params + causal attention (PaLM appendix B)."""
+    matmul_params = count_params(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    attention = 6 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len  # 12*L*H*Q*T, halved for causal
+    return 6 * matmul_params + attention

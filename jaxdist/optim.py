@@ -1,0 +1,37 @@
+"""The optimizer: AdamW with linear warmup + cosine decay and global-norm clipping."""
+
+from __future__ import annotations
+
+import jax
+import optax
+from flax import nnx
+
+from jaxdist.config import TrainConfig
+
+
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def _decay_mask(params):
+    """Decay matrices, not norm scales (marked ``no_decay``)."""
+    return jax.tree.map(
+        lambda v: v.replace(not v.get_metadata().get("no_decay", False)),
+        params,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Clip (on the averaged gradient) then AdamW. Adam's moments mirror the parameter
+    tree, so their layout follows the same logical axes (see ``sharding.rules_for``)."""
+    adamw = optax.adamw(lr_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=_decay_mask)
+    if cfg.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    return adamw

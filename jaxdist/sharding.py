@@ -1,0 +1,187 @@
+"""Logical axis names -> mesh axes: one rules table decides every layout.
+
+Models name the axes of parameters and activations (``embed``, ``mlp``, ``heads``,
+``batch``, ...). DP, ZeRO-1, FSDP (ZeRO-3) and Megatron TP differ only in the rules
+below, never in model code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdist.errors import ConfigError
+
+MeshAxes = tuple[str, ...] | None
+Rules = dict[str, MeshAxes]
+
+# Every logical name a model may use, and where it goes under plain data parallelism.
+_BASE_RULES: Rules = {
+    # activations
+    "batch": ("data", "fsdp"),
+    "seq": None,
+    "act_embed": None,
+    "act_heads": None,
+    "act_kv_heads": None,
+    "act_mlp": None,
+    "act_vocab": None,
+    "act_channels": None,
+    # parameters
+    "layers": None,
+    "vocab": None,
+    "embed": None,  # the dimension FSDP / ZeRO shard
+    "heads": None,
+    "kv_heads": None,
+    "head_dim": None,
+    "mlp": None,
+    "conv": None,  # conv kernel spatial dims
+    "channels_in": None,
+    "channels": None,  # conv output channels: sharded like embed
+    "classes": None,
+}
+
+# Megatron tensor parallelism: column-split QKV and MLP-in, row-split attention-out and
+# MLP-out, vocab-split embedding and head; the matching activations stay split.
+_TENSOR_RULES: Rules = {
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+}
+
+ZERO_STAGES = ("dp", "zero1", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    zero: str  # dp | zero1 | fsdp
+    tensor: bool
+
+    def __str__(self) -> str:
+        return self.zero + ("+tp" if self.tensor else "")
+
+
+def resolve_strategy(name: str, mesh_sizes: dict[str, int]) -> Strategy:
+    """``auto`` shards params over ``fsdp`` when that axis exists; TP follows the ``tensor`` axis."""
+    parts = set(name.split("+"))
+    zero = next((p for p in parts if p in ZERO_STAGES), "auto")
+    if zero == "auto":
+        zero = "fsdp" if mesh_sizes.get("fsdp", 1) > 1 else "dp"
+    if "tp" in parts and mesh_sizes.get("tensor", 1) == 1:
+        raise ConfigError(f"parallel.strategy {name!r} asks for tensor parallelism but the mesh has no tensor axis")
+    return Strategy(zero=zero, tensor=mesh_sizes.get("tensor", 1) > 1)
+
+
+def rules_for(strategy: Strategy, *, optimizer_state: bool = False) -> Rules:
+    """The rules table for parameters (or, with ``optimizer_state``, for Adam's moments)."""
+    rules = dict(_BASE_RULES)
+    if strategy.tensor:
+        rules.update(_TENSOR_RULES)
+    if strategy.zero == "fsdp":
+        rules["embed"] = rules["channels"] = ("fsdp",)
+    elif strategy.zero == "zero1" and optimizer_state:
+        rules["embed"] = rules["channels"] = ("data", "fsdp")
+    return rules
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], rules: Rules, mesh: Mesh) -> PartitionSpec:
+    """Map logical names to a PartitionSpec; skip size-1 axes, reused axes and non-divisors."""
+    used: set[str] = set()
+    spec: list[Any] = []
+    for name, dim in zip(axes, shape, strict=True):
+        if name is not None and name not in rules:
+            raise KeyError(f"logical axis {name!r} has no sharding rule")
+        chosen = []
+        for mesh_axis in (rules.get(name) or ()) if name else ():
+            size = mesh.shape[mesh_axis]
+            if size == 1 or mesh_axis in used:
+                continue
+            if dim % (size * _prod(mesh.shape[a] for a in chosen)):
+                continue
+            chosen.append(mesh_axis)
+        used.update(chosen)
+        spec.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
+    return PartitionSpec(*spec)
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def tree_shardings(tree: Any, rules: Rules, mesh: Mesh) -> Any:
+    """NamedShardings for a pytree whose nnx Variables carry ``axes`` metadata; others replicate."""
+
+    def one(leaf: Any) -> Any:
+        if _is_variable(leaf):
+            axes = leaf.get_metadata().get("axes")
+            value = leaf.get_value() if hasattr(leaf, "get_value") else leaf.value
+            shape = getattr(value, "shape", ())
+            if axes is None or len(axes) != len(shape):
+                return leaf.replace(NamedSharding(mesh, PartitionSpec()))
+            return leaf.replace(NamedSharding(mesh, logical_to_spec(axes, shape, rules, mesh)))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh plus the rules for parameters, optimizer state and activations."""
+
+    mesh: Mesh
+    strategy: Strategy
+
+    @property
+    def param_rules(self) -> Rules:
+        return rules_for(self.strategy)
+
+    @property
+    def opt_rules(self) -> Rules:
+        return rules_for(self.strategy, optimizer_state=True)
+
+    def batch_sharding(self, ndim: int) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def constrain(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+        spec = logical_to_spec(axes, x.shape, self.param_rules, self.mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+
+_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jaxdist_layout", default=None)
+
+
+@contextlib.contextmanager
+def activation_layout(layout: Layout | None) -> Iterator[None]:
+    """Within this context (while tracing), ``constrain`` pins activations to the layout."""
+    token = _ACTIVE.set(layout)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Pin an activation's layout by logical names; a no-op outside ``activation_layout``."""
+    layout = _ACTIVE.get()
+    return x if layout is None else layout.constrain(x, axes)

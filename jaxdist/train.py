@@ -1,0 +1,156 @@
+"""``python -m jaxdist.train``: parse -> mesh -> model -> data -> loop.
+
+    python -m jaxdist.train [--config NAME_OR_PATH] [--mesh SPEC] [--steps N]
+                            [--run-dir DIR] [--log-every N] [--seed S] [key.sub=value ...]
+
+Exit codes: 0 done, 2 bad input, 3 non-finite loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from jaxdist.config import Config, load_config
+from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, NonFiniteLoss
+from jaxdist.mesh import MeshSizes, check_divisibility, ensure_fake_cpu_devices, gpu_plugin_installed, mesh_device_count, parse_mesh
+
+DEFAULT_FAKE_DEVICES = 8  # `--mesh auto` without an accelerator
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
+        raise JaxdistError(message)
+
+
+def build_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.ArgumentParser:
+    parser = _ArgumentParser(prog=prog, description="Train a model on a device mesh.")
+    parser.add_argument("--config", default=None, help="preset name (configs/NAME.yaml) or YAML path; default: built-in tiny model")
+    parser.add_argument("--mesh", default=None, help="AxB (data x tensor), name=size,... (data, fsdp, tensor) or auto")
+    parser.add_argument("--steps", type=int, default=None, help="train.steps")
+    parser.add_argument("--seed", type=int, default=None, help="train.seed")
+    parser.add_argument("--log-every", type=int, default=None, help="train.log_every")
+    parser.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go (default runs/NAME-TIME)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.n_layers=2")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    overrides = list(args.overrides)
+    for flag, key in (("steps", "train.steps"), ("seed", "train.seed"), ("log_every", "train.log_every")):
+        if getattr(args, flag) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
+    if args.mesh is not None:
+        overrides.append(f"parallel.mesh={args.mesh}")
+    return load_config(args.config, overrides)
+
+
+def prepare_devices(config: Config) -> MeshSizes | None:
+    """Validate the mesh against the config and, on CPU, ask for enough fake devices.
+
+    Runs before JAX starts its backend. Returns the mesh sizes (None for ``auto``).
+    """
+    sizes = parse_mesh(config.parallel.mesh)
+    if sizes is not None:
+        check_divisibility(sizes, config)
+        ensure_fake_cpu_devices(mesh_device_count(sizes))
+    elif not gpu_plugin_installed():
+        ensure_fake_cpu_devices(DEFAULT_FAKE_DEVICES)
+    return sizes
+
+
+def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, devices=None, progress: bool = True):
+    """Train ``config`` on a mesh; returns the loop's result (final state, losses)."""
+    import jax
+
+    from jaxdist.data.loader import global_batches, make_source
+    from jaxdist.mesh import auto_mesh, build_mesh, format_mesh
+    from jaxdist.metrics import MetricsLogger, peak_flops_per_device
+    from jaxdist.models import build_task
+    from jaxdist.sharding import Layout, resolve_strategy
+    from jaxdist.trainer import Trainer, train_loop
+
+    devices = list(jax.devices() if devices is None else devices)
+    task = build_task(config, devices[0].platform)
+    if mesh_sizes is None:
+        mesh_sizes = auto_mesh(len(devices), task.n_params)
+        check_divisibility(mesh_sizes, config)
+    mesh = build_mesh(mesh_sizes, devices)
+    layout = Layout(mesh, resolve_strategy(config.parallel.strategy, mesh_sizes))
+    trainer = Trainer(task, config, layout)
+
+    is_main = jax.process_index() == 0
+    if run_dir is not None and is_main:
+        _create_run_dir(run_dir, config)
+    logger = MetricsLogger(run_dir, config.train.steps, enabled=is_main, progress=progress)
+    try:
+        logger.message(
+            f"jaxdist: {config.name} | {trainer.n_params / 1e6:.2f}M params | mesh {format_mesh(mesh_sizes)} "
+            f"({mesh.size} {devices[0].platform}) | strategy {layout.strategy} | run dir {run_dir}"
+        )
+        t = config.train
+        source = make_source(config)
+        state = trainer.init_state(t.seed)
+        batches = global_batches(source, layout, t.global_batch, start_step=int(jax.device_get(state.step)))
+        first = next(batches)
+        compile_start = time.perf_counter()
+        step_fn = trainer.train_step.lower(state, first).compile()
+        logger.message(f"jaxdist: train step compiled in {time.perf_counter() - compile_start:.1f}s")
+
+        def eval_batches() -> Iterator:
+            return global_batches(source, layout, t.global_batch, start_step=0, split="eval", limit=t.eval_batches)
+
+        return train_loop(
+            trainer,
+            state,
+            itertools.chain([first], batches),
+            step_fn=step_fn,
+            steps=t.steps,
+            logger=logger,
+            flops_per_step=task.flops_per_example * t.global_batch,
+            peak_flops=peak_flops_per_device(devices, t.peak_flops),
+            tokens_per_step=task.tokens_per_example * t.global_batch,
+            eval_batches=eval_batches,
+        )
+    finally:
+        logger.close()
+
+
+def _create_run_dir(run_dir: Path, config: Config) -> None:
+    import yaml
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    except OSError as e:
+        raise JaxdistError(f"cannot write run directory {run_dir}: {e.strerror}") from None
+
+
+def default_run_dir(config: Config) -> Path:
+    return Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_arg_parser().parse_args(argv)
+        config = config_from_args(args)
+        sizes = prepare_devices(config)
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
+        result = run(config, sizes, run_dir)
+    except JaxdistError as e:
+        print(f"jaxdist: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except NonFiniteLoss as e:
+        print(f"jaxdist: error: {e}", file=sys.stderr)
+        return e.exit_code
+    if result.losses:
+        print(f"jaxdist: done; loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}", file=sys.stderr)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

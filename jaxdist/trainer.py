@@ -1,0 +1,197 @@
+"""The jitted train and eval steps, sharded state initialisation, and the training loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxdist.config import Config
+from jaxdist.errors import NonFiniteLoss
+from jaxdist.metrics import MetricsLogger
+from jaxdist.models import Batch, Task
+from jaxdist.optim import lr_schedule, make_optimizer
+from jaxdist.sharding import Layout, activation_layout, tree_shardings
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any  # nnx.State of the model's parameters
+    opt_state: Any  # optax state; Adam's moments mirror ``params``
+
+
+class Trainer:
+    """Owns the layout of the train state and the compiled steps for one task and mesh."""
+
+    def __init__(self, task: Task, config: Config, layout: Layout):
+        self.task, self.config, self.layout = task, config, layout
+        self.microbatches = config.train.microbatches
+        abstract_model = nnx.eval_shape(lambda: task.make_model(nnx.Rngs(0)))
+        self.graphdef, abstract_params = nnx.split(abstract_model)
+        self.tx = make_optimizer(config.train)
+        self.schedule = lr_schedule(config.train)
+        abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
+        self.n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
+        mesh = layout.mesh
+        self.param_shardings = tree_shardings(abstract_params, layout.param_rules, mesh)
+        self.state_shardings = TrainState(
+            step=layout.replicated(),
+            params=self.param_shardings,
+            opt_state=tree_shardings(abstract_opt, layout.opt_rules, mesh),
+        )
+        self._abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt)
+        self.train_step = jax.jit(
+            self._train_step,
+            in_shardings=(self.state_shardings, None),
+            out_shardings=(self.state_shardings, layout.replicated()),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(self._eval_step, in_shardings=(self.param_shardings, None), out_shardings=layout.replicated())
+
+    # -- state ---------------------------------------------------------------------
+
+    def init_state(self, seed: int) -> TrainState:
+        """Initialise parameters and optimizer state inside ``jit``, straight into their shardings."""
+
+        def init() -> TrainState:
+            params = nnx.state(self.task.make_model(nnx.Rngs(params=seed)))
+            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+
+        return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, with nothing allocated."""
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self._abstract,
+            self.state_shardings,
+        )
+
+    # -- steps ---------------------------------------------------------------------
+
+    def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        return self.task.loss_fn(nnx.merge(self.graphdef, params), batch)
+
+    def _split_microbatches(self, x: jax.Array) -> jax.Array:
+        """[B, ...] -> [M, B/M, ...] taking every M-th row, so each device keeps its rows."""
+        m = self.microbatches
+        x = jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+        spec = PartitionSpec(None, ("data", "fsdp"), *([None] * (x.ndim - 2)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.layout.mesh, spec))
+
+    def _summed_grads(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, Any]:
+        """Sum of losses, their weight, and gradients of the sum, accumulated over microbatches."""
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        if self.microbatches == 1:
+            (loss_sum, weight), grads = grad_fn(params, batch)
+            return loss_sum, weight, grads
+
+        def accumulate(carry, microbatch):
+            loss_acc, weight_acc, grad_acc = carry
+            (loss_sum, weight), grads = grad_fn(params, microbatch)
+            return (loss_acc + loss_sum, weight_acc + weight, jax.tree.map(jnp.add, grad_acc, grads)), None
+
+        zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), self.param_shardings)
+        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
+        (loss_sum, weight, grads), _ = jax.lax.scan(accumulate, init, jax.tree.map(self._split_microbatches, batch))
+        return loss_sum, weight, grads
+
+    def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        with activation_layout(self.layout):
+            loss_sum, weight, grads = self._summed_grads(state.params, batch)
+        grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss_sum / weight, "grad_norm": optax.tree.norm(grads), "lr": self.schedule(state.step)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    def _eval_step(self, params: Any, batch: Batch) -> jax.Array:
+        with activation_layout(self.layout):
+            loss_sum, weight = self._loss(params, batch)
+        return jnp.stack([loss_sum, weight])
+
+
+@dataclasses.dataclass
+class LoopResult:
+    state: TrainState
+    losses: list[float]
+    eval_losses: dict[int, float]
+
+
+def train_loop(
+    trainer: Trainer,
+    state: TrainState,
+    batches: Iterator[Batch],
+    *,
+    step_fn: Callable | None = None,
+    steps: int,
+    logger: MetricsLogger,
+    flops_per_step: float,
+    peak_flops: float,
+    tokens_per_step: int,
+    eval_batches: Callable[[], Iterator[Batch]] | None = None,
+) -> LoopResult:
+    """Run ``steps`` train steps. Metrics are fetched only at log points, so the host
+    keeps dispatching ahead of the devices in between."""
+    cfg = trainer.config.train
+    step_fn = step_fn or trainer.train_step
+    n_devices = trainer.layout.mesh.size
+    start_step = int(jax.device_get(state.step))
+    losses: list[float] = []
+    eval_losses: dict[int, float] = {}
+    pending: list[dict[str, jax.Array]] = []
+    window_start, data_wait = time.perf_counter(), 0.0
+    for step in range(start_step + 1, start_step + steps + 1):
+        wait_start = time.perf_counter()
+        batch = next(batches)
+        data_wait += time.perf_counter() - wait_start
+        state, metrics = step_fn(state, batch)
+        pending.append(metrics)
+        if step % cfg.log_every and step != start_step + steps:
+            continue
+        fetched = jax.device_get(pending)
+        elapsed = time.perf_counter() - window_start
+        for offset, m in enumerate(fetched):
+            loss = float(m["loss"])
+            if not math.isfinite(loss):
+                raise NonFiniteLoss(
+                    f"loss is {loss} at step {step - len(fetched) + 1 + offset}; stopping (lower train.lr or check the data)"
+                )
+            losses.append(loss)
+        step_time = elapsed / len(fetched)
+        last = fetched[-1]
+        logger.log(
+            step,
+            {
+                "loss": float(last["loss"]),
+                "grad_norm": float(last["grad_norm"]),
+                "lr": float(last["lr"]),
+                "tokens_per_sec": tokens_per_step / step_time,
+                "step_time_s": step_time,
+                "data_wait_s": data_wait / len(fetched),
+                "mfu": flops_per_step / (step_time * n_devices * peak_flops),
+            },
+        )
+        logger.advance(len(fetched))
+        pending.clear()
+        if eval_batches is not None and cfg.eval_every and step % cfg.eval_every == 0:
+            eval_losses[step] = evaluate(trainer, state, eval_batches())
+            logger.log(step, {"eval_loss": eval_losses[step]})
+        window_start, data_wait = time.perf_counter(), 0.0
+    return LoopResult(state, losses, eval_losses)
+
+
+def evaluate(trainer: Trainer, state: TrainState, batches: Iterator[Batch]) -> float:
+    totals = sum(np.asarray(jax.device_get(trainer.eval_step(state.params, b)), np.float64) for b in batches)
+    return float(totals[0] / totals[1])

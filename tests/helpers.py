@@ -1,0 +1,31 @@
+"""Shared, cached training runs so each (config, mesh) compiles once per test session."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jaxdist.config import load_config
+from jaxdist.mesh import mesh_device_count, parse_mesh
+from jaxdist.train import run
+
+# A tiny decoder whose heads split 4 ways (tensor=4) and whose batch splits 8 ways.
+TINY = (
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.dtype=float32",
+    "train.global_batch=16",
+    "train.seq_len=32",
+    "train.log_every=1",
+)
+
+
+@functools.cache
+def train_losses(mesh: str, overrides: tuple[str, ...] = (), steps: int = 5) -> tuple[float, ...]:
+    config = load_config(None, (*TINY, f"train.steps={steps}", *overrides))
+    sizes = parse_mesh(mesh)
+    devices = jax.devices()[: mesh_device_count(sizes)]
+    return tuple(run(config, sizes, None, devices=devices, progress=False).losses)

@@ -1,0 +1,29 @@
+"""The training math does not depend on the mesh: sharded losses equal the 1-device run."""
+
+import numpy as np
+import pytest
+from helpers import train_losses
+
+
+@pytest.mark.parametrize("mesh", ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "data=2,tensor=4", "8x1", "2x4"])
+def test_first_losses_match_single_device(mesh):
+    reference = train_losses("data=1")
+    sharded = train_losses(mesh)
+    assert len(sharded) == len(reference) == 5
+    np.testing.assert_allclose(sharded, reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "dp"])
+def test_zero_stages_match_single_device(strategy):
+    np.testing.assert_allclose(train_losses("data=4,fsdp=2", (f"parallel.strategy={strategy}",)), train_losses("data=1"), rtol=1e-5)
+
+
+def test_gradient_accumulation_matches_one_microbatch():
+    reference = train_losses("data=1")
+    accumulated = train_losses("data=2,fsdp=2", ("train.microbatches=4",))
+    np.testing.assert_allclose(accumulated, reference, rtol=1e-5)
+
+
+def test_loss_falls():
+    losses = train_losses("data=2,fsdp=2,tensor=2", steps=30)
+    assert losses[-1] < losses[0] - 1.0
