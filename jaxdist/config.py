@@ -123,6 +123,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         raise ConfigError(f"{key}: expected {annotation}, got {value!r}")
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if annotation is str and isinstance(value, int | float) and not isinstance(value, bool):
         return str(value)  # e.g. data.path=2024
     if annotation in (int, float, str, bool) and type(value) is not annotation:

@@ -63,16 +63,14 @@ def prepare_devices(config: Config) -> MeshSizes | None:
     return sizes
 
 
-def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, devices=None, progress: bool = True):
-    """Train ``config`` on a mesh; returns the loop's result (final state, losses)."""
+def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
+    """Task, mesh and Trainer for ``config``; nothing is allocated yet (shapes only)."""
     import jax
 
-    from jaxdist.data.loader import global_batches, make_source
-    from jaxdist.mesh import auto_mesh, build_mesh, format_mesh
-    from jaxdist.metrics import MetricsLogger, peak_flops_per_device
+    from jaxdist.mesh import auto_mesh, build_mesh
     from jaxdist.models import build_task
     from jaxdist.sharding import Layout, resolve_strategy
-    from jaxdist.trainer import Trainer, train_loop
+    from jaxdist.trainer import Trainer
 
     devices = list(jax.devices() if devices is None else devices)
     task = build_task(config, devices[0].platform)
@@ -81,7 +79,21 @@ def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, d
         check_divisibility(mesh_sizes, config)
     mesh = build_mesh(mesh_sizes, devices)
     layout = Layout(mesh, resolve_strategy(config.parallel.strategy, mesh_sizes))
-    trainer = Trainer(task, config, layout)
+    return Trainer(task, config, layout)
+
+
+def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, devices=None, progress: bool = True):
+    """Train ``config`` on a mesh; returns the loop's result (final state, losses)."""
+    import jax
+
+    from jaxdist.data.loader import global_batches, make_source
+    from jaxdist.mesh import format_mesh
+    from jaxdist.metrics import MetricsLogger, peak_flops_per_device
+    from jaxdist.trainer import train_loop
+
+    trainer = build_trainer(config, mesh_sizes, devices)
+    task, layout, mesh = trainer.task, trainer.layout, trainer.layout.mesh
+    devices = list(mesh.devices.flat)
 
     is_main = jax.process_index() == 0
     if run_dir is not None and is_main:
@@ -89,7 +101,7 @@ def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, d
     logger = MetricsLogger(run_dir, config.train.steps, enabled=is_main, progress=progress)
     try:
         logger.message(
-            f"jaxdist: {config.name} | {trainer.n_params / 1e6:.2f}M params | mesh {format_mesh(mesh_sizes)} "
+            f"jaxdist: {config.name} | {trainer.n_params / 1e6:.2f}M params | mesh {format_mesh(dict(mesh.shape))} "
             f"({mesh.size} {devices[0].platform}) | strategy {layout.strategy} | run dir {run_dir}"
         )
         t = config.train

@@ -78,6 +78,13 @@ class Trainer:
             self.state_shardings,
         )
 
+    def abstract_batch(self, global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes and shardings of one global batch (for compiling without data)."""
+        return {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.layout.batch_sharding(len(v.shape)))
+            for k, v in self.task.batch_spec(global_batch).items()
+        }
+
     # -- steps ---------------------------------------------------------------------
 
     def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -152,24 +159,25 @@ def train_loop(
     eval_losses: dict[int, float] = {}
     pending: list[dict[str, jax.Array]] = []
     window_start, data_wait = time.perf_counter(), 0.0
-    for step in range(start_step + 1, start_step + steps + 1):
+    last_step = start_step + steps
+    for step in range(start_step + 1, last_step + 1):
         wait_start = time.perf_counter()
         batch = next(batches)
         data_wait += time.perf_counter() - wait_start
         state, metrics = step_fn(state, batch)
         pending.append(metrics)
-        if step % cfg.log_every and step != start_step + steps:
+        eval_now = eval_batches is not None and cfg.eval_every > 0 and step % cfg.eval_every == 0
+        if step % cfg.log_every and step != last_step and not eval_now:
             continue
+        # Log point: wait for the devices, check and write this window's metrics.
         fetched = jax.device_get(pending)
-        elapsed = time.perf_counter() - window_start
+        step_time = (time.perf_counter() - window_start) / len(fetched)
         for offset, m in enumerate(fetched):
             loss = float(m["loss"])
             if not math.isfinite(loss):
-                raise NonFiniteLoss(
-                    f"loss is {loss} at step {step - len(fetched) + 1 + offset}; stopping (lower train.lr or check the data)"
-                )
+                first_bad = step - len(fetched) + 1 + offset
+                raise NonFiniteLoss(f"loss is {loss} at step {first_bad}; stopping (lower train.lr or check the data)")
             losses.append(loss)
-        step_time = elapsed / len(fetched)
         last = fetched[-1]
         logger.log(
             step,
@@ -185,7 +193,7 @@ def train_loop(
         )
         logger.advance(len(fetched))
         pending.clear()
-        if eval_batches is not None and cfg.eval_every and step % cfg.eval_every == 0:
+        if eval_now:
             eval_losses[step] = evaluate(trainer, state, eval_batches())
             logger.log(step, {"eval_loss": eval_losses[step]})
         window_start, data_wait = time.perf_counter(), 0.0

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from helpers import train_losses
 
 

@@ -2,7 +2,7 @@
 
 Tokens follow a fixed random bigram chain (low-entropy successors), so a model's loss
 falls from log(vocab) towards the chain's entropy. Images are class prototypes plus
-noise. Batch k is a pure function of (seed, k): independent of processes and workers.
+noise (a colour and a coarse pattern per class, so pooled conv features separate them). Batch k is a pure function of (seed, k): independent of processes and workers.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ class SyntheticTokens:
 class SyntheticImages:
     def __init__(self, image_size: int, num_classes: int, seed: int = 0, noise: float = 1.0):
         rng = np.random.default_rng([seed, 104729])
-        self.prototypes = rng.normal(size=(num_classes, image_size, image_size, 3)).astype(np.float32)
+        colour = rng.normal(size=(num_classes, 1, 1, 3))
+        coarse = rng.normal(size=(num_classes, 4, 4, 3))
+        pattern = np.repeat(np.repeat(coarse, -(-image_size // 4), axis=1), -(-image_size // 4), axis=2)[:, :image_size, :image_size]
+        self.prototypes = (colour + pattern).astype(np.float32)
         self.num_classes, self.seed, self.noise = num_classes, seed, noise
 
     def batch(self, step: int, global_batch: int, *, split: str = "train") -> Batch:

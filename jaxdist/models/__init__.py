@@ -28,6 +28,7 @@ class Task:
     flops_per_example: float  # training FLOPs (forward + backward) per batch row
     tokens_per_example: int  # what "tokens/s" counts per batch row
     n_params: int
+    batch_spec: Callable[[int], dict[str, jax.ShapeDtypeStruct]]  # global batch size -> shapes
 
 
 def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -63,6 +64,7 @@ def build_task(config: Config, platform: str = "cpu") -> Task:
             flops_per_example=flops_per_token(cfg, seq) * seq,
             tokens_per_example=seq,
             n_params=count_params(cfg),
+            batch_spec=lambda b: {k: jax.ShapeDtypeStruct((b, seq), jnp.int32) for k in ("inputs", "targets")},
         )
     from jaxdist.models.resnet import ResNet, count_params, flops_per_image
 
@@ -72,4 +74,8 @@ def build_task(config: Config, platform: str = "cpu") -> Task:
         flops_per_example=flops_per_image(cfg),
         tokens_per_example=1,  # images/s
         n_params=count_params(cfg),
+        batch_spec=lambda b: {
+            "images": jax.ShapeDtypeStruct((b, cfg.image_size, cfg.image_size, 3), jnp.float32),
+            "labels": jax.ShapeDtypeStruct((b,), jnp.int32),
+        },
     )

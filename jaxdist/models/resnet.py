@@ -14,7 +14,8 @@ from jaxdist.config import ModelConfig
 
 
 def _groups(channels: int) -> int:
-    return next(g for g in (8, 4, 2, 1) if channels % g == 0)
+    """Up to 8 groups of at least 4 channels (1-channel groups would erase colour)."""
+    return next(g for g in (8, 4, 2, 1) if channels % g == 0 and channels // g >= 4 or g == 1)
 
 
 class ConvNorm(nnx.Module):
