@@ -88,8 +88,12 @@ def main() -> None:
     devices = jax.devices()
     platform_name = devices[0].platform
     task = build_task(config, platform_name)
-    print(f"hardware: {devices[0].device_kind} ({platform_name}), {len(devices)} devices, host {platform.processor() or platform.machine()} x{os.cpu_count()} cores")
-    print(f"jax {jax.__version__}; config {args.config}: {task.n_params / 1e6:.1f}M params, batch {args.batch} x seq {config.train.seq_len}")
+    print(
+        f"hardware: {devices[0].device_kind} ({platform_name}), {len(devices)} devices, host {platform.processor() or platform.machine()} x{os.cpu_count()} cores"
+    )
+    print(
+        f"jax {jax.__version__}; config {args.config}: {task.n_params / 1e6:.1f}M params, batch {args.batch} x seq {config.train.seq_len}"
+    )
 
     # (1) overhead on one device, interleaved so machine noise hits both alike
     _, ours, batch = jaxdist_runner(config, devices[:1], "data=1")

@@ -25,8 +25,8 @@ class ModelConfig:
     vocab_size: int = 256
     d_model: int = 64
     n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 4
     head_dim: int = 0  # 0 -> d_model // n_heads
     mlp_dim: int = 0  # 0 -> SwiGLU width 8/3 * d_model rounded up to a multiple of 64
     rope_theta: float = 10000.0

@@ -28,3 +28,21 @@ def test_gradient_accumulation_matches_one_microbatch():
 def test_loss_falls():
     losses = train_losses("data=2,fsdp=2,tensor=2", steps=30)
     assert losses[-1] < losses[0] - 1.0
+
+
+@pytest.mark.parametrize("remat", ["full", "save_matmuls"])
+def test_remat_changes_memory_not_math(remat):
+    np.testing.assert_allclose(train_losses("fsdp=4", (f"model.remat={remat}",)), train_losses("data=1"), rtol=1e-5)
+
+
+def test_tied_embeddings_shard_like_untied():
+    tied = ("model.tie_embeddings=true",)
+    np.testing.assert_allclose(train_losses("data=2,tensor=4", tied), train_losses("data=1", tied), rtol=1e-5)
+
+
+def test_bfloat16_compute_tracks_float32():
+    """Mixed precision (fp32 master weights, bf16 compute) stays near the fp32 run and learns."""
+    bf16 = train_losses("data=2,fsdp=2,tensor=2", ("model.dtype=bfloat16",), steps=30)
+    fp32 = train_losses("data=2,fsdp=2,tensor=2", steps=30)
+    np.testing.assert_allclose(bf16, fp32, rtol=0.03)
+    assert bf16[-1] < bf16[0] - 1.0

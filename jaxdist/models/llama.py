@@ -135,6 +135,13 @@ class Llama(nnx.Module):
         x = constrain(x, ("batch", "seq", "act_embed"))
 
         graphdef, stacked = nnx.split(self.blocks)
+        # Cast the stacked matrices to the compute dtype before the layer loop, so that
+        # FSDP's per-layer all-gathers move bf16 shards, not fp32 master weights.
+        stacked = jax.tree.map(
+            lambda v: v if v.get_metadata().get("no_decay") else v.replace(v[...].astype(self.dtype)),
+            stacked,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
 
         def layer(h: jax.Array, params) -> tuple[jax.Array, None]:
             return nnx.merge(graphdef, params)(h, positions, mask), None
