@@ -59,7 +59,7 @@ def build_task(config: Config, platform: str = "cpu") -> Task:
 
         seq = config.train.seq_len
         return Task(
-            make_model=lambda rngs: Llama(cfg, dtype=dtype, rngs=rngs),
+            make_model=lambda rngs: Llama(cfg, dtype=dtype, platform=platform, rngs=rngs),
             loss_fn=lm_loss,
             flops_per_example=flops_per_token(cfg, seq) * seq,
             tokens_per_example=seq,

@@ -48,8 +48,21 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def attention_implementation(cfg: ModelConfig, dtype, platform: str) -> str:
+    """cuDNN's fused flash attention where it applies (GPU, 16-bit, head_dim <= 128), else XLA's.
+
+    ``jax.nn.dot_product_attention`` picks XLA unless told otherwise, and XLA keeps the
+    [batch, heads, seq, seq] scores of every layer alive for the backward pass.
+    """
+    if cfg.attention != "auto":
+        return cfg.attention
+    head_dim = cfg.resolved_head_dim
+    fits = platform == "gpu" and jnp.dtype(dtype).itemsize == 2 and head_dim <= 128 and head_dim % 8 == 0
+    return "cudnn" if fits else "xla"
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, implementation: str = "xla"):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         pd = jnp.dtype(cfg.param_dtype)
         self.wq = _param(rngs, _fan_in_init(d), (d, h, hd), ("embed", "heads", "head_dim"), pd)
@@ -58,6 +71,7 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, _fan_in_init(h * hd), (h, hd, d), ("heads", "head_dim", "embed"), pd)
         self.rope_theta = cfg.rope_theta
         self.dtype = dtype
+        self.implementation = implementation
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None) -> jax.Array:
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731 - cast fp32 master weights to compute dtype
@@ -65,11 +79,10 @@ class Attention(nnx.Module):
         k = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wk)), ("batch", "seq", "act_kv_heads", None))
         v = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wv)), ("batch", "seq", "act_kv_heads", None))
         q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
-        # cuDNN flash attention on GPU when shapes allow; XLA's fused attention elsewhere.
         if mask is None:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+        else:  # packed documents: an explicit mask, which XLA's implementation takes
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return jnp.einsum("bthk,hkd->btd", out, w(self.wo))
 
@@ -93,10 +106,10 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, attention: str = "xla"):
         pd = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
-        self.attn = Attention(cfg, dtype, rngs)
+        self.attn = Attention(cfg, dtype, rngs, attention)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
         self.mlp = MLP(cfg, dtype, rngs)
 
@@ -113,12 +126,12 @@ _REMAT_POLICIES = {
 
 
 class Llama(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, platform: str = "cpu", rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.dtype = dtype
         self.embed = _param(rngs, jax.nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd)
-        self.blocks = _stacked_blocks(cfg, dtype, rngs)
+        self.blocks = _stacked_blocks(cfg, dtype, attention_implementation(cfg, dtype, platform), rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, _fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd)
@@ -156,14 +169,14 @@ class Llama(nnx.Module):
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab"))
 
 
-def _stacked_blocks(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> Block:
+def _stacked_blocks(cfg: ModelConfig, dtype, attention: str, rngs: nnx.Rngs) -> Block:
     """``n_layers`` blocks whose parameters are stacked on a leading ``layers`` axis."""
     keys = jax.random.split(rngs.params(), cfg.n_layers)
 
     def one(key: jax.Array):
-        return nnx.split(Block(cfg, dtype, nnx.Rngs(params=key)))
+        return nnx.split(Block(cfg, dtype, nnx.Rngs(params=key), attention))
 
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Block(cfg, dtype, nnx.Rngs(0))))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Block(cfg, dtype, nnx.Rngs(0), attention)))
     stacked = jax.vmap(lambda k: one(k)[1])(keys)
     stacked = jax.tree.map(
         lambda v: v.replace(v[...], axes=("layers", *v.get_metadata()["axes"])),
