@@ -24,11 +24,11 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxdist.config import load_config  # noqa: E402
-from jaxdist.data.loader import global_batches, make_source  # noqa: E402
+from jaxdist.data.pipeline import make_iterator  # noqa: E402
 from jaxdist.metrics import peak_flops_per_device  # noqa: E402
 from jaxdist.models import build_task  # noqa: E402
 from jaxdist.optim import make_optimizer  # noqa: E402
-from jaxdist.train import build_trainer  # noqa: E402
+from jaxdist.train import build_trainer, resolve_vocab  # noqa: E402
 
 
 def hand_written_step(task, config):
@@ -65,7 +65,7 @@ def jaxdist_runner(config, devices, mesh: str | None):
 
     trainer = build_trainer(config, parse_mesh(mesh) if mesh else None, devices)
     state = trainer.init_state(config.train.seed)
-    batch = next(global_batches(make_source(config), trainer.layout, config.train.global_batch, start_step=0))
+    batch = next(make_iterator(config, trainer.layout))
     step = trainer.train_step.lower(state, batch).compile()
     holder = {"state": state}
 
@@ -84,7 +84,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    config = load_config(args.config, [f"train.global_batch={args.batch}", "train.log_every=1000000", *args.overrides])
+    # synthetic tokens: the hand-written step sees exactly the same batch (no packing masks)
+    config = load_config(args.config, ["data.source=synthetic", f"train.global_batch={args.batch}", *args.overrides])
+    resolve_vocab(config)
     devices = jax.devices()
     platform_name = devices[0].platform
     task = build_task(config, platform_name)

@@ -22,7 +22,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 @dataclasses.dataclass
 class ModelConfig:
     kind: str = "llama"  # llama | resnet
-    vocab_size: int = 256
+    vocab_size: int = 0  # 0: what the data's tokenizer needs, rounded up to a multiple of 128
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 8
@@ -75,9 +75,15 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic (more sources come with the data pipeline)
-    path: str = ""
-    workers: int = 0
+    source: str = "stdlib"  # stdlib | text | tokens | synthetic
+    path: str = ""  # text: files, globs or a directory; tokens: a `jaxdist.data prepare` output dir
+    tokenizer: str = ""  # "" = byte-level; or a Hugging Face tokenizer.json / SentencePiece .model file
+    text_unit: str = "file"  # text: one document per file | line
+    workers: int = 0  # Grain worker processes (0: read in the training process)
+    prefetch: int = 2  # batches read ahead
+    eval_fraction: float = 0.01  # the held-out tail of the corpus
+    shuffle: bool = True
+    document_mask: bool = True  # packed documents do not attend to each other
 
 
 @dataclasses.dataclass
@@ -210,7 +216,8 @@ def validate(config: Config) -> None:
     _require(m.param_dtype in ("float32", "bfloat16"), f"model.param_dtype must be float32 or bfloat16, got {m.param_dtype!r}")
     _require(m.attention in ("auto", "xla", "cudnn"), f"model.attention must be auto, xla or cudnn, got {m.attention!r}")
     _require(m.remat in ("none", "full", "save_matmuls"), f"model.remat must be none, full or save_matmuls, got {m.remat!r}")
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"):
+    _require(m.vocab_size >= 0, f"model.vocab_size must be >= 0 (0: from the tokenizer), got {m.vocab_size}")
+    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads"):
         _require(getattr(m, name) > 0, f"model.{name} must be positive, got {getattr(m, name)}")
     _require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
     _require(
@@ -226,7 +233,13 @@ def validate(config: Config) -> None:
         t.global_batch % t.microbatches == 0,
         f"train.global_batch ({t.global_batch}) must be divisible by train.microbatches ({t.microbatches})",
     )
-    _require(config.data.source in ("synthetic",), f"data.source must be synthetic, got {config.data.source!r}")
+    d = config.data
+    _require(
+        d.source in ("stdlib", "text", "tokens", "synthetic"), f"data.source must be stdlib, text, tokens or synthetic, got {d.source!r}"
+    )
+    _require(d.text_unit in ("file", "line"), f"data.text_unit must be file or line, got {d.text_unit!r}")
+    _require(d.workers >= 0 and d.prefetch >= 0, "data.workers and data.prefetch must be >= 0")
+    _require(0 < d.eval_fraction < 1, f"data.eval_fraction must be in (0, 1), got {d.eval_fraction}")
     strategy_parts = set(config.parallel.strategy.split("+"))
     _require(
         strategy_parts <= {"auto", "dp", "fsdp", "zero1", "tp"} and len(strategy_parts & {"auto", "dp", "fsdp", "zero1"}) <= 1,

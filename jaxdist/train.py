@@ -12,7 +12,7 @@ import argparse
 import itertools
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from jaxdist.config import Config, load_config
@@ -63,6 +63,19 @@ def prepare_devices(config: Config) -> MeshSizes | None:
     return sizes
 
 
+def resolve_vocab(config: Config) -> None:
+    """``model.vocab_size=0`` follows the data's tokenizer (padded to a multiple of 128)."""
+    from jaxdist.data.sources import data_vocab_size, pad_vocab
+
+    if config.model.kind != "llama":
+        return
+    needed = data_vocab_size(config)
+    if config.model.vocab_size == 0:
+        config.model.vocab_size = pad_vocab(needed)
+    elif config.model.vocab_size < needed:
+        raise JaxdistError(f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's {needed} ids")
+
+
 def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
     """Task, mesh and Trainer for ``config``; nothing is allocated yet (shapes only)."""
     import jax
@@ -73,6 +86,7 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
     from jaxdist.trainer import Trainer
 
     devices = list(jax.devices() if devices is None else devices)
+    resolve_vocab(config)
     task = build_task(config, devices[0].platform)
     if mesh_sizes is None:
         mesh_sizes = auto_mesh(len(devices), task.n_params)
@@ -86,7 +100,7 @@ def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, d
     """Train ``config`` on a mesh; returns the loop's result (final state, losses)."""
     import jax
 
-    from jaxdist.data.loader import global_batches, make_source
+    from jaxdist.data.pipeline import eval_batches, make_iterator
     from jaxdist.mesh import format_mesh
     from jaxdist.metrics import MetricsLogger, peak_flops_per_device
     from jaxdist.trainer import train_loop
@@ -94,6 +108,7 @@ def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, d
     trainer = build_trainer(config, mesh_sizes, devices)
     task, layout, mesh = trainer.task, trainer.layout, trainer.layout.mesh
     devices = list(mesh.devices.flat)
+    batches = make_iterator(config, layout)  # opens the data: its errors come before anything is written
 
     is_main = jax.process_index() == 0
     if run_dir is not None and is_main:
@@ -105,16 +120,11 @@ def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, d
             f"({mesh.size} {devices[0].platform}) | strategy {layout.strategy} | run dir {run_dir}"
         )
         t = config.train
-        source = make_source(config)
         state = trainer.init_state(t.seed)
-        batches = global_batches(source, layout, t.global_batch, start_step=int(jax.device_get(state.step)))
         first = next(batches)
         compile_start = time.perf_counter()
         step_fn = trainer.train_step.lower(state, first).compile()
         logger.message(f"jaxdist: train step compiled in {time.perf_counter() - compile_start:.1f}s")
-
-        def eval_batches() -> Iterator:
-            return global_batches(source, layout, t.global_batch, start_step=0, split="eval", limit=t.eval_batches)
 
         return train_loop(
             trainer,
@@ -126,9 +136,10 @@ def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, d
             flops_per_step=task.flops_per_example * t.global_batch,
             peak_flops=peak_flops_per_device(devices, t.peak_flops),
             tokens_per_step=task.tokens_per_example * t.global_batch,
-            eval_batches=eval_batches,
+            eval_batches=lambda: eval_batches(config, layout),
         )
     finally:
+        batches.close()
         logger.close()
 
 

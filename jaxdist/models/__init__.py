@@ -58,13 +58,16 @@ def build_task(config: Config, platform: str = "cpu") -> Task:
         from jaxdist.models.llama import Llama, count_params, flops_per_token
 
         seq = config.train.seq_len
+        keys = ["inputs", "targets"]
+        if config.data.source != "synthetic":  # packed text: mask the EOD successors, maybe the documents
+            keys += ["loss_mask", *(("segment_ids", "positions") if config.data.document_mask else ())]
         return Task(
             make_model=lambda rngs: Llama(cfg, dtype=dtype, platform=platform, rngs=rngs),
             loss_fn=lm_loss,
             flops_per_example=flops_per_token(cfg, seq) * seq,
             tokens_per_example=seq,
             n_params=count_params(cfg),
-            batch_spec=lambda b: {k: jax.ShapeDtypeStruct((b, seq), jnp.int32) for k in ("inputs", "targets")},
+            batch_spec=lambda b: {k: jax.ShapeDtypeStruct((b, seq), jnp.float32 if k == "loss_mask" else jnp.int32) for k in keys},
         )
     from jaxdist.models.resnet import ResNet, count_params, flops_per_image
 

@@ -1,0 +1,242 @@
+"""The Grain input pipeline: pack, split, shuffle, shard per process, batch, prefetch.
+
+The global batch of step k is the same for any number of processes and workers:
+examples are numbered globally (a seeded shuffle of fixed windows of the token
+stream, repeated epoch after epoch with a new order each time); global batch k holds
+examples [k*B, (k+1)*B); a process reads only the rows its devices hold, and Grain's
+multiprocessing prefetch hands batches back in order whatever the worker count.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from jaxdist.config import Config
+from jaxdist.data.loader import process_rows, to_global
+from jaxdist.data.sources import Corpus, TokenStream, open_corpus
+from jaxdist.data.synthetic import SyntheticImages, SyntheticTokens
+from jaxdist.errors import JaxdistError
+from jaxdist.sharding import Layout
+
+
+def pack_window(window: np.ndarray, eod_id: int, document_mask: bool) -> dict[str, np.ndarray]:
+    """One training example from seq_len + 1 consecutive stream tokens.
+
+    Documents are joined by EOD in the stream. A token after an EOD starts a new segment
+    (its position restarts at 0) and, with ``document_mask``, attends only within its
+    segment; predicting across an EOD (the next document's first token) carries no loss.
+    """
+    inputs = window[:-1].astype(np.int32)
+    is_eod = inputs == eod_id
+    example = {"inputs": inputs, "targets": window[1:].astype(np.int32), "loss_mask": (~is_eod).astype(np.float32)}
+    if document_mask:
+        starts_segment = np.concatenate([[True], is_eod[:-1]])
+        index = np.arange(len(inputs))
+        example["segment_ids"] = np.cumsum(starts_segment, dtype=np.int32) - 1
+        example["positions"] = (index - np.maximum.accumulate(np.where(starts_segment, index, 0))).astype(np.int32)
+    return example
+
+
+class PackedExamples:
+    """Concatenate-and-chunk packing as a random-access source: example i is the window
+    starting at token ``first + i * seq_len`` (windows share one token: i's last target
+    is i+1's first input), so the inputs of all examples cover the stream exactly once."""
+
+    def __init__(self, stream: TokenStream, first: int, n_examples: int, seq_len: int, eod_id: int, document_mask: bool):
+        self.stream, self.first, self.n_examples = stream, first, n_examples
+        self.seq_len, self.eod_id, self.document_mask = seq_len, eod_id, document_mask
+
+    def __len__(self) -> int:
+        return self.n_examples
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        start = self.first + int(index) * self.seq_len
+        return pack_window(self.stream.read(start, start + self.seq_len + 1), self.eod_id, self.document_mask)
+
+
+def split_corpus(corpus: Corpus, config: Config) -> tuple[PackedExamples, PackedExamples]:
+    """Train and eval examples: the last ``data.eval_fraction`` of the windows are eval."""
+    seq_len, d = config.train.seq_len, config.data
+    n_windows = (corpus.stream.n_tokens - 1) // seq_len
+    if n_windows < 2:
+        raise JaxdistError(
+            f"corpus {corpus.name} has {corpus.stream.n_tokens} tokens: shorter than two sequences of train.seq_len={seq_len} (one to train, one to evaluate)"
+        )
+    n_eval = min(max(1, round(n_windows * d.eval_fraction)), n_windows - 1)
+    n_train = n_windows - n_eval
+
+    def examples(first_window: int, n: int) -> PackedExamples:
+        return PackedExamples(corpus.stream, first_window * seq_len, n, seq_len, corpus.eod_id, d.document_mask)
+
+    return examples(0, n_train), examples(n_train, n_eval)
+
+
+def check_vocab(corpus: Corpus, config: Config) -> None:
+    if corpus.max_token_id >= config.model.vocab_size:
+        raise JaxdistError(
+            f"token id {corpus.max_token_id} in {corpus.name} >= model.vocab_size ({config.model.vocab_size}); the tokenizer needs {corpus.vocab_size}"
+        )
+
+
+def example_source(config: Config, split: str) -> Any:
+    """The random-access source of one split (train or eval)."""
+    m, t = config.model, config.train
+    if config.data.source == "synthetic":
+        if m.kind == "resnet":
+            return SyntheticImages(m.image_size, m.num_classes, seed=t.seed, split=split)
+        return SyntheticTokens(m.vocab_size, t.seq_len, seed=t.seed, split=split)
+    if m.kind == "resnet":
+        raise JaxdistError(f"model.kind=resnet trains on data.source=synthetic images, not {config.data.source!r}")
+    corpus = open_corpus(config)
+    check_vocab(corpus, config)
+    train, evaluation = split_corpus(corpus, config)
+    return train if split == "train" else evaluation
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSlice:
+    """Which rows of each global batch this process feeds: ``block`` of ``blocks``."""
+
+    global_batch: int
+    rows: int
+    block: int
+
+    @property
+    def blocks(self) -> int:
+        return self.global_batch // self.rows
+
+    @classmethod
+    def for_layout(cls, layout: Layout, global_batch: int) -> ProcessSlice:
+        rows = process_rows(layout.batch_sharding(1), (global_batch,))
+        count = rows.stop - rows.start
+        if rows.start % count:
+            raise ValueError(f"process rows {rows} are not an aligned block of the batch")
+        return cls(global_batch, count, rows.start // count)
+
+
+def batches_dataset(source: Any, part: ProcessSlice, *, seed: int, shuffle: bool) -> grain.MapDataset:
+    """Element k: this process's rows of global batch k (endless; reshuffled each epoch)."""
+    ds = grain.MapDataset.source(source)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(None).batch(part.rows, drop_remainder=True)
+    return ds[part.block :: part.blocks]
+
+
+def _mark_absl_flags_parsed() -> None:
+    """Grain's worker processes read absl flags; outside ``absl.app`` nobody parsed them."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+class BatchIterator:
+    """Global ``jax.Array`` batches from this process's Grain iterator.
+
+    A background thread turns host batches into device arrays ``prefetch`` steps ahead,
+    so the training loop rarely waits. Each queued batch carries the Grain state after
+    it, so ``get_state`` describes what the loop consumed, not what was read ahead.
+    """
+
+    def __init__(self, dataset: grain.IterDataset, layout: Layout, global_batch: int, prefetch: int = 2):
+        self._iterator = iter(dataset)
+        self.layout, self.global_batch, self.prefetch = layout, global_batch, prefetch
+        self._state = self._iterator.get_state()
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> dict[str, jax.Array]:
+        if self.prefetch == 0:
+            batch = to_global(next(self._iterator), self.layout, self.global_batch)
+            self._state = self._iterator.get_state()
+            return batch
+        if self._thread is None:
+            self._start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self._thread = None
+            raise item
+        batch, self._state = item
+        return batch
+
+    def _start(self) -> None:
+        self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(self._queue, self._stop), daemon=True, name="jaxdist-prefetch")
+        self._thread.start()
+
+    def _produce(self, out: queue.Queue, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                batch = to_global(next(self._iterator), self.layout, self.global_batch)
+                item = (batch, self._iterator.get_state())
+                while not stop.is_set():
+                    try:
+                        out.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            out.put(e)
+
+    def _stop_reading_ahead(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop reading ahead and shut down Grain's worker processes, if any."""
+        self._stop_reading_ahead()
+        if hasattr(self._iterator, "close"):
+            self._iterator.close()
+
+    def get_state(self) -> dict:
+        return copy.deepcopy(self._state)
+
+    def set_state(self, state: dict) -> None:
+        self._stop_reading_ahead()
+        self._iterator.set_state(state)
+        self._state = copy.deepcopy(state)
+
+
+def make_iterator(
+    config: Config, layout: Layout, *, split: str = "train", start_step: int = 0, workers: int | None = None
+) -> BatchIterator:
+    """Batches for steps start_step+1, start_step+2, ... of ``split`` (``workers``
+    overrides ``data.workers``)."""
+    d, t = config.data, config.train
+    part = ProcessSlice.for_layout(layout, t.global_batch)
+    shuffle = split == "train" and d.shuffle and d.source != "synthetic"  # synthetic examples are random already
+    ds = batches_dataset(example_source(config, split), part, seed=t.seed, shuffle=shuffle)
+    if start_step:
+        ds = ds[start_step:]
+    iter_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, min(d.prefetch, 8)), prefetch_buffer_size=d.prefetch))
+    workers = d.workers if workers is None else workers
+    if workers > 0:
+        _mark_absl_flags_parsed()
+        iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(1, d.prefetch)))
+    return BatchIterator(iter_ds, layout, t.global_batch, prefetch=d.prefetch)
+
+
+def eval_batches(config: Config, layout: Layout) -> Iterator[dict[str, jax.Array]]:
+    """The held-out batches every periodic eval sees (the same ones each time)."""
+    iterator = make_iterator(config, layout, split="eval", workers=0)
+    try:
+        for _ in range(config.train.eval_batches):
+            yield next(iterator)
+    finally:
+        iterator.close()

@@ -1,0 +1,189 @@
+"""Where tokens come from: a flat, random-access token stream per corpus.
+
+Every corpus becomes one stream of token ids in which each document is followed by the
+end-of-document id. Packing then cuts fixed windows out of that stream by offset, which
+needs only ``read(start, stop)``: from memory (the standard library, text files), from
+memory-mapped ``.bin`` shards, or from ArrayRecord shards indexed by their lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sysconfig
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+
+
+class TokenStream(Protocol):
+    n_tokens: int
+
+    def read(self, start: int, stop: int) -> np.ndarray: ...
+
+
+class ArrayStream:
+    """A stream held in memory."""
+
+    def __init__(self, tokens: np.ndarray):
+        self.tokens = tokens
+        self.n_tokens = len(tokens)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return self.tokens[start:stop]
+
+
+class ShardedStream:
+    """Several streams back to back (``.bin`` shards, ArrayRecord shards)."""
+
+    def __init__(self, shards: list[TokenStream]):
+        self.shards = shards
+        self.offsets = np.cumsum([0] + [s.n_tokens for s in shards])
+        self.n_tokens = int(self.offsets[-1])
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        pieces = []
+        for i in range(first, len(self.shards)):
+            lo = self.offsets[i]
+            if lo >= stop:
+                break
+            pieces.append(self.shards[i].read(max(start - lo, 0), min(stop, self.offsets[i + 1]) - lo))
+        return np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
+
+
+class MemmapShard:
+    """A flat ``.bin`` token file, memory-mapped lazily (pickles as its path, not its data)."""
+
+    def __init__(self, path: Path, dtype: str, n_tokens: int):
+        self.path, self.dtype, self.n_tokens = Path(path), dtype, n_tokens
+
+    @functools.cached_property
+    def _array(self) -> np.ndarray:
+        return np.memmap(self.path, dtype=self.dtype, mode="r")
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self._array[start:stop])
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "dtype": self.dtype, "n_tokens": self.n_tokens}
+
+
+class ArrayRecordShard:
+    """One ArrayRecord file of documents (records hold their tokens, EOD included),
+    indexed by the per-record lengths that ``prepare`` stores beside it."""
+
+    def __init__(self, path: Path, dtype: str, lengths: np.ndarray):
+        self.path, self.dtype = Path(path), dtype
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
+        self.n_tokens = int(self.offsets[-1])
+
+    @functools.cached_property
+    def _reader(self):
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        return ArrayRecordReader(str(self.path), "readahead_buffer_size:0")
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        last = int(np.searchsorted(self.offsets, stop, side="left"))
+        records = self._reader.read(list(range(first, last)))
+        tokens = np.concatenate([np.frombuffer(r, dtype=self.dtype) for r in records])
+        base = self.offsets[first]
+        return tokens[start - base : stop - base]
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "dtype": self.dtype, "offsets": self.offsets, "n_tokens": self.n_tokens}
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    name: str
+    stream: TokenStream
+    vocab_size: int  # ids the model must embed (tokenizer's, EOD included)
+    eod_id: int
+    max_token_id: int
+
+
+def stdlib_files() -> list[Path]:
+    """The running interpreter's own standard-library sources: present on every machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+
+
+def _encode_documents(documents, tokenizer) -> np.ndarray:
+    pieces = []
+    eod = np.array([tokenizer.eod_id], dtype=np.int64)
+    for text in documents:
+        pieces += [np.asarray(tokenizer.encode(text), dtype=np.int64), eod]
+    if not pieces:
+        raise JaxdistError("input is empty: no documents")
+    tokens = np.concatenate(pieces)
+    return tokens.astype(np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32)
+
+
+@functools.cache
+def _text_corpus(name: str, files: tuple[Path, ...], tokenizer_path: str, unit: str) -> Corpus:
+    from jaxdist.data.text import iter_documents
+    from jaxdist.data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path or None)
+    tokens = _encode_documents(iter_documents(list(files), unit), tokenizer)
+    return Corpus(name, ArrayStream(tokens), tokenizer.vocab_size, tokenizer.eod_id, int(tokens.max()))
+
+
+def _prepared_corpus(path: str) -> Corpus:
+    from jaxdist.data.prepare import lengths_file, read_meta
+
+    meta = read_meta(path)
+    root = Path(path)
+    shards: list[TokenStream] = []
+    for shard in meta["shards"]:
+        file = root / shard["path"]
+        if meta["format"] == "bin":
+            shards.append(MemmapShard(file, meta["dtype"], shard["tokens"]))
+        else:
+            lengths = np.load(root / lengths_file(shard["path"]))
+            shards.append(ArrayRecordShard(file, meta["dtype"], lengths))
+    return Corpus(f"tokens:{root.name}", ShardedStream(shards), meta["vocab_size"], meta["eod_id"], meta["max_token_id"])
+
+
+def open_corpus(config: Config) -> Corpus:
+    """The token corpus named by ``data.source`` / ``data.path`` (not for ``synthetic``)."""
+    d = config.data
+    if d.source == "stdlib":
+        return _text_corpus("stdlib", tuple(stdlib_files()), d.tokenizer, "file")
+    if d.source == "text":
+        from jaxdist.data.text import expand_inputs
+
+        if not d.path:
+            raise JaxdistError("data.source=text needs data.path (files, globs or a directory)")
+        return _text_corpus(f"text:{d.path}", tuple(expand_inputs(d.path)), d.tokenizer, d.text_unit)
+    if d.source == "tokens":
+        if not d.path:
+            raise JaxdistError("data.source=tokens needs data.path (a directory written by `python -m jaxdist.data prepare`)")
+        return _prepared_corpus(d.path)
+    raise ValueError(f"no corpus for data.source={d.source!r}")
+
+
+def data_vocab_size(config: Config) -> int:
+    """Ids the data needs the model to embed, read without tokenizing the corpus."""
+    d = config.data
+    if d.source == "synthetic":
+        return 256
+    if d.source == "tokens":
+        from jaxdist.data.prepare import read_meta
+
+        return int(read_meta(d.path)["vocab_size"]) if d.path else 0
+    from jaxdist.data.tokenizers import load_tokenizer
+
+    return load_tokenizer(d.tokenizer or None).vocab_size
+
+
+def pad_vocab(n: int, multiple: int = 128) -> int:
+    """Round the embedding up so it splits evenly over tensor-parallel devices."""
+    return -(-n // multiple) * multiple
