@@ -71,6 +71,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: no periodic eval
     eval_batches: int = 2
     peak_flops: float = 0.0  # per device, for MFU; 0: look up (GPU) or measure (CPU)
+    nonfinite: str = "halt"  # a NaN/inf loss: halt (exit 3, last checkpoint intact) | skip (drop that update)
 
 
 @dataclasses.dataclass
@@ -87,6 +88,15 @@ class DataConfig:
 
 
 @dataclasses.dataclass
+class CheckpointConfig:
+    every_steps: int = 100  # 0: only at the end and on preemption
+    every_minutes: float = 0.0  # also save when this much time passed since the last save
+    keep: int = 3  # the newest N
+    keep_best: int = 0  # also keep the best N by eval loss
+    async_save: bool = True
+
+
+@dataclasses.dataclass
 class ParallelConfig:
     mesh: str = "auto"  # the --mesh flag overrides this
     strategy: str = "auto"  # auto | dp | fsdp | zero1, optionally "+tp"
@@ -97,6 +107,7 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     name: str = "default"
 

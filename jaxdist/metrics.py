@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,7 @@ class MetricsLogger:
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=True)
+            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=True, file=sys.stderr)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -93,9 +94,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.write(text)
+            self._bar.write(text, file=sys.stderr)
         else:
-            print(text, flush=True)
+            print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -1,15 +1,18 @@
 """``python -m jaxdist.train``: parse -> mesh -> model -> data -> loop.
 
     python -m jaxdist.train [--config NAME_OR_PATH] [--mesh SPEC] [--steps N]
-                            [--run-dir DIR] [--log-every N] [--seed S] [key.sub=value ...]
+                            [--run-dir DIR] [--log-every N] [--seed S]
+                            [--resume auto|never|STEP|PATH] [--max-restarts N] [key.sub=value ...]
 
-Exit codes: 0 done, 2 bad input, 3 non-finite loss.
+Exit codes: 0 done, 2 bad input, 3 non-finite loss, 4 a checkpoint could not be
+written, 75 preempted (state saved: run the same command again to resume).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -20,6 +23,7 @@ from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, NonFiniteLoss
 from jaxdist.mesh import MeshSizes, check_divisibility, ensure_fake_cpu_devices, gpu_plugin_installed, mesh_device_count, parse_mesh
 
 DEFAULT_FAKE_DEVICES = 8  # `--mesh auto` without an accelerator
+SUPERVISED_ENV = "JAXDIST_SUPERVISED"  # set in runs started by --max-restarts
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -35,6 +39,9 @@ def build_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.Argument
     parser.add_argument("--seed", type=int, default=None, help="train.seed")
     parser.add_argument("--log-every", type=int, default=None, help="train.log_every")
     parser.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go (default runs/NAME-TIME)")
+    parser.add_argument("--resume", default="auto", help="auto (latest checkpoint in the run dir, if any) | never | STEP | PATH")
+    parser.add_argument("--max-restarts", type=int, default=0, help="restart a crashed run from its latest checkpoint up to N times")
+    parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds before the first restart; doubles each time")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.n_layers=2")
     return parser
 
@@ -96,51 +103,138 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
     return Trainer(task, config, layout)
 
 
-def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, devices=None, progress: bool = True):
-    """Train ``config`` on a mesh; returns the loop's result (final state, losses)."""
+def adapt_microbatches_for_resume(config: Config, run_dir: Path | None, resume: str) -> None:
+    """Elastic restart keeps the global batch: when the new mesh cannot split it into the
+    configured microbatches, use the largest count that fits (pure Python, before JAX)."""
+    from jaxdist.checkpoint import checkpoint_steps
+
+    sizes, t = parse_mesh(config.parallel.mesh), config.train
+    if sizes is None or run_dir is None or resume == "never" or not checkpoint_steps(run_dir / "checkpoints"):
+        return
+    shards = sizes["data"] * sizes["fsdp"]
+    if t.global_batch % shards or t.global_batch % (shards * t.microbatches) == 0:
+        return
+    fitting = max(m for m in range(1, t.microbatches + 1) if t.global_batch % (shards * m) == 0)
+    print(
+        f"jaxdist: resuming on data x fsdp = {shards}: train.microbatches {t.microbatches} -> {fitting} keeps the global batch {t.global_batch}",
+        file=sys.stderr,
+    )
+    t.microbatches = fitting
+
+
+def _restore(trainer, config: Config, run_dir: Path, resume: str, checkpointer, log):
+    """The restored checkpoint for ``--resume``, or None to start fresh."""
+    from jaxdist.checkpoint import Checkpointer, parse_resume
+
+    mode, directory, step = parse_resume(resume, run_dir / "checkpoints")
+    if mode == "never":
+        return None
+    own = directory.absolute() == checkpointer.directory.absolute()
+    source = checkpointer if own else Checkpointer(directory, config.checkpoint, read_only=True)
+    try:
+        if mode == "step":
+            return source.restore(step, trainer.abstract_state())
+        return source.restore_latest(trainer.abstract_state(), warn=log)
+    finally:
+        if not own:
+            source.close()
+
+
+def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, devices=None, progress: bool = True, resume: str = "auto"):
+    """Train ``config`` on a mesh until ``train.steps``; returns the loop's result.
+
+    With a run directory: checkpoints under it, resumes per ``resume``, and saves and
+    raises ``Preempted`` on SIGTERM / SIGINT.
+    """
     import jax
 
+    from jaxdist.checkpoint import Checkpointer, checkpoint_steps, parse_resume, warn
     from jaxdist.data.pipeline import eval_batches, make_iterator
     from jaxdist.mesh import format_mesh
     from jaxdist.metrics import MetricsLogger, peak_flops_per_device
-    from jaxdist.trainer import train_loop
+    from jaxdist.preemption import PreemptionWatcher
+    from jaxdist.trainer import LoopHooks, train_loop
 
     trainer = build_trainer(config, mesh_sizes, devices)
     task, layout, mesh = trainer.task, trainer.layout, trainer.layout.mesh
     devices = list(mesh.devices.flat)
     batches = make_iterator(config, layout)  # opens the data: its errors come before anything is written
+    if run_dir is not None:
+        mode, _, _ = parse_resume(resume, run_dir / "checkpoints")
+        if mode == "never" and checkpoint_steps(run_dir / "checkpoints"):
+            raise JaxdistError(f"--resume never: {run_dir} already has checkpoints; choose another --run-dir")
 
     is_main = jax.process_index() == 0
-    if run_dir is not None and is_main:
-        _create_run_dir(run_dir, config)
-    logger = MetricsLogger(run_dir, config.train.steps, enabled=is_main, progress=progress)
+    checkpointer = None
+    if run_dir is not None:
+        if is_main:
+            _create_run_dir(run_dir, config)
+        checkpointer = Checkpointer(run_dir / "checkpoints", config.checkpoint)
+    t = config.train
+    logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress)
     try:
+        restored = _restore(trainer, config, run_dir, resume, checkpointer, warn) if checkpointer else None
+        if restored is None:
+            state = trainer.init_state(t.seed)
+        else:
+            state = restored.state
+            batches = _continue_data(batches, restored, config, layout, warn)
+            saved_mesh = restored.config.get("parallel", {}).get("mesh", "?")
+            logger.message(f"jaxdist: resumed from step {restored.step} ({restored.path}; saved on mesh {saved_mesh})")
+            logger.advance(restored.step)
         logger.message(
             f"jaxdist: {config.name} | {trainer.n_params / 1e6:.2f}M params | mesh {format_mesh(dict(mesh.shape))} "
             f"({mesh.size} {devices[0].platform}) | strategy {layout.strategy} | run dir {run_dir}"
         )
-        t = config.train
-        state = trainer.init_state(t.seed)
         first = next(batches)
         compile_start = time.perf_counter()
         step_fn = trainer.train_step.lower(state, first).compile()
         logger.message(f"jaxdist: train step compiled in {time.perf_counter() - compile_start:.1f}s")
-
-        return train_loop(
-            trainer,
-            state,
-            itertools.chain([first], batches),
-            step_fn=step_fn,
-            steps=t.steps,
-            logger=logger,
-            flops_per_step=task.flops_per_example * t.global_batch,
-            peak_flops=peak_flops_per_device(devices, t.peak_flops),
-            tokens_per_step=task.tokens_per_example * t.global_batch,
+        hooks = LoopHooks(
             eval_batches=lambda: eval_batches(config, layout),
+            checkpointer=checkpointer,
+            data_state=batches.get_state,
+            config_dict=config.to_dict(),
         )
+        with PreemptionWatcher(multi_process=jax.process_count() > 1) as hooks.preemption:
+            return train_loop(
+                trainer,
+                state,
+                itertools.chain([first], batches),
+                step_fn=step_fn,
+                steps=t.steps,
+                logger=logger,
+                flops_per_step=task.flops_per_example * t.global_batch,
+                peak_flops=peak_flops_per_device(devices, t.peak_flops),
+                tokens_per_step=task.tokens_per_example * t.global_batch,
+                hooks=hooks,
+            )
     finally:
         batches.close()
+        if checkpointer is not None:
+            checkpointer.wait()
+            checkpointer.close()
         logger.close()
+
+
+def _continue_data(batches, restored, config: Config, layout, log):
+    """Put the data stream where the checkpoint left it: Grain's own state when this
+    process layout wrote one, else the step (batch k is a function of k alone)."""
+    saved_batch = restored.config.get("train", {}).get("global_batch")
+    if saved_batch not in (None, config.train.global_batch):
+        log(
+            f"jaxdist: warning: train.global_batch changed {saved_batch} -> {config.train.global_batch}; the data stream restarts its order at step {restored.step}"
+        )
+    if restored.data_state is not None:
+        try:
+            batches.set_state(restored.data_state)
+            return batches
+        except Exception:  # noqa: BLE001 - e.g. another worker count: fall back to the step
+            pass
+    from jaxdist.data.pipeline import make_iterator
+
+    batches.close()
+    return make_iterator(config, layout, start_step=restored.step)
 
 
 def _create_run_dir(run_dir: Path, config: Config) -> None:
@@ -158,20 +252,29 @@ def default_run_dir(config: Config) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from jaxdist.checkpoint import CheckpointError
+    from jaxdist.preemption import Preempted
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_arg_parser().parse_args(argv)
         config = config_from_args(args)
-        sizes = prepare_devices(config)
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
-        result = run(config, sizes, run_dir)
-    except JaxdistError as e:
+        if args.max_restarts > 0 and not os.environ.get(SUPERVISED_ENV):
+            from jaxdist.supervise import supervise
+
+            return supervise(argv, run_dir, args.max_restarts, args.restart_delay)
+        adapt_microbatches_for_resume(config, run_dir, args.resume)
+        sizes = prepare_devices(config)
+        result = run(config, sizes, run_dir, resume=args.resume)
+    except (JaxdistError, NonFiniteLoss, CheckpointError) as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except NonFiniteLoss as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", EXIT_BAD_INPUT)
+    except Preempted as e:
+        print(f"jaxdist: {e}; run the same command to resume", file=sys.stderr)
         return e.exit_code
     if result.losses:
-        print(f"jaxdist: done; loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}", file=sys.stderr)
+        print(f"jaxdist: done at step {config.train.steps}; loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}", file=sys.stderr)
     return EXIT_OK
 
 

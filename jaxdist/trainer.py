@@ -58,6 +58,11 @@ class Trainer:
             donate_argnums=0,
         )
         self.eval_step = jax.jit(self._eval_step, in_shardings=(self.param_shardings, None), out_shardings=layout.replicated())
+        # Checked before each save: a finite loss does not prove the update it caused was finite.
+        self.params_finite = jax.jit(
+            lambda params: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)])),
+            in_shardings=(self.param_shardings,),
+        )
 
     # -- state ---------------------------------------------------------------------
 
@@ -120,7 +125,13 @@ class Trainer:
         grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss_sum / weight, "grad_norm": optax.tree.norm(grads), "lr": self.schedule(state.step)}
+        loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state.step)}
+        if self.config.train.nonfinite == "skip":  # drop a non-finite update; the step still counts
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
+            metrics["skipped"] = ~finite
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def _eval_step(self, params: Any, batch: Batch) -> jax.Array:
@@ -134,6 +145,18 @@ class LoopResult:
     state: TrainState
     losses: list[float]
     eval_losses: dict[int, float]
+    skipped_steps: int = 0
+
+
+@dataclasses.dataclass
+class LoopHooks:
+    """What the loop may do besides training: evaluate, checkpoint, notice preemption."""
+
+    eval_batches: Callable[[], Iterator[Batch]] | None = None
+    checkpointer: Any = None  # jaxdist.checkpoint.Checkpointer
+    data_state: Callable[[], dict] | None = None  # the data iterator's state after the last batch taken
+    config_dict: dict | None = None
+    preemption: Any = None  # jaxdist.preemption.PreemptionWatcher
 
 
 def train_loop(
@@ -141,63 +164,91 @@ def train_loop(
     state: TrainState,
     batches: Iterator[Batch],
     *,
-    step_fn: Callable | None = None,
     steps: int,
     logger: MetricsLogger,
     flops_per_step: float,
     peak_flops: float,
     tokens_per_step: int,
-    eval_batches: Callable[[], Iterator[Batch]] | None = None,
+    step_fn: Callable | None = None,
+    hooks: LoopHooks | None = None,
 ) -> LoopResult:
-    """Run ``steps`` train steps. Metrics are fetched only at log points, so the host
-    keeps dispatching ahead of the devices in between."""
-    cfg = trainer.config.train
+    """Train until step ``steps`` (the state may start later, when resumed).
+
+    Metrics are fetched only at log points, so the host keeps dispatching ahead of the
+    devices in between; eval, checkpoint and preemption steps are log points too, so
+    a non-finite loss is always caught before a state is saved.
+    """
+    from jaxdist.preemption import Preempted
+
+    cfg, hooks = trainer.config.train, hooks or LoopHooks()
     step_fn = step_fn or trainer.train_step
+    checkpointer = hooks.checkpointer
     n_devices = trainer.layout.mesh.size
     start_step = int(jax.device_get(state.step))
-    losses: list[float] = []
-    eval_losses: dict[int, float] = {}
+    result = LoopResult(state, [], {})
     pending: list[dict[str, jax.Array]] = []
     window_start, data_wait = time.perf_counter(), 0.0
-    last_step = start_step + steps
-    for step in range(start_step + 1, last_step + 1):
+    for step in range(start_step + 1, steps + 1):
         wait_start = time.perf_counter()
         batch = next(batches)
         data_wait += time.perf_counter() - wait_start
         state, metrics = step_fn(state, batch)
         pending.append(metrics)
-        eval_now = eval_batches is not None and cfg.eval_every > 0 and step % cfg.eval_every == 0
-        if step % cfg.log_every and step != last_step and not eval_now:
+
+        last = step == steps
+        eval_now = hooks.eval_batches is not None and cfg.eval_every > 0 and step % cfg.eval_every == 0
+        preempt = hooks.preemption is not None and hooks.preemption.requested(step)
+        save_now = checkpointer is not None and (last or preempt or checkpointer.due(step))
+        if step % cfg.log_every and not (last or eval_now or save_now):
             continue
+
         # Log point: wait for the devices, check and write this window's metrics.
         fetched = jax.device_get(pending)
+        pending.clear()
         step_time = (time.perf_counter() - window_start) / len(fetched)
         for offset, m in enumerate(fetched):
             loss = float(m["loss"])
-            if not math.isfinite(loss):
+            result.skipped_steps += int(m.get("skipped", False))
+            if not math.isfinite(loss) and "skipped" not in m:
                 first_bad = step - len(fetched) + 1 + offset
-                raise NonFiniteLoss(f"loss is {loss} at step {first_bad}; stopping (lower train.lr or check the data)")
-            losses.append(loss)
-        last = fetched[-1]
-        logger.log(
-            step,
-            {
-                "loss": float(last["loss"]),
-                "grad_norm": float(last["grad_norm"]),
-                "lr": float(last["lr"]),
-                "tokens_per_sec": tokens_per_step / step_time,
-                "step_time_s": step_time,
-                "data_wait_s": data_wait / len(fetched),
-                "mfu": flops_per_step / (step_time * n_devices * peak_flops),
-            },
-        )
+                raise NonFiniteLoss(
+                    f"loss is {loss} at step {first_bad}; stopping (lower train.lr, check the data, or train.nonfinite=skip){_last_saved(checkpointer)}"
+                )
+            result.losses.append(loss)
+        latest = fetched[-1]
+        record = {
+            "loss": float(latest["loss"]),
+            "grad_norm": float(latest["grad_norm"]),
+            "lr": float(latest["lr"]),
+            "tokens_per_sec": tokens_per_step / step_time,
+            "step_time_s": step_time,
+            "data_wait_s": data_wait / len(fetched),
+            "mfu": flops_per_step / (step_time * n_devices * peak_flops),
+        }
+        if cfg.nonfinite == "skip":
+            record["skipped_steps"] = result.skipped_steps
+        logger.log(step, record)
         logger.advance(len(fetched))
-        pending.clear()
+        eval_metrics = None
         if eval_now:
-            eval_losses[step] = evaluate(trainer, state, eval_batches())
-            logger.log(step, {"eval_loss": eval_losses[step]})
+            result.eval_losses[step] = evaluate(trainer, state, hooks.eval_batches())
+            eval_metrics = {"eval_loss": result.eval_losses[step]}
+            logger.log(step, eval_metrics)
+        if save_now:
+            if not bool(trainer.params_finite(state.params)):
+                raise NonFiniteLoss(f"parameters became non-finite at step {step}; not saving them{_last_saved(checkpointer)}")
+            checkpointer.save(step, state, hooks.data_state(), hooks.config_dict, metrics=eval_metrics)
+        if preempt:
+            checkpointer.wait()
+            raise Preempted(step, hooks.preemption.reason)
         window_start, data_wait = time.perf_counter(), 0.0
-    return LoopResult(state, losses, eval_losses)
+    result.state = state
+    return result
+
+
+def _last_saved(checkpointer) -> str:
+    step = checkpointer.last_saved_step if checkpointer is not None else None
+    return f"; last checkpoint: step {step}" if step else ""
 
 
 def evaluate(trainer: Trainer, state: TrainState, batches: Iterator[Batch]) -> float:

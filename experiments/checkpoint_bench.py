@@ -1,0 +1,107 @@
+"""What does a checkpoint cost the training loop?
+
+    python experiments/checkpoint_bench.py [--repeats 3] [--mesh fsdp=8]
+
+For `small` and a larger model (~190M parameters, 2.3 GB of train state) on fake CPU
+devices: the time the loop is blocked by an async save (the stall) against a
+synchronous save of the same state (goal: stall <= 10% of the sync save), the time the
+async save takes to commit in the background, restore time into the shardings, and the
+bytes written per checkpoint. Medians of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+
+from jaxdist.checkpoint import Checkpointer  # noqa: E402
+from jaxdist.config import load_config  # noqa: E402
+from jaxdist.data.pipeline import make_iterator  # noqa: E402
+from jaxdist.mesh import parse_mesh  # noqa: E402
+from jaxdist.train import build_trainer  # noqa: E402
+
+MODELS = {
+    "small": ("small", []),
+    "large": ("small", ["model.d_model=1024", "model.n_layers=12", "model.n_heads=16", "model.n_kv_heads=8", "model.vocab_size=32768"]),
+}
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def bench(name: str, mesh: str, repeats: int, root: Path) -> dict:
+    preset, overrides = MODELS[name]
+    config = load_config(preset, ["data.source=synthetic", "train.global_batch=8", "train.seq_len=64", *overrides])
+    trainer = build_trainer(config, parse_mesh(mesh))
+    state = trainer.init_state(0)
+    batches = make_iterator(config, trainer.layout)
+    for _ in range(2):  # real Adam moments (zeros would compress away)
+        state, _ = trainer.train_step(state, next(batches))
+    batches.close()
+    jax.block_until_ready(state)
+    data_state, config_dict = {"next_index": 0}, config.to_dict()
+    out = {"params": trainer.n_params}
+    for mode in ("sync", "async"):
+        config.checkpoint.async_save = mode == "async"
+        config.checkpoint.keep = repeats + 1
+        directory = root / f"{name}-{mode}"
+        checkpointer = Checkpointer(directory, config.checkpoint)
+        blocked, total = [], []
+        for step in range(1, repeats + 1):
+            start = time.perf_counter()
+            checkpointer.save(step, state, data_state, config_dict)
+            blocked.append(time.perf_counter() - start)
+            checkpointer.wait()
+            total.append(time.perf_counter() - start)
+        out[f"{mode}_blocked_s"] = statistics.median(blocked)
+        out[f"{mode}_total_s"] = statistics.median(total)
+        out["bytes"] = dir_bytes(directory / "1")
+        restore = []
+        for step in range(1, repeats + 1):
+            start = time.perf_counter()
+            restored = checkpointer.restore(step, trainer.abstract_state())
+            jax.block_until_ready(restored.state)
+            restore.append(time.perf_counter() - start)
+        out["restore_s"] = statistics.median(restore)
+        checkpointer.close()
+        shutil.rmtree(directory)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mesh", default="fsdp=8")
+    parser.add_argument("--models", default="small,large")
+    args = parser.parse_args()
+    print(
+        f"hardware: {jax.devices()[0].device_kind}, {jax.device_count()} devices, {os.cpu_count()} cores; jax {jax.__version__}; mesh {args.mesh}"
+    )
+    root = Path(tempfile.mkdtemp(prefix="jaxdist-ckpt-bench-"))
+    print("| model | params | bytes/checkpoint | sync save s | async stall s | stall / sync (goal <= 10%) | async commit s | restore s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    try:
+        for name in args.models.split(","):
+            r = bench(name, args.mesh, args.repeats, root)
+            print(
+                f"| {name} | {r['params'] / 1e6:.0f}M | {r['bytes'] / 1e9:.2f} GB | {r['sync_total_s']:.2f} | {r['async_blocked_s']:.3f} | "
+                f"{r['async_blocked_s'] / r['sync_total_s']:.1%} | {r['async_total_s']:.2f} | {r['restore_s']:.2f} |",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

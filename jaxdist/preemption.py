@@ -1,0 +1,59 @@
+"""Preemption: SIGTERM / SIGINT ask the loop to finish its step, save and exit.
+
+One process: a signal handler sets a flag the loop reads after each step. Several
+processes: they must agree on the step to save at, so the loop asks JAX's preemption
+sync point (the coordination service notices SIGTERM on any host) instead.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again"; state was saved
+
+
+class Preempted(Exception):
+    """Raised by the loop once the state at ``step`` is saved and committed."""
+
+    exit_code = EXIT_PREEMPTED
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(f"preempted by {reason}; state saved at step {step}")
+        self.step = step
+
+
+class PreemptionWatcher:
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, multi_process: bool = False):
+        self.multi_process = multi_process
+        self.reason: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> PreemptionWatcher:
+        if not self.multi_process:
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.reason = name
+        print(f"jaxdist: {name} received; finishing this step, saving, then exiting", file=sys.stderr, flush=True)
+
+    def requested(self, step: int) -> bool:
+        if self.multi_process:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.reason = self.reason or "the cluster (preemption sync point)"
+        return self.reason is not None

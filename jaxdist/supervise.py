@@ -1,0 +1,77 @@
+"""``--max-restarts N``: rerun a crashed single-node run from its latest checkpoint.
+
+The supervisor runs the same command as a child process (with the run directory made
+explicit and ``--resume auto``), forwards SIGINT / SIGTERM to it, and restarts it with
+exponential backoff when it crashes. A clean exit, bad input, a non-finite loss (it
+would recur) and preemption (the node is going away; the scheduler requeues) end it.
+On clusters, SLURM ``--requeue`` or a JobSet restart policy plays this role.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, NonFiniteLoss
+from jaxdist.preemption import EXIT_PREEMPTED
+
+FINAL_EXIT_CODES = {EXIT_OK, EXIT_BAD_INPUT, NonFiniteLoss.exit_code, EXIT_PREEMPTED}
+MAX_DELAY_S = 300.0
+
+
+def _child_argv(argv: list[str], run_dir: Path) -> list[str]:
+    """The same arguments without the supervisor's own, with --run-dir and --resume auto."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--max-restarts", "--restart-delay", "--run-dir", "--resume"):
+            skip = "=" not in arg and i + 1 < len(argv)
+            continue
+        out.append(arg)
+    return [*out, "--run-dir", str(run_dir), "--resume", "auto"]
+
+
+def supervise(argv: list[str], run_dir: Path, max_restarts: int, delay: float) -> int:
+    from jaxdist.train import SUPERVISED_ENV
+
+    child_argv = _child_argv(argv, run_dir)
+    user_resume = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--resume"), None)
+    if user_resume is not None:  # honour --resume on the first start only
+        child_argv[-1] = user_resume
+    env = {**os.environ, SUPERVISED_ENV: "1"}
+    restarts = 0
+    while True:
+        child = subprocess.Popen([sys.executable, "-m", "jaxdist.train", *child_argv], env=env)
+        forwarded: list[int] = []
+
+        def forward(signum, frame, child=child, forwarded=forwarded):  # noqa: ARG001
+            forwarded.append(signum)
+            child.send_signal(signum)
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = child.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if code in FINAL_EXIT_CODES or forwarded:
+            return code if code >= 0 else 128 - code
+        if restarts >= max_restarts:
+            print(f"jaxdist: run failed with exit code {code}; giving up after {restarts} restarts", file=sys.stderr, flush=True)
+            return code if code > 0 else 1
+        restarts += 1
+        wait = min(delay * 2 ** (restarts - 1), MAX_DELAY_S)
+        print(
+            f"jaxdist: run failed with exit code {code}; restart {restarts}/{max_restarts} from the latest checkpoint in {wait:.0f}s",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(wait)
+        child_argv[-1] = "auto"
