@@ -104,3 +104,22 @@ def test_unwritable_run_dir_is_a_clear_error(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(JaxdistError, match="cannot write run directory"):
         _run(blocker / "run", "data=2", 2)
+
+
+def test_failed_save_is_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, uninterrupted, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    from jaxdist.checkpoint import CheckpointError
+
+    _run(tmp_path, "data=2,fsdp=4", 4)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full)
+    with pytest.raises(CheckpointError, match=r"No space left on device.*last good checkpoint: step 4"):
+        _run(tmp_path, "data=2,fsdp=4", 10)
+    monkeypatch.undo()
+    assert checkpoint_steps(tmp_path / "checkpoints") == [4]
+    resumed = _run(tmp_path, "data=2,fsdp=4", 10)
+    np.testing.assert_array_equal(resumed.losses, uninterrupted[4:])
