@@ -99,6 +99,7 @@ class CheckpointConfig:
 @dataclasses.dataclass
 class ParallelConfig:
     mesh: str = "auto"  # the --mesh flag overrides this
+    dcn_mesh: str = ""  # across-host part of the mesh (--dcn-mesh); "" derives it: data, then fsdp, cross hosts
     strategy: str = "auto"  # auto | dp | fsdp | zero1, optionally "+tp"
 
 

@@ -126,10 +126,39 @@ def check_divisibility(sizes: MeshSizes, config) -> None:
         raise MeshError("model.kind=resnet supports data and fsdp axes, not tensor")
 
 
-def build_mesh(sizes: MeshSizes, devices=None):
-    """A ``jax.sharding.Mesh`` with every axis present (size 1 if unused), Auto axis types."""
+def split_across_hosts(sizes: MeshSizes, n_hosts: int, dcn: MeshSizes | None = None) -> tuple[MeshSizes, MeshSizes]:
+    """(within-host, across-host) sizes per axis; their product is ``sizes``.
+
+    Derived when not given: data crosses hosts first, then fsdp, so tensor-parallel
+    collectives stay on NVLink. Returns a warning-worthy split only if tensor must cross.
+    """
+    if dcn is None:
+        dcn, remaining = {}, n_hosts
+        for axis in MESH_AXES:  # outermost first: data, fsdp, then (only if forced) tensor
+            factor = math.gcd(sizes[axis], remaining)
+            dcn[axis], remaining = factor, remaining // factor
+        if remaining > 1:
+            raise MeshError(f"mesh {format_mesh(sizes)} cannot be split over {n_hosts} hosts (processes)")
+    else:
+        dcn = {a: dcn.get(a, 1) for a in MESH_AXES}
+        if math.prod(dcn.values()) != n_hosts:
+            raise MeshError(f"--dcn-mesh {format_mesh(dcn)} spans {math.prod(dcn.values())} hosts but the run has {n_hosts} processes")
+        for axis in MESH_AXES:
+            if sizes[axis] % dcn[axis]:
+                raise MeshError(f"--dcn-mesh: {axis}={dcn[axis]} does not divide the mesh's {axis}={sizes[axis]}")
+    ici = {a: sizes[a] // dcn[a] for a in MESH_AXES}
+    return ici, dcn
+
+
+def build_mesh(sizes: MeshSizes, devices=None, dcn: MeshSizes | None = None):
+    """A ``jax.sharding.Mesh`` with every axis present (size 1 if unused), Auto axis types.
+
+    With several processes the mesh is hybrid: each axis is split into a within-host
+    and an across-host part (JAX's hybrid device mesh, a process per granule).
+    """
     import jax
-    from jax.sharding import AxisType
+    from jax.experimental import mesh_utils
+    from jax.sharding import AxisType, Mesh
 
     available = jax.devices() if devices is None else list(devices)
     needed = mesh_device_count(sizes)
@@ -139,5 +168,18 @@ def build_mesh(sizes: MeshSizes, devices=None):
         raise MeshError(f"mesh {format_mesh(sizes)} needs {needed} devices but {len(available)} {kind} devices are visible{hint}")
     if needed < len(available) and available[0].platform != "cpu" and devices is None:
         raise MeshError(f"mesh {format_mesh(sizes)} uses {needed} of the {len(available)} visible devices; size it to all of them")
-    shape = tuple(sizes[a] for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=available[:needed])
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    processes = len({d.process_index for d in available[:needed]})
+    if processes == 1:
+        shape = tuple(sizes[a] for a in MESH_AXES)
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=available[:needed])
+    ici, dcn = split_across_hosts(sizes, processes, dcn)
+    if dcn["tensor"] > 1:
+        print(
+            f"jaxdist: warning: the tensor axis spans {dcn['tensor']} hosts; its per-layer all-reduces will cross the network",
+            file=sys.stderr,
+        )
+    grid = mesh_utils.create_hybrid_device_mesh(
+        [ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES], available[:needed], process_is_granule=True
+    )
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)

@@ -29,7 +29,7 @@ def measured_cpu_peak_flops(n: int = 1024, repeats: int = 5) -> float:
     import jax
     import jax.numpy as jnp
 
-    device = jax.devices("cpu")[0]
+    device = jax.local_devices(backend="cpu")[0]
     a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
     matmul = jax.jit(lambda x: x @ x)
     matmul(a).block_until_ready()
@@ -59,8 +59,9 @@ class MetricsLogger:
     """Writes one JSON object per logged step to metrics.jsonl, scalars to TensorBoard,
     and keeps a progress bar with loss and tokens/s. A no-op on processes other than 0."""
 
-    def __init__(self, run_dir: Path | None, total_steps: int, *, enabled: bool = True, progress: bool = True):
+    def __init__(self, run_dir: Path | None, total_steps: int, *, enabled: bool = True, progress: bool = True, print_lines: bool = False):
         self.enabled = enabled and run_dir is not None
+        self.print_lines = print_lines
         self._jsonl = None
         self._tb = None
         self._bar = None
@@ -83,8 +84,14 @@ class MetricsLogger:
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                 self._tb.add_scalar(key, value, step)
-        if self._bar is not None and "loss" in record:
+        if "loss" in record and self._bar is not None:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_sec', 0):.0f}", refresh=False)
+        elif "loss" in record and self.print_lines:  # no terminal: one line per logged step
+            print(
+                f"step {step} | loss {record['loss']:.4f} | {record.get('tokens_per_sec', 0):,.0f} tok/s | mfu {record.get('mfu', 0):.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:

@@ -39,6 +39,11 @@ def build_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.Argument
     parser.add_argument("--seed", type=int, default=None, help="train.seed")
     parser.add_argument("--log-every", type=int, default=None, help="train.log_every")
     parser.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go (default runs/NAME-TIME)")
+    parser.add_argument("--dcn-mesh", default=None, help="the across-host part of the mesh, e.g. data=2 (default: derived)")
+    parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for a multi-process run")
+    parser.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    parser.add_argument("--process-id", type=int, default=None, help="this process's rank")
+    parser.add_argument("--dist-timeout", type=int, default=300, help="seconds to wait for all processes to join")
     parser.add_argument("--resume", default="auto", help="auto (latest checkpoint in the run dir, if any) | never | STEP | PATH")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart a crashed run from its latest checkpoint up to N times")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds before the first restart; doubles each time")
@@ -53,19 +58,33 @@ def config_from_args(args: argparse.Namespace) -> Config:
             overrides.append(f"{key}={getattr(args, flag)}")
     if args.mesh is not None:
         overrides.append(f"parallel.mesh={args.mesh}")
+    if getattr(args, "dcn_mesh", None) is not None:
+        overrides.append(f"parallel.dcn_mesh={args.dcn_mesh}")
     return load_config(args.config, overrides)
 
 
-def prepare_devices(config: Config) -> MeshSizes | None:
-    """Validate the mesh against the config and, on CPU, ask for enough fake devices.
+def prepare_devices(config: Config, num_processes: int = 1) -> MeshSizes | None:
+    """Validate the mesh against the config; on CPU ask for enough fake devices (split
+    over the processes), on GPU set the communication-overlap XLA flags.
 
     Runs before JAX starts its backend. Returns the mesh sizes (None for ``auto``).
     """
     sizes = parse_mesh(config.parallel.mesh)
+    if config.parallel.dcn_mesh:
+        parse_mesh(config.parallel.dcn_mesh)  # reject a malformed spec before JAX starts
     if sizes is not None:
         check_divisibility(sizes, config)
-        ensure_fake_cpu_devices(mesh_device_count(sizes))
-    elif not gpu_plugin_installed():
+    if gpu_plugin_installed():
+        from jaxdist.xla_flags import apply_gpu_defaults
+
+        apply_gpu_defaults()
+    elif sizes is not None:
+        if mesh_device_count(sizes) % num_processes:
+            raise JaxdistError(
+                f"mesh {config.parallel.mesh} ({mesh_device_count(sizes)} devices) does not split over {num_processes} processes"
+            )
+        ensure_fake_cpu_devices(mesh_device_count(sizes) // num_processes)
+    else:
         ensure_fake_cpu_devices(DEFAULT_FAKE_DEVICES)
     return sizes
 
@@ -98,7 +117,8 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
     if mesh_sizes is None:
         mesh_sizes = auto_mesh(len(devices), task.n_params)
         check_divisibility(mesh_sizes, config)
-    mesh = build_mesh(mesh_sizes, devices)
+    dcn = parse_mesh(config.parallel.dcn_mesh) if config.parallel.dcn_mesh else None
+    mesh = build_mesh(mesh_sizes, devices, dcn)
     layout = Layout(mesh, resolve_strategy(config.parallel.strategy, mesh_sizes))
     return Trainer(task, config, layout)
 
@@ -140,7 +160,16 @@ def _restore(trainer, config: Config, run_dir: Path, resume: str, checkpointer, 
             source.close()
 
 
-def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, devices=None, progress: bool = True, resume: str = "auto"):
+def run(
+    config: Config,
+    mesh_sizes: MeshSizes | None,
+    run_dir: Path | None,
+    *,
+    devices=None,
+    progress: bool = True,
+    resume: str = "auto",
+    print_lines: bool = False,
+):
     """Train ``config`` on a mesh until ``train.steps``; returns the loop's result.
 
     With a run directory: checkpoints under it, resumes per ``resume``, and saves and
@@ -171,7 +200,7 @@ def run(config: Config, mesh_sizes: MeshSizes | None, run_dir: Path | None, *, d
             _create_run_dir(run_dir, config)
         checkpointer = Checkpointer(run_dir / "checkpoints", config.checkpoint)
     t = config.train
-    logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress)
+    logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress, print_lines=print_lines)
     try:
         restored = _restore(trainer, config, run_dir, resume, checkpointer, warn) if checkpointer else None
         if restored is None:
@@ -264,16 +293,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             from jaxdist.supervise import supervise
 
             return supervise(argv, run_dir, args.max_restarts, args.restart_delay)
+        from jaxdist.distributed import initialize, process_group_from
+
+        group = process_group_from(args)
         adapt_microbatches_for_resume(config, run_dir, args.resume)
-        sizes = prepare_devices(config)
-        result = run(config, sizes, run_dir, resume=args.resume)
+        sizes = prepare_devices(config, group.num_processes if group and group.num_processes else 1)
+        initialize(group)
+        interactive = sys.stderr.isatty()
+        result = run(config, sizes, run_dir, resume=args.resume, progress=interactive, print_lines=not interactive)
     except (JaxdistError, NonFiniteLoss, CheckpointError) as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", EXIT_BAD_INPUT)
     except Preempted as e:
         print(f"jaxdist: {e}; run the same command to resume", file=sys.stderr)
         return e.exit_code
-    if result.losses:
+    import jax
+
+    if result.losses and jax.process_index() == 0:
         print(f"jaxdist: done at step {config.train.steps}; loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}", file=sys.stderr)
     return EXIT_OK
 
