@@ -14,6 +14,8 @@ GPU_FLAGS: dict[str, str] = {
     # schedule collectives early and overlap them with independent compute
     "xla_gpu_enable_latency_hiding_scheduler": "true",
     # overlap per-layer FSDP all-gathers / reduce-scatters with the neighbouring layers
+    # (accepted by jaxlib 0.10; whether the pipeliner pass runs depends on the XLA build,
+    # see openxla/xla#44228)
     "xla_gpu_enable_pipelined_all_gather": "true",
     "xla_gpu_enable_pipelined_reduce_scatter": "true",
     "xla_gpu_enable_pipelined_all_reduce": "true",
