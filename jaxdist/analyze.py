@@ -412,8 +412,24 @@ def build_report(trainer: Any, compiled: Any) -> dict[str, Any]:
         "memory_per_device_bytes": _memory(compiled),
         "collectives": collective_stats(collective_ops(module)),
     }
+    spec = _pipeline_of(trainer)
+    if spec is not None:
+        report["pipeline"] = {
+            "stages": spec.stages,
+            "microbatches": spec.microbatches,
+            "virtual_stages": spec.virtual,
+            "schedule": spec.schedule,
+            "ticks": spec.ticks,
+            "bubble": spec.bubble,
+        }
     report["notes"] = _notes(report, config, loops_without_trip_count(module))
     return report
+
+
+def _pipeline_of(trainer: Any):
+    from jaxdist.models import pipeline_spec
+
+    return pipeline_spec(trainer.config, int(trainer.layout.mesh.shape.get("pipe", 1)))
 
 
 def analyze(config: Config, mesh_sizes: MeshSizes | None, devices: Sequence[Any] | None = None) -> dict[str, Any]:
@@ -446,6 +462,12 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for kind, stats in report["collectives"].items():
         lines.append(f"{kind:<20}{stats['count']:>12,}{_human_bytes(stats['bytes']):>20}")
+    if "pipeline" in report:
+        p = report["pipeline"]
+        lines += [
+            "",
+            f"pipeline        {p['schedule']}: S={p['stages']} M={p['microbatches']} V={p['virtual_stages']}, {p['ticks']} ticks, bubble {p['bubble']:.1%}",
+        ]
     lines += ["", *(f"note: {n}" for n in report["notes"])]
     return "\n".join(lines)
 

@@ -101,6 +101,9 @@ class ParallelConfig:
     mesh: str = "auto"  # the --mesh flag overrides this
     dcn_mesh: str = ""  # across-host part of the mesh (--dcn-mesh); "" derives it: data, then fsdp, cross hosts
     strategy: str = "auto"  # auto | dp | fsdp | zero1, optionally "+tp"
+    schedule: str = "gpipe"  # pipeline schedule on a pipe axis: gpipe | circular | 1f1b
+    pipeline_microbatches: int = 0  # M per step (per gradient-accumulation microbatch); 0: the pipe size
+    virtual_stages: int = 1  # V layer chunks per device (circular)
 
 
 @dataclasses.dataclass
@@ -252,6 +255,12 @@ def validate(config: Config) -> None:
     _require(d.text_unit in ("file", "line"), f"data.text_unit must be file or line, got {d.text_unit!r}")
     _require(d.workers >= 0 and d.prefetch >= 0, "data.workers and data.prefetch must be >= 0")
     _require(0 < d.eval_fraction < 1, f"data.eval_fraction must be in (0, 1), got {d.eval_fraction}")
+    p = config.parallel
+    _require(p.schedule in ("gpipe", "circular", "1f1b"), f"parallel.schedule must be gpipe, circular or 1f1b, got {p.schedule!r}")
+    _require(
+        p.pipeline_microbatches >= 0 and p.virtual_stages >= 1,
+        "parallel.pipeline_microbatches must be >= 0 and parallel.virtual_stages >= 1",
+    )
     strategy_parts = set(config.parallel.strategy.split("+"))
     _require(
         strategy_parts <= {"auto", "dp", "fsdp", "zero1", "tp"} and len(strategy_parts & {"auto", "dp", "fsdp", "zero1"}) <= 1,

@@ -14,10 +14,10 @@ import sys
 
 from jaxdist.errors import MeshError
 
-# Mesh axes, outermost first: data crosses hosts, tensor stays innermost (NVLink).
-MESH_AXES = ("data", "fsdp", "tensor")
+# Mesh axes, outermost first: data and pipe cross hosts, tensor stays innermost (NVLink).
+MESH_AXES = ("data", "pipe", "fsdp", "tensor")
 # What a positional spec means, by its number of factors.
-POSITIONAL_AXES = {1: ("data",), 2: ("data", "tensor")}
+POSITIONAL_AXES = {1: ("data",), 2: ("data", "tensor"), 3: ("data", "tensor", "pipe")}
 BATCH_AXES = ("data", "fsdp")  # the batch is split over both
 
 MeshSizes = dict[str, int]
@@ -32,7 +32,7 @@ def parse_mesh(spec: str) -> MeshSizes | None:
         factors = [int(f) for f in spec.split("x")]
         if len(factors) not in POSITIONAL_AXES:
             raise MeshError(
-                f"mesh {spec!r}: a positional mesh is N (data) or AxB (data x tensor); name other axes, e.g. data=2,fsdp=2,tensor=2"
+                f"mesh {spec!r}: a positional mesh is N (data), AxB (data x tensor) or AxBxC (data x tensor x pipe); name other axes, e.g. data=2,fsdp=2,tensor=2"
             )
         sizes = dict(zip(POSITIONAL_AXES[len(factors)], factors, strict=True))
     elif re.fullmatch(r"[a-z_]+=\d+(,[a-z_]+=\d+)*", spec):
@@ -122,8 +122,21 @@ def check_divisibility(sizes: MeshSizes, config) -> None:
         for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("mlp width", m.resolved_mlp_dim)):
             if value % tensor:
                 raise MeshError(f"{name} ({value}) must be divisible by the tensor axis ({tensor})")
-    if m.kind == "resnet" and tensor > 1:
-        raise MeshError("model.kind=resnet supports data and fsdp axes, not tensor")
+    if m.kind == "resnet" and (tensor > 1 or sizes["pipe"] > 1):
+        raise MeshError("model.kind=resnet supports data and fsdp axes, not tensor or pipe (it cannot be staged)")
+    if sizes["pipe"] > 1:
+        from jaxdist.parallel.pipeline import PipelineSpec, validate
+
+        p = config.parallel
+        spec = PipelineSpec(sizes["pipe"], p.pipeline_microbatches or sizes["pipe"], p.virtual_stages, p.schedule)
+        problem = validate(spec, m.n_layers)
+        if problem:
+            raise MeshError(problem)
+        if t.global_batch % (batch_shards * t.microbatches * spec.microbatches):
+            raise MeshError(
+                f"train.global_batch ({t.global_batch}) must be divisible by data x fsdp ({batch_shards}) x train.microbatches "
+                f"({t.microbatches}) x parallel.pipeline_microbatches ({spec.microbatches})"
+            )
 
 
 def split_across_hosts(sizes: MeshSizes, n_hosts: int, dcn: MeshSizes | None = None) -> tuple[MeshSizes, MeshSizes]:
@@ -134,7 +147,7 @@ def split_across_hosts(sizes: MeshSizes, n_hosts: int, dcn: MeshSizes | None = N
     """
     if dcn is None:
         dcn, remaining = {}, n_hosts
-        for axis in MESH_AXES:  # outermost first: data, fsdp, then (only if forced) tensor
+        for axis in MESH_AXES:  # outermost first: data, pipe, fsdp, then (only if forced) tensor
             factor = math.gcd(sizes[axis], remaining)
             dcn[axis], remaining = factor, remaining // factor
         if remaining > 1:

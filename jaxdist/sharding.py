@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ _BASE_RULES: Rules = {
     "act_vocab": None,
     "act_channels": None,
     # parameters
-    "layers": None,
+    "layers": ("pipe",),  # stacked layers: stage s holds a contiguous block (no-op without a pipe axis)
     "vocab": None,
     "embed": None,  # the dimension FSDP / ZeRO shard
     "heads": None,
@@ -164,8 +165,14 @@ class Layout:
         return NamedSharding(self.mesh, PartitionSpec())
 
     def constrain(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-        spec = logical_to_spec(axes, x.shape, self.param_rules, self.mesh)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        mesh, sizes = self.mesh, self.mesh
+        traced = jax.sharding.get_abstract_mesh()
+        if not traced.empty and traced.manual_axes:
+            # inside shard_map (a pipeline stage): its mesh, and only its automatic axes
+            mesh = traced
+            sizes = types.SimpleNamespace(shape={a: (1 if a in traced.manual_axes else n) for a, n in traced.shape.items()})
+        spec = logical_to_spec(axes, x.shape, self.param_rules, sizes)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 _ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jaxdist_layout", default=None)
@@ -179,6 +186,14 @@ def activation_layout(layout: Layout | None) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active_layout() -> Layout:
+    """The layout being traced under (pipelining needs its mesh)."""
+    layout = _ACTIVE.get()
+    if layout is None:
+        raise RuntimeError("pipeline parallelism runs inside jaxdist's train/eval step (no active layout)")
+    return layout
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

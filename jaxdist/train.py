@@ -113,10 +113,10 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
 
     devices = list(jax.devices() if devices is None else devices)
     resolve_vocab(config)
-    task = build_task(config, devices[0].platform)
+    task = build_task(config, devices[0].platform, (mesh_sizes or {}).get("pipe", 1))
     if mesh_sizes is None:
         mesh_sizes = auto_mesh(len(devices), task.n_params)
-        check_divisibility(mesh_sizes, config)
+    check_divisibility(mesh_sizes, config)
     dcn = parse_mesh(config.parallel.dcn_mesh) if config.parallel.dcn_mesh else None
     mesh = build_mesh(mesh_sizes, devices, dcn)
     layout = Layout(mesh, resolve_strategy(config.parallel.strategy, mesh_sizes))

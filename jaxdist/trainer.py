@@ -119,6 +119,12 @@ class Trainer:
         (loss_sum, weight, grads), _ = jax.lax.scan(accumulate, init, jax.tree.map(self._split_microbatches, batch))
         return loss_sum, weight, grads
 
+    def loss_and_grads(self, params: Any, batch: Batch) -> tuple[jax.Array, Any]:
+        """Mean loss and its gradients (what one train step would apply), for checks."""
+        with activation_layout(self.layout):
+            loss_sum, weight, grads = self._summed_grads(params, batch)
+        return loss_sum / weight, jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
+
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         with activation_layout(self.layout):
             loss_sum, weight, grads = self._summed_grads(state.params, batch)

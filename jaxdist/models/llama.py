@@ -7,14 +7,17 @@ activations are pinned with ``constrain``. The layers are stacked on a leading
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from jaxdist.config import ModelConfig
-from jaxdist.sharding import constrain
+from jaxdist.parallel.pipeline import PipelineSpec, one_f_one_b_loss, pipeline_forward
+from jaxdist.sharding import active_layout, constrain
 
 Initializer = Callable[..., jax.Array]
 
@@ -126,10 +129,11 @@ _REMAT_POLICIES = {
 
 
 class Llama(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, platform: str = "cpu", rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, platform: str = "cpu", pipeline: PipelineSpec | None = None, rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.dtype = dtype
+        self.pipeline = pipeline  # None: all layers in one scan on every device
         self.embed = _param(rngs, jax.nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd)
         self.blocks = _stacked_blocks(cfg, dtype, attention_implementation(cfg, dtype, platform), rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
@@ -138,15 +142,41 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
         """Logits [batch, seq, vocab] in float32 for tokens [batch, seq]."""
+        x, aux = self._embed(tokens, positions, segment_ids)
+        graphdef, stacked = self._stacked_for_compute()
+        if self.pipeline is None:
+            x = self._run_layers(graphdef, stacked, x, aux)
+        else:
+            stage = functools.partial(self._run_layers, graphdef)
+            x = pipeline_forward(stage, stacked, x, aux, self.pipeline, active_layout().mesh)
+        return self._logits(self._head_params(), x)
+
+    def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """(sum of next-token cross-entropy over unmasked targets, their count)."""
+        targets = {"targets": batch["targets"], "loss_mask": batch.get("loss_mask", jnp.ones(batch["targets"].shape, jnp.float32))}
+        weight = jnp.sum(targets["loss_mask"]).astype(jnp.float32)
+        if self.pipeline is None or self.pipeline.schedule != "1f1b":
+            logits = self(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+            return _cross_entropy_sum(logits, targets), weight
+        # 1F1B: the last stage computes the loss; gradients come from the explicit schedule
+        x, aux = self._embed(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+        graphdef, stacked = self._stacked_for_compute()
+        stage = functools.partial(self._run_layers, graphdef)
+        head_loss = lambda head, y, tgt: _cross_entropy_sum(self._logits(head, y), tgt)  # noqa: E731
+        pipelined = one_f_one_b_loss(stage, head_loss, self.pipeline, active_layout().mesh)
+        return pipelined(stacked, self._head_params(), x, aux, targets), weight
+
+    def _embed(self, tokens, positions, segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        mask = None if segment_ids is None else _document_causal_mask(segment_ids)
         # Gather the table over FSDP first: a lookup into a vocab-split table then needs
         # only a masked gather plus one all-reduce over 'tensor'.
         table = constrain(self.embed[...], ("vocab", None))
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
-        x = constrain(x, ("batch", "seq", "act_embed"))
+        aux = {"positions": positions} if segment_ids is None else {"positions": positions, "segment_ids": segment_ids}
+        return constrain(x, ("batch", "seq", "act_embed")), aux
 
+    def _stacked_for_compute(self):
         graphdef, stacked = nnx.split(self.blocks)
         # Cast the stacked matrices to the compute dtype before the layer loop, so that
         # FSDP's per-layer all-gathers move bf16 shards, not fp32 master weights.
@@ -155,18 +185,35 @@ class Llama(nnx.Module):
             stacked,
             is_leaf=lambda x: isinstance(x, nnx.Variable),
         )
+        return graphdef, stacked
+
+    def _run_layers(self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array]) -> jax.Array:
+        """The layers of ``stacked`` (leading axis) applied in order, as one scan."""
+        positions = aux["positions"]
+        mask = _document_causal_mask(aux["segment_ids"]) if "segment_ids" in aux else None
 
         def layer(h: jax.Array, params) -> tuple[jax.Array, None]:
             return nnx.merge(graphdef, params)(h, positions, mask), None
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, stacked)
+        return jax.lax.scan(layer, x, stacked)[0]
 
-        x = self.final_norm(x)
+    def _head_params(self) -> dict[str, jax.Array]:
         head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(self.dtype))
+        return {"norm": self.final_norm.scale[...], "head": head}
+
+    def _logits(self, head: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
+        x = (normed * head["norm"].astype(jnp.float32)).astype(self.dtype)
+        logits = jnp.einsum("btd,dv->btv", x, head["head"].astype(self.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab"))
+
+
+def _cross_entropy_sum(logits: jax.Array, targets: dict[str, jax.Array]) -> jax.Array:
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets["targets"])
+    return jnp.sum(losses * targets["loss_mask"])
 
 
 def _stacked_blocks(cfg: ModelConfig, dtype, attention: str, rngs: nnx.Rngs) -> Block:

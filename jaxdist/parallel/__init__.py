@@ -1,0 +1,1 @@
+"""Parallel schedules beyond sharding rules (pipeline over the pipe axis)."""
