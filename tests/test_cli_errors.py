@@ -71,10 +71,10 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize(
     ("spec", "sizes"),
     [
-        ("8x4", {"data": 8, "fsdp": 1, "tensor": 4}),
-        ("8", {"data": 8, "fsdp": 1, "tensor": 1}),
-        ("data=2,fsdp=2,tensor=2", {"data": 2, "fsdp": 2, "tensor": 2}),
-        ("fsdp=4", {"data": 1, "fsdp": 4, "tensor": 1}),
+        ("8x4", {"data": 8, "pipe": 1, "fsdp": 1, "tensor": 4}),
+        ("8", {"data": 8, "pipe": 1, "fsdp": 1, "tensor": 1}),
+        ("data=2,fsdp=2,tensor=2", {"data": 2, "pipe": 1, "fsdp": 2, "tensor": 2}),
+        ("fsdp=4", {"data": 1, "pipe": 1, "fsdp": 4, "tensor": 1}),
     ],
 )
 def test_mesh_specs(spec, sizes):
