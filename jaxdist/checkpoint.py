@@ -166,10 +166,6 @@ class Checkpointer:
         return None
 
 
-def describe_resume(resume: str) -> str:
-    return {"auto": "latest checkpoint if any", "never": "fresh start"}.get(resume, resume)
-
-
 def parse_resume(resume: str, checkpoints: Path) -> tuple[str, Path, int | None]:
     """``auto`` | ``never`` | STEP | PATH -> (mode, checkpoint directory, step)."""
     if resume in ("auto", "never"):
