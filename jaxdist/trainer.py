@@ -108,6 +108,8 @@ class Trainer:
         if self.microbatches == 1:
             (loss_sum, weight), grads = grad_fn(params, batch)
             return loss_sum, weight, grads
+        if self._accumulate_locally:
+            return self._summed_grads_reduced_once(params, batch)
 
         def accumulate(carry, microbatch):
             loss_acc, weight_acc, grad_acc = carry
@@ -124,6 +126,36 @@ class Trainer:
         with activation_layout(self.layout):
             loss_sum, weight, grads = self._summed_grads(params, batch)
         return loss_sum / weight, jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
+
+    @property
+    def _accumulate_locally(self) -> bool:
+        """Replicated parameters (DP, ZeRO-1), no pipeline: accumulate each device's own
+        gradients and reduce across the batch axes once per step, like DDP's no_sync."""
+        return self.layout.strategy.zero in ("dp", "zero1") and self.layout.mesh.shape.get("pipe", 1) == 1
+
+    def _summed_grads_reduced_once(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, Any]:
+        batch_axes = ("data", "fsdp")
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+        def per_device(params, microbatches):
+            def accumulate(carry, microbatch):
+                (loss_sum, weight), grads = grad_fn(params, microbatch)
+                return jax.tree.map(jnp.add, carry, (loss_sum, weight, grads)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            sums, _ = jax.lax.scan(accumulate, zeros, microbatches)
+            return jax.lax.psum(sums, batch_axes)
+
+        rows = PartitionSpec(None, batch_axes)
+        reduce_once = jax.shard_map(
+            per_device,
+            mesh=self.layout.mesh,
+            in_specs=(PartitionSpec(), rows),
+            out_specs=PartitionSpec(),
+            axis_names=set(batch_axes),
+            check_vma=False,
+        )
+        return reduce_once(params, jax.tree.map(self._split_microbatches, batch))
 
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         with activation_layout(self.layout):

@@ -225,12 +225,19 @@ def test_data_parallel_all_reduces_the_gradients() -> None:
     assert all(r["collectives"][k]["count"] == 0 for k in COLLECTIVE_KINDS if k != "all-reduce")
 
 
-def test_gradient_accumulation_loop_multiplies_collectives() -> None:
-    # XLA reduces the gradients inside the microbatch loop (the carry is replicated under DP),
-    # so with 2 microbatches the gradient all-reduce runs twice per step
+def test_gradient_accumulation_reduces_once_under_dp() -> None:
+    # DP accumulates each device's gradients over the microbatches and all-reduces once
     one, two = report("data=8"), report("data=8", ("train.microbatches=2",))
-    assert two["collectives"]["all-reduce"]["count"] == 2 * one["collectives"]["all-reduce"]["count"]
-    assert two["collectives"]["all-reduce"]["bytes"] == pytest.approx(2 * _grad_bytes(two), rel=0.10)
+    assert two["collectives"]["all-reduce"]["bytes"] == pytest.approx(_grad_bytes(two), rel=0.10)
+    assert two["collectives"]["all-reduce"]["bytes"] <= 1.05 * one["collectives"]["all-reduce"]["bytes"]
+
+
+def test_gradient_accumulation_loop_multiplies_collectives() -> None:
+    # FSDP gathers the parameters inside the microbatch loop: twice the trips, about twice
+    # the gathers (XLA hoists a few loop-invariant ones out of the loop)
+    one, two = report("fsdp=8"), report("fsdp=8", ("train.microbatches=2",))
+    assert two["collectives"]["all-gather"]["count"] >= 1.8 * one["collectives"]["all-gather"]["count"]
+    assert two["collectives"]["all-gather"]["bytes"] >= 1.8 * one["collectives"]["all-gather"]["bytes"]
 
 
 def test_fsdp_gathers_params_and_reduces_gradients() -> None:
