@@ -1,5 +1,7 @@
 """Errors that reach the user as one line on stderr and exit code 2."""
 
+import argparse
+
 
 class JaxdistError(Exception):
     """Bad input from the user: a config, mesh, path or shape that cannot work."""
@@ -22,3 +24,10 @@ class NonFiniteLoss(Exception):
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3  # the loss went NaN/inf and the run stopped
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors become a JaxdistError: one line and exit 2, like every other bad input."""
+
+    def error(self, message: str) -> None:
+        raise JaxdistError(message)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 
 from jaxdist.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
-from jaxdist.errors import EXIT_BAD_INPUT, JaxdistError
+from jaxdist.errors import EXIT_BAD_INPUT, JaxdistError, OneLineArgumentParser
 
 GRACE_S = 10.0  # after asking the others to stop, how long before they are killed
 _PR_SET_PDEATHSIG = 1
@@ -105,7 +105,7 @@ class Launcher:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jaxdist.launch", description="Run N training processes on this machine.")
+    parser = OneLineArgumentParser(prog="python -m jaxdist.launch", description="Run N training processes on this machine.")
     parser.add_argument("--nproc", type=int, required=True, help="number of processes")
     parser.add_argument("--devices-per-proc", type=int, default=None, help="fake CPU devices per process (default: mesh size / nproc)")
     parser.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")

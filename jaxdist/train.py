@@ -19,20 +19,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxdist.config import Config, load_config
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, NonFiniteLoss
+from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, NonFiniteLoss, OneLineArgumentParser
 from jaxdist.mesh import MeshSizes, check_divisibility, ensure_fake_cpu_devices, gpu_plugin_installed, mesh_device_count, parse_mesh
 
 DEFAULT_FAKE_DEVICES = 8  # `--mesh auto` without an accelerator
 SUPERVISED_ENV = "JAXDIST_SUPERVISED"  # set in runs started by --max-restarts
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
-        raise JaxdistError(message)
-
-
 def build_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.ArgumentParser:
-    parser = _ArgumentParser(prog=prog, description="Train a model on a device mesh.")
+    parser = OneLineArgumentParser(prog=prog, description="Train a model on a device mesh.")
     parser.add_argument("--config", default=None, help="preset name (configs/NAME.yaml) or YAML path; default: built-in tiny model")
     parser.add_argument("--mesh", default=None, help="AxB (data x tensor), name=size,... (data, fsdp, tensor) or auto")
     parser.add_argument("--steps", type=int, default=None, help="train.steps")

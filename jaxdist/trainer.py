@@ -20,6 +20,7 @@ from jaxdist.errors import NonFiniteLoss
 from jaxdist.metrics import MetricsLogger
 from jaxdist.models import Batch, Task
 from jaxdist.optim import lr_schedule, make_optimizer
+from jaxdist.parallel.pipeline import split_microbatches
 from jaxdist.sharding import Layout, activation_layout, tree_shardings
 
 
@@ -97,8 +98,7 @@ class Trainer:
 
     def _split_microbatches(self, x: jax.Array) -> jax.Array:
         """[B, ...] -> [M, B/M, ...] taking every M-th row, so each device keeps its rows."""
-        m = self.microbatches
-        x = jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+        x = split_microbatches(x, self.microbatches)
         spec = PartitionSpec(None, ("data", "fsdp"), *([None] * (x.ndim - 2)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.layout.mesh, spec))
 

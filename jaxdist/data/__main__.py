@@ -13,21 +13,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError
+from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, OneLineArgumentParser
 
 EXIT_INTERRUPTED = 130
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
-        raise JaxdistError(message)
 
 
 def build_arg_parser(prog: str = "python -m jaxdist.data") -> argparse.ArgumentParser:
     from jaxdist.data import prepare
 
-    parser = _ArgumentParser(prog=prog, description="Data tools for jaxdist.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_ArgumentParser)
+    parser = OneLineArgumentParser(prog=prog, description="Data tools for jaxdist.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineArgumentParser)
     prepare.add_arguments(
         commands.add_parser(
             "prepare",
