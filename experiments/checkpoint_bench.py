@@ -28,7 +28,7 @@ from jaxdist.checkpoint import Checkpointer  # noqa: E402
 from jaxdist.config import load_config  # noqa: E402
 from jaxdist.data.pipeline import make_iterator  # noqa: E402
 from jaxdist.mesh import parse_mesh  # noqa: E402
-from jaxdist.train import build_trainer  # noqa: E402
+from jaxdist.run import build_trainer  # noqa: E402
 
 MODELS = {
     "small": ("small", []),

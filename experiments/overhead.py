@@ -28,7 +28,7 @@ from jaxdist.data.pipeline import make_iterator  # noqa: E402
 from jaxdist.metrics import peak_flops_per_device  # noqa: E402
 from jaxdist.models import build_task  # noqa: E402
 from jaxdist.optim import make_optimizer  # noqa: E402
-from jaxdist.train import build_trainer, resolve_vocab  # noqa: E402
+from jaxdist.run import build_trainer, resolve_vocab  # noqa: E402
 
 
 def hand_written_step(task, config):

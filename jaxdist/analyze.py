@@ -382,7 +382,7 @@ def compile_train_step(config: Config, mesh_sizes: MeshSizes | None, devices: Se
 
     Call after JAX has enough devices for the mesh (the CLI runs ``prepare_devices``).
     """
-    from jaxdist.train import build_trainer
+    from jaxdist.run import build_trainer
 
     trainer = build_trainer(config, mesh_sizes, devices)
     batch = trainer.abstract_batch(config.train.global_batch)
@@ -427,9 +427,9 @@ def build_report(trainer: Any, compiled: Any) -> dict[str, Any]:
 
 
 def _pipeline_of(trainer: Any):
-    from jaxdist.models import pipeline_spec
+    from jaxdist.parallel.schedule import pipeline_spec
 
-    return pipeline_spec(trainer.config, int(trainer.layout.mesh.shape.get("pipe", 1)))
+    return pipeline_spec(trainer.config.parallel, int(trainer.layout.mesh.shape.get("pipe", 1)))
 
 
 def analyze(config: Config, mesh_sizes: MeshSizes | None, devices: Sequence[Any] | None = None) -> dict[str, Any]:
@@ -473,13 +473,15 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxdist.train import build_arg_parser, config_from_args, prepare_devices
+    from jaxdist.cli import config_arg_parser, config_from_args, parse_args
+    from jaxdist.run import prepare_devices
 
     try:
-        parser = build_arg_parser(prog="python -m jaxdist.analyze")
-        parser.description = "Compile the train step on abstract shapes and report memory, FLOPs and collectives."
+        parser = config_arg_parser(
+            "python -m jaxdist.analyze", "Compile the train step on abstract shapes and report memory, FLOPs and collectives."
+        )
         parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-        args = parser.parse_args(argv)
+        args = parse_args(parser, argv)
         config = config_from_args(args)
         sizes = prepare_devices(config)  # before JAX starts: fake CPU devices for the mesh
         report = analyze(config, sizes)

@@ -72,6 +72,8 @@ class TrainConfig:
     eval_batches: int = 2
     peak_flops: float = 0.0  # per device, for MFU; 0: look up (GPU) or measure (CPU)
     nonfinite: str = "halt"  # a NaN/inf loss: halt (exit 3, last checkpoint intact) | skip (drop that update)
+    max_skips: int = 10  # with nonfinite=skip: halt (exit 3) after this many non-finite steps in a row
+    compile_cache: str = "auto"  # XLA's persistent compilation cache: auto (RUN_DIR/xla_cache) | off | a directory
 
 
 @dataclasses.dataclass
@@ -224,7 +226,7 @@ def _require(condition: bool, message: str) -> None:
 
 
 def validate(config: Config) -> None:
-    """Checks that need no devices; mesh-dependent checks live in ``mesh.check_divisibility``."""
+    """Checks that need no devices; mesh-dependent checks live in ``validate.check_config_on_mesh``."""
     m, t = config.model, config.train
     _require(m.kind in ("llama", "resnet"), f"model.kind must be llama or resnet, got {m.kind!r}")
     _require(m.dtype in ("auto", "float32", "bfloat16"), f"model.dtype must be auto, float32 or bfloat16, got {m.dtype!r}")
@@ -243,6 +245,8 @@ def validate(config: Config) -> None:
     for name in ("steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches"):
         _require(getattr(t, name) > 0, f"train.{name} must be positive, got {getattr(t, name)}")
     _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    _require(t.nonfinite in ("halt", "skip"), f"train.nonfinite must be halt or skip, got {t.nonfinite!r}")
+    _require(t.max_skips >= 1, f"train.max_skips must be >= 1, got {t.max_skips}")
     _require(t.warmup_steps >= 0 and t.eval_every >= 0, "train.warmup_steps and train.eval_every must be >= 0")
     _require(
         t.global_batch % t.microbatches == 0,

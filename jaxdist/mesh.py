@@ -108,37 +108,6 @@ def _backend_started() -> bool:
         return False
 
 
-def check_divisibility(sizes: MeshSizes, config) -> None:
-    """Shapes the mesh must divide; raises MeshError naming both numbers."""
-    t, m = config.train, config.model
-    batch_shards = sizes["data"] * sizes["fsdp"]
-    if t.global_batch % (batch_shards * t.microbatches):
-        raise MeshError(
-            f"train.global_batch ({t.global_batch}) must be divisible by data x fsdp ({batch_shards}) "
-            f"x train.microbatches ({t.microbatches})"
-        )
-    tensor = sizes["tensor"]
-    if m.kind == "llama" and tensor > 1:
-        for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("mlp width", m.resolved_mlp_dim)):
-            if value % tensor:
-                raise MeshError(f"{name} ({value}) must be divisible by the tensor axis ({tensor})")
-    if m.kind == "resnet" and (tensor > 1 or sizes["pipe"] > 1):
-        raise MeshError("model.kind=resnet supports data and fsdp axes, not tensor or pipe (it cannot be staged)")
-    if sizes["pipe"] > 1:
-        from jaxdist.parallel.pipeline import PipelineSpec, validate
-
-        p = config.parallel
-        spec = PipelineSpec(sizes["pipe"], p.pipeline_microbatches or sizes["pipe"], p.virtual_stages, p.schedule)
-        problem = validate(spec, m.n_layers)
-        if problem:
-            raise MeshError(problem)
-        if t.global_batch % (batch_shards * t.microbatches * spec.microbatches):
-            raise MeshError(
-                f"train.global_batch ({t.global_batch}) must be divisible by data x fsdp ({batch_shards}) x train.microbatches "
-                f"({t.microbatches}) x parallel.pipeline_microbatches ({spec.microbatches})"
-            )
-
-
 def split_across_hosts(sizes: MeshSizes, n_hosts: int, dcn: MeshSizes | None = None) -> tuple[MeshSizes, MeshSizes]:
     """(within-host, across-host) sizes per axis; their product is ``sizes``.
 

@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.errors import ConfigError
+from jaxdist.validate import zero_stage
 
 MeshAxes = tuple[str, ...] | None
 Rules = dict[str, MeshAxes]
@@ -61,8 +61,6 @@ _TENSOR_RULES: Rules = {
     "act_vocab": ("tensor",),
 }
 
-ZERO_STAGES = ("dp", "zero1", "fsdp")
-
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
@@ -74,14 +72,9 @@ class Strategy:
 
 
 def resolve_strategy(name: str, mesh_sizes: dict[str, int]) -> Strategy:
-    """``auto`` shards params over ``fsdp`` when that axis exists; TP follows the ``tensor`` axis."""
-    parts = set(name.split("+"))
-    zero = next((p for p in parts if p in ZERO_STAGES), "auto")
-    if zero == "auto":
-        zero = "fsdp" if mesh_sizes.get("fsdp", 1) > 1 else "dp"
-    if "tp" in parts and mesh_sizes.get("tensor", 1) == 1:
-        raise ConfigError(f"parallel.strategy {name!r} asks for tensor parallelism but the mesh has no tensor axis")
-    return Strategy(zero=zero, tensor=mesh_sizes.get("tensor", 1) > 1)
+    """``auto`` shards params over ``fsdp`` when that axis exists; TP follows the ``tensor``
+    axis. Whether the strategy fits the mesh is ``validate.check_config_on_mesh``'s job."""
+    return Strategy(zero=zero_stage(name, mesh_sizes), tensor=mesh_sizes.get("tensor", 1) > 1)
 
 
 def rules_for(strategy: Strategy, *, optimizer_state: bool = False) -> Rules:

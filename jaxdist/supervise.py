@@ -19,6 +19,7 @@ from pathlib import Path
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, NonFiniteLoss
 from jaxdist.preemption import EXIT_PREEMPTED
 
+SUPERVISED_ENV = "JAXDIST_SUPERVISED"  # set in the runs the supervisor starts, so they do not supervise again
 FINAL_EXIT_CODES = {EXIT_OK, EXIT_BAD_INPUT, NonFiniteLoss.exit_code, EXIT_PREEMPTED}
 MAX_DELAY_S = 300.0
 
@@ -39,8 +40,6 @@ def _child_argv(argv: list[str], run_dir: Path) -> list[str]:
 
 
 def supervise(argv: list[str], run_dir: Path, max_restarts: int, delay: float) -> int:
-    from jaxdist.train import SUPERVISED_ENV
-
     child_argv = _child_argv(argv, run_dir)
     user_resume = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--resume"), None)
     if user_resume is not None:  # honour --resume on the first start only

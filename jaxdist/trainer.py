@@ -20,7 +20,7 @@ from jaxdist.errors import NonFiniteLoss
 from jaxdist.metrics import MetricsLogger
 from jaxdist.models import Batch, Task
 from jaxdist.optim import lr_schedule, make_optimizer
-from jaxdist.parallel.pipeline import split_microbatches
+from jaxdist.parallel.microbatch import split_microbatches
 from jaxdist.sharding import Layout, activation_layout, tree_shardings
 
 

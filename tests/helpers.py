@@ -8,7 +8,7 @@ import jax
 
 from jaxdist.config import load_config
 from jaxdist.mesh import mesh_device_count, parse_mesh
-from jaxdist.train import run
+from jaxdist.run import run
 
 # A tiny decoder whose heads split 4 ways (tensor=4) and whose batch splits 8 ways.
 TINY = (

@@ -9,7 +9,7 @@ from jaxdist.checkpoint import Checkpointer, checkpoint_steps
 from jaxdist.config import load_config
 from jaxdist.errors import JaxdistError, NonFiniteLoss
 from jaxdist.mesh import mesh_device_count, parse_mesh
-from jaxdist.train import build_trainer, run
+from jaxdist.run import build_trainer, run
 
 from helpers import TINY
 

@@ -12,8 +12,9 @@ from jaxdist.data.pipeline import PackedExamples, ProcessSlice, batches_dataset,
 from jaxdist.data.sources import ArrayStream
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.models.llama import Llama
+from jaxdist.run import resolve_vocab
 from jaxdist.sharding import Layout, resolve_strategy
-from jaxdist.train import main, resolve_vocab
+from jaxdist.train import main
 
 EOD = 999
 

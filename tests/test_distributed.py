@@ -19,7 +19,7 @@ from jaxdist.config import load_config
 from jaxdist.launch import free_port
 from jaxdist.mesh import parse_mesh
 from jaxdist.preemption import EXIT_PREEMPTED
-from jaxdist.train import run
+from jaxdist.run import run
 from jaxdist.xla_flags import with_gpu_defaults
 
 from helpers import TINY

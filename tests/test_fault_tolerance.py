@@ -21,7 +21,7 @@ from jaxdist.checkpoint import checkpoint_steps
 from jaxdist.config import load_config
 from jaxdist.mesh import parse_mesh
 from jaxdist.preemption import EXIT_PREEMPTED
-from jaxdist.train import run
+from jaxdist.run import run
 
 from helpers import TINY
 

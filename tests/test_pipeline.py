@@ -12,7 +12,7 @@ from jaxdist.config import load_config
 from jaxdist.data.pipeline import make_iterator
 from jaxdist.errors import MeshError
 from jaxdist.mesh import mesh_device_count, parse_mesh
-from jaxdist.train import build_trainer, resolve_vocab
+from jaxdist.run import build_trainer, resolve_vocab
 
 from helpers import TINY, train_losses
 
@@ -92,18 +92,18 @@ def test_one_f_one_b_keeps_less_alive_than_gpipe():
     ],
 )
 def test_pipeline_errors(overrides, message):
-    from jaxdist.mesh import check_divisibility
+    from jaxdist.validate import check_config_on_mesh
 
     config = load_config(None, [*TINY, "model.n_layers=4", *overrides])
     with pytest.raises(MeshError, match=re.escape(message)):
-        check_divisibility(parse_mesh("pipe=2"), config)
+        check_config_on_mesh(config, parse_mesh("pipe=2"))
 
 
 def test_resnet_cannot_be_staged():
-    from jaxdist.mesh import check_divisibility
+    from jaxdist.validate import check_config_on_mesh
 
     with pytest.raises(MeshError, match="cannot be staged"):
-        check_divisibility(parse_mesh("data=2,pipe=2"), load_config("resnet"))
+        check_config_on_mesh(load_config("resnet"), parse_mesh("data=2,pipe=2"))
 
 
 def test_positional_three_factors_are_data_tensor_pipe():

@@ -14,7 +14,7 @@ import yaml
 from jaxdist.config import load_config
 from jaxdist.errors import NonFiniteLoss
 from jaxdist.mesh import parse_mesh
-from jaxdist.train import build_trainer, run
+from jaxdist.run import build_trainer, run
 
 from helpers import TINY
 

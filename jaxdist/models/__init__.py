@@ -32,8 +32,7 @@ class Task:
 
 
 def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Next-token cross-entropy summed over the unmasked target tokens (the model owns
-    it: with a 1F1B pipeline the last stage computes it)."""
+    """Next-token cross-entropy summed over the unmasked target tokens."""
     return model.loss(batch)
 
 
@@ -50,17 +49,8 @@ def compute_dtype(config: Config, platform: str) -> Any:
     return jnp.dtype(name)
 
 
-def pipeline_spec(config: Config, stages: int):
-    """The pipeline schedule for a ``pipe`` axis of ``stages`` (None when it is 1)."""
-    if stages <= 1:
-        return None
-    from jaxdist.parallel.pipeline import PipelineSpec
-
-    p = config.parallel
-    return PipelineSpec(stages, p.pipeline_microbatches or stages, p.virtual_stages, p.schedule)
-
-
-def build_task(config: Config, platform: str = "cpu", pipe_stages: int = 1) -> Task:
+def build_task(config: Config, platform: str = "cpu") -> Task:
+    """The task for ``config``'s model; parallelism is applied afterwards (``jaxdist.parallel.parallelize``)."""
     cfg, dtype = config.model, compute_dtype(config, platform)
     if cfg.kind == "llama":
         from jaxdist.models.llama import Llama, count_params, flops_per_token
@@ -70,7 +60,7 @@ def build_task(config: Config, platform: str = "cpu", pipe_stages: int = 1) -> T
         if config.data.source != "synthetic":  # packed text: mask the EOD successors, maybe the documents
             keys += ["loss_mask", *(("segment_ids", "positions") if config.data.document_mask else ())]
         return Task(
-            make_model=lambda rngs: Llama(cfg, dtype=dtype, platform=platform, pipeline=pipeline_spec(config, pipe_stages), rngs=rngs),
+            make_model=lambda rngs: Llama(cfg, dtype=dtype, platform=platform, rngs=rngs),
             loss_fn=lm_loss,
             flops_per_example=flops_per_token(cfg, seq) * seq,
             tokens_per_example=seq,

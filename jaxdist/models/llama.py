@@ -7,7 +7,6 @@ activations are pinned with ``constrain``. The layers are stacked on a leading
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
@@ -16,8 +15,7 @@ import optax
 from flax import nnx
 
 from jaxdist.config import ModelConfig
-from jaxdist.parallel.pipeline import PipelineSpec, one_f_one_b_loss, pipeline_forward
-from jaxdist.sharding import active_layout, constrain
+from jaxdist.sharding import constrain
 
 Initializer = Callable[..., jax.Array]
 
@@ -129,11 +127,13 @@ _REMAT_POLICIES = {
 
 
 class Llama(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, platform: str = "cpu", pipeline: PipelineSpec | None = None, rngs: nnx.Rngs):
+    """The decoder, exposing its parts (embedding, stacked blocks, head and loss) so that
+    parallelism can be applied from outside (``jaxdist.parallel.pipeline``)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, platform: str = "cpu", rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.dtype = dtype
-        self.pipeline = pipeline  # None: all layers in one scan on every device
         self.embed = _param(rngs, jax.nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd)
         self.blocks = _stacked_blocks(cfg, dtype, attention_implementation(cfg, dtype, platform), rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
@@ -142,41 +142,36 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
         """Logits [batch, seq, vocab] in float32 for tokens [batch, seq]."""
-        x, aux = self._embed(tokens, positions, segment_ids)
-        graphdef, stacked = self._stacked_for_compute()
-        if self.pipeline is None:
-            x = self._run_layers(graphdef, stacked, x, aux)
-        else:
-            stage = functools.partial(self._run_layers, graphdef)
-            x = pipeline_forward(stage, stacked, x, aux, self.pipeline, active_layout().mesh)
-        return self._logits(self._head_params(), x)
+        batch = {"inputs": tokens, "positions": positions, "segment_ids": segment_ids}
+        x, aux = self.embed_tokens({k: v for k, v in batch.items() if v is not None})
+        x = self.run_layers(*self.layer_stack(), x, aux)
+        return self._logits(self.head_params(), x)
 
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(sum of next-token cross-entropy over unmasked targets, their count)."""
-        targets = {"targets": batch["targets"], "loss_mask": batch.get("loss_mask", jnp.ones(batch["targets"].shape, jnp.float32))}
-        weight = jnp.sum(targets["loss_mask"]).astype(jnp.float32)
-        if self.pipeline is None or self.pipeline.schedule != "1f1b":
-            logits = self(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
-            return _cross_entropy_sum(logits, targets), weight
-        # 1F1B: the last stage computes the loss; gradients come from the explicit schedule
-        x, aux = self._embed(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
-        graphdef, stacked = self._stacked_for_compute()
-        stage = functools.partial(self._run_layers, graphdef)
-        head_loss = lambda head, y, tgt: _cross_entropy_sum(self._logits(head, y), tgt)  # noqa: E731
-        pipelined = one_f_one_b_loss(stage, head_loss, self.pipeline, active_layout().mesh)
-        return pipelined(stacked, self._head_params(), x, aux, targets), weight
+        targets, weight = self.loss_targets(batch)
+        x, aux = self.embed_tokens(batch)
+        return self.head_loss(self.head_params(), self.run_layers(*self.layer_stack(), x, aux), targets), weight
 
-    def _embed(self, tokens, positions, segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:
+    # -- the parts -------------------------------------------------------------------
+
+    def embed_tokens(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(activations [batch, seq, d_model], per-row positions and segment ids) of ``batch['inputs']``."""
+        tokens = batch["inputs"]
+        positions = batch.get("positions")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         # Gather the table over FSDP first: a lookup into a vocab-split table then needs
         # only a masked gather plus one all-reduce over 'tensor'.
         table = constrain(self.embed[...], ("vocab", None))
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
-        aux = {"positions": positions} if segment_ids is None else {"positions": positions, "segment_ids": segment_ids}
+        aux = {"positions": positions}
+        if batch.get("segment_ids") is not None:
+            aux["segment_ids"] = batch["segment_ids"]
         return constrain(x, ("batch", "seq", "act_embed")), aux
 
-    def _stacked_for_compute(self):
+    def layer_stack(self):
+        """(graphdef, stacked block parameters) with matrices cast to the compute dtype."""
         graphdef, stacked = nnx.split(self.blocks)
         # Cast the stacked matrices to the compute dtype before the layer loop, so that
         # FSDP's per-layer all-gathers move bf16 shards, not fp32 master weights.
@@ -187,7 +182,7 @@ class Llama(nnx.Module):
         )
         return graphdef, stacked
 
-    def _run_layers(self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array]) -> jax.Array:
+    def run_layers(self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array]) -> jax.Array:
         """The layers of ``stacked`` (leading axis) applied in order, as one scan."""
         positions = aux["positions"]
         mask = _document_causal_mask(aux["segment_ids"]) if "segment_ids" in aux else None
@@ -199,9 +194,19 @@ class Llama(nnx.Module):
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         return jax.lax.scan(layer, x, stacked)[0]
 
-    def _head_params(self) -> dict[str, jax.Array]:
+    def head_params(self) -> dict[str, jax.Array]:
         head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
         return {"norm": self.final_norm.scale[...], "head": head}
+
+    def head_loss(self, head: dict[str, jax.Array], y: jax.Array, targets: dict[str, jax.Array]) -> jax.Array:
+        """Summed cross-entropy of the final activations ``y`` under ``targets``."""
+        return _cross_entropy_sum(self._logits(head, y), targets)
+
+    @staticmethod
+    def loss_targets(batch: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array]:
+        """(targets and their loss mask, the number of unmasked targets)."""
+        mask = batch.get("loss_mask", jnp.ones(batch["targets"].shape, jnp.float32))
+        return {"targets": batch["targets"], "loss_mask": mask}, jnp.sum(mask).astype(jnp.float32)
 
     def _logits(self, head: dict[str, jax.Array], x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)

@@ -1,6 +1,8 @@
 """Pipeline parallelism over the ``pipe`` mesh axis: GPipe, circular and 1F1B.
 
-The decoder's stacked layers ([L, ...], ``layers`` sharded over ``pipe``) are cut into
+Applied from outside the model (``pipelined_loss``), to any model that exposes its parts
+(``StagedModel``: embedding, stacked blocks, head and loss), the way torchtitan's
+parallelize step does. The decoder's stacked layers ([L, ...], ``layers`` sharded over ``pipe``) are cut into
 S stages of L/S layers. Inside ``jax.shard_map`` -- manual over ``pipe`` only, so the
 data / fsdp / tensor axes stay with the partitioner inside each stage -- a scan of
 ticks runs every stage in lockstep and ``ppermute`` moves activations to the next
@@ -21,49 +23,18 @@ stage (and, in 1F1B, cotangents to the previous one).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineSpec:
-    stages: int  # S: the size of the pipe axis
-    microbatches: int  # M
-    virtual: int  # V: chunks per device (circular only; 1 otherwise)
-    schedule: str
-
-    @property
-    def ticks(self) -> int:
-        if self.schedule == "1f1b":
-            return self.microbatches + 2 * self.stages - 2
-        return self.virtual * self.microbatches + self.stages - 1
-
-    @property
-    def bubble(self) -> float:
-        """Idle share of the ticks: (ticks - useful ticks) / ticks."""
-        return (self.ticks - self.virtual * self.microbatches) / self.ticks
-
-
-def validate(spec: PipelineSpec, n_layers: int) -> str | None:
-    """The reason this spec cannot stage ``n_layers`` layers, or None."""
-    if spec.schedule not in SCHEDULES:
-        return f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {spec.schedule!r}"
-    if spec.schedule != "circular" and spec.virtual != 1:
-        return f"parallel.virtual_stages={spec.virtual} needs parallel.schedule=circular"
-    if n_layers % (spec.stages * spec.virtual):
-        return f"model.n_layers ({n_layers}) must be divisible by pipe x virtual stages ({spec.stages} x {spec.virtual})"
-    if spec.microbatches < spec.stages:
-        return f"parallel.pipeline_microbatches ({spec.microbatches}) must be >= the pipe axis ({spec.stages}) for the {spec.schedule} schedule"
-    return None
-
+from jaxdist.parallel.microbatch import merge_microbatches, split_microbatches
+from jaxdist.parallel.schedule import PipelineSpec
+from jaxdist.sharding import active_layout
 
 # -- layouts ------------------------------------------------------------------------------
 
@@ -81,15 +52,6 @@ def stage_major(layer_params: Any, spec: PipelineSpec) -> Any:
         return jnp.swapaxes(x.reshape(v, s, k, *x.shape[1:]), 0, 1)
 
     return jax.tree.map(one, layer_params)
-
-
-def split_microbatches(x: jax.Array, m: int) -> jax.Array:
-    """[B, ...] -> [M, B/M, ...] taking every M-th row (each device keeps its rows)."""
-    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
-
-
-def merge_microbatches(x: jax.Array) -> jax.Array:
-    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def _index(tree: Any, i: jax.Array) -> Any:
@@ -270,4 +232,42 @@ def one_f_one_b_loss(stage_fn: StageFn, head_loss_fn: HeadLossFn, spec: Pipeline
         return scale(g_layers), scale(g_head), scale(dx), no_gradient(aux), no_gradient(targets)
 
     loss.defvjp(forward, backward)
+    return loss
+
+
+# -- applying a schedule to a model from outside ------------------------------------------
+
+
+class StagedModel(Protocol):
+    """The parts a model exposes so that a schedule can run it (``models.llama.Llama`` does)."""
+
+    def embed_tokens(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]: ...  # (x, per-row aux)
+
+    def layer_stack(self) -> tuple[Any, Any]: ...  # (graphdef, params stacked on a leading layer axis)
+
+    def run_layers(self, graphdef: Any, stacked: Any, x: jax.Array, aux: dict[str, jax.Array]) -> jax.Array: ...
+
+    def head_params(self) -> Any: ...
+
+    def head_loss(self, head: Any, y: jax.Array, targets: dict[str, jax.Array]) -> jax.Array: ...  # summed loss
+
+    def loss_targets(self, batch: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array]: ...  # (targets, weight)
+
+
+def pipelined_loss(spec: PipelineSpec) -> Callable[[StagedModel, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]:
+    """A task loss ``(model, batch) -> (loss sum, weight)`` that runs the model's layers
+    through ``spec``'s schedule over the mesh's pipe axis; embedding and head run outside
+    the pipeline (GPipe, circular) or on the last stage (1F1B)."""
+
+    def loss(model: StagedModel, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        x, aux = model.embed_tokens(batch)
+        graphdef, stacked = model.layer_stack()
+        stage = functools.partial(model.run_layers, graphdef)
+        targets, weight = model.loss_targets(batch)
+        mesh = active_layout().mesh
+        if spec.schedule == "1f1b":
+            return one_f_one_b_loss(stage, model.head_loss, spec, mesh)(stacked, model.head_params(), x, aux, targets), weight
+        y = pipeline_forward(stage, stacked, x, aux, spec, mesh)
+        return model.head_loss(model.head_params(), y, targets), weight
+
     return loss

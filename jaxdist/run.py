@@ -1,0 +1,204 @@
+"""One training run as a library: devices, trainer, data, resume, the loop.
+
+``python -m jaxdist.train`` is a thin CLI over ``run``; ``analyze``, ``supervise`` and
+the experiments import ``prepare_devices`` and ``build_trainer`` from here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from pathlib import Path
+
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+from jaxdist.mesh import MeshSizes, ensure_fake_cpu_devices, gpu_plugin_installed, mesh_device_count, parse_mesh
+from jaxdist.validate import check_config_on_mesh
+
+DEFAULT_FAKE_DEVICES = 8  # `--mesh auto` without an accelerator
+
+
+def prepare_devices(config: Config, num_processes: int = 1) -> MeshSizes | None:
+    """Validate the mesh against the config; on CPU ask for enough fake devices (split
+    over the processes), on GPU set the communication-overlap XLA flags.
+
+    Runs before JAX starts its backend. Returns the mesh sizes (None for ``auto``).
+    """
+    sizes = parse_mesh(config.parallel.mesh)
+    if config.parallel.dcn_mesh:
+        parse_mesh(config.parallel.dcn_mesh)  # reject a malformed spec before JAX starts
+    if sizes is not None:
+        resolve_vocab(config)
+        check_config_on_mesh(config, sizes)  # warnings are printed once, by build_trainer
+    if gpu_plugin_installed():
+        from jaxdist.xla_flags import apply_gpu_defaults
+
+        apply_gpu_defaults()
+    elif sizes is not None:
+        if mesh_device_count(sizes) % num_processes:
+            raise JaxdistError(
+                f"mesh {config.parallel.mesh} ({mesh_device_count(sizes)} devices) does not split over {num_processes} processes"
+            )
+        ensure_fake_cpu_devices(mesh_device_count(sizes) // num_processes)
+    else:
+        ensure_fake_cpu_devices(DEFAULT_FAKE_DEVICES)
+    return sizes
+
+
+def resolve_vocab(config: Config) -> None:
+    """``model.vocab_size=0`` follows the data's tokenizer (padded to a multiple of 128)."""
+    from jaxdist.data.sources import data_vocab_size, pad_vocab
+
+    if config.model.kind != "llama":
+        return
+    needed = data_vocab_size(config)
+    if config.model.vocab_size == 0:
+        config.model.vocab_size = pad_vocab(needed)
+    elif config.model.vocab_size < needed:
+        raise JaxdistError(f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's {needed} ids")
+
+
+def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
+    """Task, mesh and Trainer for ``config``; nothing is allocated yet (shapes only)."""
+    import jax
+
+    from jaxdist.mesh import auto_mesh, build_mesh
+    from jaxdist.models import build_task
+    from jaxdist.parallel import parallelize
+    from jaxdist.sharding import Layout, resolve_strategy
+    from jaxdist.trainer import Trainer
+
+    devices = list(jax.devices() if devices is None else devices)
+    resolve_vocab(config)
+    task = build_task(config, devices[0].platform)
+    if mesh_sizes is None:
+        mesh_sizes = auto_mesh(len(devices), task.n_params)
+    for warning in check_config_on_mesh(config, mesh_sizes):
+        if jax.process_index() == 0:
+            print(warning, file=sys.stderr)
+    dcn = parse_mesh(config.parallel.dcn_mesh) if config.parallel.dcn_mesh else None
+    mesh = build_mesh(mesh_sizes, devices, dcn)
+    layout = Layout(mesh, resolve_strategy(config.parallel.strategy, mesh_sizes))
+    return Trainer(parallelize(task, config, mesh_sizes), config, layout)
+
+
+def enable_compile_cache(config: Config, run_dir: Path | None) -> Path | None:
+    """XLA's persistent compilation cache, so a restarted run does not compile again.
+
+    ``train.compile_cache``: ``auto`` (``RUN_DIR/xla_cache``; none without a run dir),
+    ``off``, or a directory. The cache is per process: the first run that sets it wins.
+    """
+    import jax
+
+    choice = config.train.compile_cache
+    if choice == "off" or (choice == "auto" and run_dir is None):
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    path = run_dir / "xla_cache" if choice == "auto" else Path(choice)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
+
+
+def run(
+    config: Config,
+    mesh_sizes: MeshSizes | None,
+    run_dir: Path | None,
+    *,
+    devices=None,
+    progress: bool = True,
+    resume: str = "auto",
+    print_lines: bool = False,
+):
+    """Train ``config`` on a mesh until ``train.steps``; returns the loop's result.
+
+    With a run directory: checkpoints under it, resumes per ``resume``, and saves and
+    raises ``Preempted`` on SIGTERM / SIGINT.
+    """
+    import jax
+
+    from jaxdist.checkpoint import Checkpointer, checkpoint_steps, parse_resume, warn
+    from jaxdist.data.pipeline import eval_batches, make_iterator
+    from jaxdist.mesh import format_mesh
+    from jaxdist.metrics import MetricsLogger, peak_flops_per_device
+    from jaxdist.preemption import PreemptionWatcher
+    from jaxdist.resume import continue_data, restore_checkpoint
+    from jaxdist.trainer import LoopHooks, train_loop
+
+    trainer = build_trainer(config, mesh_sizes, devices)
+    task, layout, mesh = trainer.task, trainer.layout, trainer.layout.mesh
+    devices = list(mesh.devices.flat)
+    batches = make_iterator(config, layout)  # opens the data: its errors come before anything is written
+    if run_dir is not None:
+        mode, _, _ = parse_resume(resume, run_dir / "checkpoints")
+        if mode == "never" and checkpoint_steps(run_dir / "checkpoints"):
+            raise JaxdistError(f"--resume never: {run_dir} already has checkpoints; choose another --run-dir")
+
+    is_main = jax.process_index() == 0
+    checkpointer = None
+    if run_dir is not None:
+        if is_main:
+            create_run_dir(run_dir, config)
+        checkpointer = Checkpointer(run_dir / "checkpoints", config.checkpoint)
+    enable_compile_cache(config, run_dir)
+    t = config.train
+    logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress, print_lines=print_lines)
+    try:
+        restored = restore_checkpoint(trainer, config, run_dir, resume, checkpointer, warn) if checkpointer else None
+        if restored is None:
+            state = trainer.init_state(t.seed)
+        else:
+            state = restored.state
+            batches = continue_data(batches, restored, config, layout, warn)
+            saved_mesh = restored.config.get("parallel", {}).get("mesh", "?")
+            logger.message(f"jaxdist: resumed from step {restored.step} ({restored.path}; saved on mesh {saved_mesh})")
+            logger.advance(restored.step)
+        logger.message(
+            f"jaxdist: {config.name} | {trainer.n_params / 1e6:.2f}M params | mesh {format_mesh(dict(mesh.shape))} "
+            f"({mesh.size} {devices[0].platform}) | strategy {layout.strategy} | run dir {run_dir}"
+        )
+        first = next(batches)
+        compile_start = time.perf_counter()
+        step_fn = trainer.train_step.lower(state, first).compile()
+        logger.message(f"jaxdist: train step compiled in {time.perf_counter() - compile_start:.1f}s")
+        hooks = LoopHooks(
+            eval_batches=lambda: eval_batches(config, layout),
+            checkpointer=checkpointer,
+            data_state=batches.get_state,
+            config_dict=config.to_dict(),
+        )
+        with PreemptionWatcher(multi_process=jax.process_count() > 1) as hooks.preemption:
+            return train_loop(
+                trainer,
+                state,
+                itertools.chain([first], batches),
+                step_fn=step_fn,
+                steps=t.steps,
+                logger=logger,
+                flops_per_step=task.flops_per_example * t.global_batch,
+                peak_flops=peak_flops_per_device(devices, t.peak_flops),
+                tokens_per_step=task.tokens_per_example * t.global_batch,
+                hooks=hooks,
+            )
+    finally:
+        batches.close()
+        if checkpointer is not None:
+            checkpointer.wait()
+            checkpointer.close()
+        logger.close()
+
+
+def create_run_dir(run_dir: Path, config: Config) -> None:
+    import yaml
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    except OSError as e:
+        raise JaxdistError(f"cannot write run directory {run_dir}: {e.strerror}") from None
+
+
+def default_run_dir(config: Config) -> Path:
+    return Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"

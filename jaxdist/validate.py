@@ -1,0 +1,110 @@
+"""Does this config fit this mesh? Every mesh-dependent check, in one place.
+
+Pure Python, so the CLI rejects a bad combination before JAX starts. A dimension that a
+mesh axis does not divide is an error rather than a silent replication; where
+replication is the right answer (e.g. ZeRO-1 on a mesh with nothing to shard over), the
+check returns a one-line warning for the caller to print.
+"""
+
+from __future__ import annotations
+
+from jaxdist.config import Config
+from jaxdist.errors import ConfigError, MeshError
+from jaxdist.mesh import MeshSizes
+from jaxdist.parallel.schedule import pipeline_spec, validate
+
+ZERO_STAGES = ("dp", "zero1", "fsdp")
+
+
+def zero_stage(strategy: str, sizes: MeshSizes) -> str:
+    """``parallel.strategy`` -> dp | zero1 | fsdp (``auto``: fsdp when the mesh has an fsdp axis)."""
+    zero = next((p for p in strategy.split("+") if p in ZERO_STAGES), "auto")
+    if zero == "auto":
+        zero = "fsdp" if sizes.get("fsdp", 1) > 1 else "dp"
+    return zero
+
+
+def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
+    """Raise ``MeshError`` / ``ConfigError`` for a config the mesh cannot run; return warnings."""
+    warnings: list[str] = []
+    _check_batch(config, sizes)
+    _check_strategy(config, sizes, warnings)
+    if config.model.kind == "llama":
+        _check_llama(config, sizes)
+    else:
+        _check_resnet(config, sizes)
+    if sizes["pipe"] > 1:
+        _check_pipeline(config, sizes)
+    return warnings
+
+
+def _check_batch(config: Config, sizes: MeshSizes) -> None:
+    t = config.train
+    shards = sizes["data"] * sizes["fsdp"]
+    if t.global_batch % (shards * t.microbatches):
+        raise MeshError(
+            f"train.global_batch ({t.global_batch}) must be divisible by data x fsdp ({shards}) x train.microbatches ({t.microbatches})"
+        )
+
+
+def _check_strategy(config: Config, sizes: MeshSizes, warnings: list[str]) -> None:
+    name = config.parallel.strategy
+    if "tp" in name.split("+") and sizes["tensor"] == 1:
+        raise ConfigError(f"parallel.strategy {name!r} asks for tensor parallelism but the mesh has no tensor axis")
+    zero = zero_stage(name, sizes)
+    if zero == "fsdp" and sizes["fsdp"] == 1:
+        raise ConfigError(
+            f"parallel.strategy {name!r} shards parameters over the fsdp mesh axis, but the mesh has none (e.g. --mesh fsdp=8 or data=2,fsdp=4)"
+        )
+    if zero == "zero1" and sizes["data"] * sizes["fsdp"] == 1:
+        warnings.append(
+            "jaxdist: warning: parallel.strategy=zero1 on a mesh without data or fsdp axes: the optimizer state stays replicated"
+        )
+
+
+def _embed_shards(config: Config, sizes: MeshSizes) -> tuple[int, str]:
+    """How many ways the ``embed`` dimension of parameters or moments is split, and over what."""
+    zero = zero_stage(config.parallel.strategy, sizes)
+    if zero == "fsdp":
+        return sizes["fsdp"], "the fsdp axis"
+    if zero == "zero1":
+        return sizes["data"] * sizes["fsdp"], "data x fsdp (ZeRO-1 optimizer state)"
+    return 1, ""
+
+
+def _check_llama(config: Config, sizes: MeshSizes) -> None:
+    m = config.model
+    tensor = sizes["tensor"]
+    if tensor > 1:
+        dims = [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("mlp width", m.resolved_mlp_dim)]
+        if m.vocab_size:  # 0 is resolved from the tokenizer (a multiple of 128) before the mesh is built
+            dims.append(("model.vocab_size", m.vocab_size))
+        for name, value in dims:
+            if value % tensor:
+                raise MeshError(f"{name} ({value}) must be divisible by the tensor axis ({tensor})")
+    shards, over = _embed_shards(config, sizes)
+    if shards > 1 and m.d_model % shards:
+        raise MeshError(f"model.d_model ({m.d_model}) must be divisible by {over} ({shards}): it is the dimension that is sharded")
+
+
+def _check_resnet(config: Config, sizes: MeshSizes) -> None:
+    if sizes["tensor"] > 1 or sizes["pipe"] > 1:
+        raise MeshError("model.kind=resnet supports data and fsdp axes, not tensor or pipe (it cannot be staged)")
+    shards, over = _embed_shards(config, sizes)
+    for width in config.model.resnet_widths:
+        if shards > 1 and width % shards:
+            raise MeshError(f"model.resnet_widths entry {width} must be divisible by {over} ({shards}): channels are what is sharded")
+
+
+def _check_pipeline(config: Config, sizes: MeshSizes) -> None:
+    t = config.train
+    spec = pipeline_spec(config.parallel, sizes["pipe"])
+    problem = validate(spec, config.model.n_layers)
+    if problem:
+        raise MeshError(problem)
+    shards = sizes["data"] * sizes["fsdp"]
+    if t.global_batch % (shards * t.microbatches * spec.microbatches):
+        raise MeshError(
+            f"train.global_batch ({t.global_batch}) must be divisible by data x fsdp ({shards}) x train.microbatches "
+            f"({t.microbatches}) x parallel.pipeline_microbatches ({spec.microbatches})"
+        )
