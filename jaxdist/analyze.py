@@ -472,16 +472,22 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def build_arg_parser():
+    from jaxdist.cli import config_arg_parser
+
+    parser = config_arg_parser(
+        "python -m jaxdist.analyze", "Compile the train step on abstract shapes and report memory, FLOPs and collectives."
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxdist.cli import config_arg_parser, config_from_args, parse_args
+    from jaxdist.cli import config_from_args, parse_args
     from jaxdist.run import prepare_devices
 
     try:
-        parser = config_arg_parser(
-            "python -m jaxdist.analyze", "Compile the train step on abstract shapes and report memory, FLOPs and collectives."
-        )
-        parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-        args = parse_args(parser, argv)
+        args = parse_args(build_arg_parser(), argv)
         config = config_from_args(args)
         sizes = prepare_devices(config)  # before JAX starts: fake CPU devices for the mesh
         report = analyze(config, sizes)

@@ -35,7 +35,7 @@ class ModelConfig:
     dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     param_dtype: str = "float32"
     remat: str = "none"  # none | full | save_matmuls
-    attention: str = "auto"  # auto (cuDNN flash attention on GPU when it applies) | xla | cudnn
+    attention: str = "auto"  # auto (cuDNN flash attention on GPU when it applies, packed documents too) | xla | cudnn | pallas
     # resnet only
     image_size: int = 32
     num_classes: int = 10
@@ -231,7 +231,7 @@ def validate(config: Config) -> None:
     _require(m.kind in ("llama", "resnet"), f"model.kind must be llama or resnet, got {m.kind!r}")
     _require(m.dtype in ("auto", "float32", "bfloat16"), f"model.dtype must be auto, float32 or bfloat16, got {m.dtype!r}")
     _require(m.param_dtype in ("float32", "bfloat16"), f"model.param_dtype must be float32 or bfloat16, got {m.param_dtype!r}")
-    _require(m.attention in ("auto", "xla", "cudnn"), f"model.attention must be auto, xla or cudnn, got {m.attention!r}")
+    _require(m.attention in ("auto", "xla", "cudnn", "pallas"), f"model.attention must be auto, xla, cudnn or pallas, got {m.attention!r}")
     _require(m.remat in ("none", "full", "save_matmuls"), f"model.remat must be none, full or save_matmuls, got {m.remat!r}")
     _require(m.vocab_size >= 0, f"model.vocab_size must be >= 0 (0: from the tokenizer), got {m.vocab_size}")
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads"):

@@ -13,14 +13,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Dense bf16 peak per device (FLOP/s), by substring of jax's device_kind.
-GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-}
+# Dense bf16 peak per device (FLOP/s) from the vendors' datasheets, by substring of jax's
+# device_kind; the first match wins, so the PCIe and NVL variants come before plain H100.
+GPU_PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H200", 989e12),
+    ("H100", 989e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 125e12),
+)
 
 
 @functools.cache
@@ -46,13 +49,13 @@ def peak_flops_per_device(devices: list, override: float = 0.0) -> float:
     if override > 0:
         return override
     kind = devices[0].device_kind
-    for name, peak in GPU_PEAK_FLOPS.items():
+    for name, peak in GPU_PEAK_FLOPS:
         if name.lower() in kind.lower():
             return peak
     if devices[0].platform == "cpu":
         local = sum(1 for d in devices if d.process_index == devices[0].process_index)
         return measured_cpu_peak_flops() / max(local, 1)
-    return math.nan  # unknown accelerator: MFU is reported as NaN rather than guessed
+    return math.nan  # unknown accelerator: MFU is logged as null rather than guessed (set train.peak_flops)
 
 
 class MetricsLogger:
@@ -80,15 +83,16 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: _plain(v) for k, v in values.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")  # strict JSON: unknown is null
         for key, value in record.items():
-            if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+            if key != "step" and isinstance(value, int | float):
                 self._tb.add_scalar(key, value, step)
         if "loss" in record and self._bar is not None:
-            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_sec', 0):.0f}", refresh=False)
+            self._bar.set_postfix(loss=_show(record["loss"], ".4f"), tok_s=_show(record.get("tokens_per_sec"), ".0f"), refresh=False)
         elif "loss" in record and self.print_lines:  # no terminal: one line per logged step
             print(
-                f"step {step} | loss {record['loss']:.4f} | {record.get('tokens_per_sec', 0):,.0f} tok/s | mfu {record.get('mfu', 0):.3f}",
+                f"step {step} | loss {_show(record['loss'], '.4f')} | {_show(record.get('tokens_per_sec'), ',.0f')} tok/s "
+                f"| mfu {_show(record.get('mfu'), '.3f')}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -114,8 +118,16 @@ class MetricsLogger:
             self._jsonl.close()
 
 
+def _show(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def _plain(value: Any) -> Any:
+    """A JSON value: numbers as float, NaN / inf as null (strict JSON has no NaN)."""
+    if isinstance(value, int | str | bool) or value is None:
+        return value
     try:
-        return float(value) if not isinstance(value, int | str | bool) else value
+        number = float(value)
     except (TypeError, ValueError):
         return str(value)
+    return number if math.isfinite(number) else None

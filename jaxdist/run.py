@@ -74,9 +74,9 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
     task = build_task(config, devices[0].platform)
     if mesh_sizes is None:
         mesh_sizes = auto_mesh(len(devices), task.n_params)
-    for warning in check_config_on_mesh(config, mesh_sizes):
+    for line in (*task.notes, *check_config_on_mesh(config, mesh_sizes)):
         if jax.process_index() == 0:
-            print(warning, file=sys.stderr)
+            print(line, file=sys.stderr)
     dcn = parse_mesh(config.parallel.dcn_mesh) if config.parallel.dcn_mesh else None
     mesh = build_mesh(mesh_sizes, devices, dcn)
     layout = Layout(mesh, resolve_strategy(config.parallel.strategy, mesh_sizes))

@@ -89,8 +89,11 @@ def rules_for(strategy: Strategy, *, optimizer_state: bool = False) -> Rules:
     return rules
 
 
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], rules: Rules, mesh: Mesh) -> PartitionSpec:
-    """Map logical names to a PartitionSpec; skip size-1 axes, reused axes and non-divisors."""
+def logical_to_spec(
+    axes: Sequence[str | None], shape: Sequence[int], rules: Rules, mesh: Mesh, *, not_divisible: list | None = None
+) -> PartitionSpec:
+    """Map logical names to a PartitionSpec; skip size-1 axes, reused axes and non-divisors
+    (each non-divisor is appended to ``not_divisible`` as (name, dim, mesh axis, size))."""
     used: set[str] = set()
     spec: list[Any] = []
     for name, dim in zip(axes, shape, strict=True):
@@ -102,6 +105,8 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], rules: Rul
             if size == 1 or mesh_axis in used:
                 continue
             if dim % (size * _prod(mesh.shape[a] for a in chosen)):
+                if not_divisible is not None:
+                    not_divisible.append((name, dim, mesh_axis, size))
                 continue
             chosen.append(mesh_axis)
         used.update(chosen)
@@ -120,20 +125,32 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def tree_shardings(tree: Any, rules: Rules, mesh: Mesh) -> Any:
-    """NamedShardings for a pytree whose nnx Variables carry ``axes`` metadata; others replicate."""
+def tree_shardings(tree: Any, rules: Rules, mesh: Mesh, *, replicated: dict[tuple, str] | None = None) -> Any:
+    """NamedShardings for a pytree whose nnx Variables carry ``axes`` metadata; others replicate.
 
-    def one(leaf: Any) -> Any:
+    A dimension a rule would shard but its mesh axis does not divide stays replicated over
+    that axis; ``replicated`` collects one line per (name, dim, axis) saying so.
+    """
+
+    def one(path, leaf: Any) -> Any:
         if _is_variable(leaf):
             axes = leaf.get_metadata().get("axes")
             value = leaf.get_value() if hasattr(leaf, "get_value") else leaf.value
             shape = getattr(value, "shape", ())
             if axes is None or len(axes) != len(shape):
                 return leaf.replace(NamedSharding(mesh, PartitionSpec()))
-            return leaf.replace(NamedSharding(mesh, logical_to_spec(axes, shape, rules, mesh)))
+            skipped: list = []
+            spec = logical_to_spec(axes, shape, rules, mesh, not_divisible=skipped)
+            for name, dim, axis, size in skipped if replicated is not None else ():
+                replicated.setdefault(
+                    (name, dim, axis),
+                    f"jaxdist: warning: {jax.tree_util.keystr(path)}: its {name!r} dimension ({dim}) does not divide over mesh axis "
+                    f"{axis!r} ({size}); replicated over {axis!r}",
+                )
+            return leaf.replace(NamedSharding(mesh, spec))
         return NamedSharding(mesh, PartitionSpec())
 
-    return jax.tree.map(one, tree, is_leaf=_is_variable)
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_variable)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,12 +46,16 @@ class Trainer:
         abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
         self.n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
         mesh = layout.mesh
-        self.param_shardings = tree_shardings(abstract_params, layout.param_rules, mesh)
+        replicated: dict[tuple, str] = {}  # no silent replication: one line per dimension a mesh axis cannot split
+        self.param_shardings = tree_shardings(abstract_params, layout.param_rules, mesh, replicated=replicated)
         self.state_shardings = TrainState(
             step=layout.replicated(),
             params=self.param_shardings,
-            opt_state=tree_shardings(abstract_opt, layout.opt_rules, mesh),
+            opt_state=tree_shardings(abstract_opt, layout.opt_rules, mesh, replicated=replicated),
         )
+        if jax.process_index() == 0:
+            for line in replicated.values():
+                print(line, file=sys.stderr)
         self._abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt)
         self.train_step = jax.jit(
             self._train_step,
@@ -164,7 +169,8 @@ class Trainer:
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state.step)}
+        # The rate this update used: the optimizer's own step count, which skipped steps do not advance.
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(optimizer_step(state.opt_state))}
         if self.config.train.nonfinite == "skip":  # drop a non-finite update; the step still counts
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
@@ -176,6 +182,12 @@ class Trainer:
         with activation_layout(self.layout):
             loss_sum, weight = self._loss(params, batch)
         return jnp.stack([loss_sum, weight])
+
+
+def optimizer_step(opt_state: Any) -> jax.Array:
+    """The update count the optimizer's schedule reads (optax keeps it in its states)."""
+    counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    return counts[-1][1] if counts else jnp.zeros((), jnp.int32)
 
 
 @dataclasses.dataclass
@@ -226,6 +238,7 @@ def train_loop(
     result = LoopResult(state, [], {})
     pending: list[dict[str, jax.Array]] = []
     window_start, data_wait = time.perf_counter(), 0.0
+    skips_in_a_row = 0
     for step in range(start_step + 1, steps + 1):
         wait_start = time.perf_counter()
         batch = next(batches)
@@ -246,11 +259,18 @@ def train_loop(
         step_time = (time.perf_counter() - window_start) / len(fetched)
         for offset, m in enumerate(fetched):
             loss = float(m["loss"])
-            result.skipped_steps += int(m.get("skipped", False))
+            at_step = step - len(fetched) + 1 + offset
             if not math.isfinite(loss) and "skipped" not in m:
-                first_bad = step - len(fetched) + 1 + offset
                 raise NonFiniteLoss(
-                    f"loss is {loss} at step {first_bad}; stopping (lower train.lr, check the data, or train.nonfinite=skip){_last_saved(checkpointer)}"
+                    f"loss is {loss} at step {at_step}; stopping (lower train.lr, check the data, or train.nonfinite=skip){_last_saved(checkpointer)}"
+                )
+            skipped = bool(m.get("skipped", False))
+            result.skipped_steps += skipped
+            skips_in_a_row = skips_in_a_row + 1 if skipped else 0
+            if skips_in_a_row > cfg.max_skips:
+                raise NonFiniteLoss(
+                    f"{skips_in_a_row} non-finite steps in a row up to step {at_step} (train.max_skips={cfg.max_skips}); "
+                    f"stopping{_last_saved(checkpointer)}"
                 )
             result.losses.append(loss)
         latest = fetched[-1]

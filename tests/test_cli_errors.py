@@ -96,3 +96,73 @@ def test_errors_come_before_jax_starts(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == "jaxdist: error: mesh 'foo=2': unknown axis 'foo' (axes: data, pipe, fsdp, tensor)"
+
+
+@pytest.mark.parametrize("tool", ["train", "analyze"])
+def test_flags_and_overrides_mix_in_any_order(tool):
+    from jaxdist import analyze, train
+    from jaxdist.cli import config_from_args, parse_args
+
+    parser = {"train": train, "analyze": analyze}[tool].build_arg_parser()
+    argv = ["--config", "tiny", "model.dtype=float32", "--mesh", "data=2", "--steps", "2", "train.lr=0.001", "model.n_layers=3"]
+    config = config_from_args(parse_args(parser, argv))
+    assert (config.model.dtype, config.parallel.mesh, config.train.steps) == ("float32", "data=2", 2)
+    assert (config.train.lr, config.model.n_layers) == (0.001, 3)
+
+
+NO_SILENT_REPLICATION = {
+    "d_model vs fsdp": (
+        ["--mesh", "fsdp=8", "model.d_model=36", "model.n_heads=2", "model.n_kv_heads=2"],
+        "model.d_model (36) must be divisible by the fsdp axis (8)",
+    ),
+    "d_model vs zero1 shards": (
+        ["--mesh", "data=8", "parallel.strategy=zero1", "model.d_model=36", "model.n_heads=2", "model.n_kv_heads=2"],
+        "model.d_model (36) must be divisible by data x fsdp",
+    ),
+    "vocab vs tensor": (["--mesh", "tensor=4", "model.vocab_size=258"], "model.vocab_size (258) must be divisible by the tensor axis (4)"),
+    "fsdp strategy without fsdp axis": (["--mesh", "data=8", "parallel.strategy=fsdp"], "the mesh has none"),
+    "resnet width vs fsdp": (["--config", "resnet", "--mesh", "fsdp=8", "model.resnet_widths=[12,24]"], "resnet_widths entry 12"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NO_SILENT_REPLICATION))
+def test_dimensions_a_mesh_axis_cannot_split_are_errors(case, tmp_path, capsys):
+    argv, expected = NO_SILENT_REPLICATION[case]
+    assert main([*argv, "--run-dir", str(tmp_path / "run"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_zero1_with_nothing_to_shard_over_warns():
+    from jaxdist.validate import check_config_on_mesh
+
+    config = load_config(None, ["parallel.strategy=zero1"])
+    warnings = check_config_on_mesh(config, parse_mesh("tensor=2"))
+    assert len(warnings) == 1 and "optimizer state stays replicated" in warnings[0]
+    assert check_config_on_mesh(config, parse_mesh("data=2")) == []
+
+
+def test_a_custom_model_dimension_that_does_not_divide_is_reported(capsys):
+    """The rules' own guard, for any NNX model: a dimension that a mesh axis cannot split
+    is replicated over it and named in one warning line."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxdist.mesh import build_mesh
+    from jaxdist.sharding import Strategy, rules_for, tree_shardings
+
+    class Odd(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros((6, 16)), axes=("embed", "mlp"))
+            self.v = nnx.Param(jnp.zeros((16, 8)), axes=("embed", "mlp"))
+
+    params = nnx.state(nnx.eval_shape(Odd))
+    mesh = build_mesh(parse_mesh("fsdp=4"), jax.devices()[:4])
+    replicated: dict = {}
+    shardings = tree_shardings(params, rules_for(Strategy("fsdp", False)), mesh, replicated=replicated)
+    assert shardings["w"].get_value().spec == jax.sharding.PartitionSpec(None, None)
+    assert shardings["v"].get_value().spec == jax.sharding.PartitionSpec("fsdp", None)
+    (line,) = replicated.values()
+    assert "['w']" in line and "'embed' dimension (6)" in line and "'fsdp' (4)" in line

@@ -118,5 +118,79 @@ def test_non_finite_loss_stops_the_run():
 def test_same_seed_same_losses_different_seed_differs():
     from helpers import train_losses
 
-    np.testing.assert_array_equal(train_losses("data=1"), train_losses("data=1", ("train.seed=0",)))
-    assert train_losses("data=1", ("train.seed=1",))[0] != train_losses("data=1")[0]
+    def fresh_run(seed: int) -> list[float]:  # not the cached helper: a second, independent run
+        config = load_config(None, [*TINY, "train.steps=5", f"train.seed={seed}"])
+        return run(config, parse_mesh("data=1"), None, devices=jax.devices()[:1], progress=False).losses
+
+    np.testing.assert_array_equal(fresh_run(1), train_losses("data=1", ("train.seed=1",)))
+    assert fresh_run(2)[0] != train_losses("data=1", ("train.seed=1",))[0]
+
+
+EXPLODE = ("train.lr=1e30", "train.warmup_steps=0", "train.grad_clip=0", "train.nonfinite=skip")
+
+
+def test_skipped_steps_do_not_advance_the_logged_learning_rate(tmp_path):
+    """After step 1 every update overflows and is dropped: the optimizer's step count stays
+    at 1, so the rate it would apply (and the logged lr) stays at the schedule's step-1 value."""
+    config = load_config(None, [*TINY, "train.steps=5", *EXPLODE, "checkpoint.every_steps=0"])
+    result = run(config, parse_mesh("data=2"), tmp_path, devices=jax.devices()[:2], progress=False)
+    lrs = [line["lr"] for line in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "lr" in line]
+    assert result.skipped_steps == 4 and len(lrs) == 5
+    assert lrs[1] < lrs[0] and lrs[1:] == [lrs[1]] * 4, lrs  # cosine decay moved once, then the count stood still
+    from jaxdist.trainer import optimizer_step
+
+    assert int(optimizer_step(result.state.opt_state)) == 1
+
+
+def test_too_many_skips_in_a_row_halt_the_run():
+    config = load_config(None, [*TINY, "train.steps=8", *EXPLODE, "train.max_skips=2"])
+    with pytest.raises(NonFiniteLoss, match=r"3 non-finite steps in a row up to step 4 \(train.max_skips=2\)"):
+        run(config, parse_mesh("data=2"), None, devices=jax.devices()[:2], progress=False)
+
+
+def test_metrics_are_strict_json_with_null_for_unknown(tmp_path):
+    from jaxdist.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, 1, progress=False, print_lines=True)
+    logger.log(1, {"loss": 2.5, "mfu": float("nan"), "grad_norm": np.float32(np.inf)})
+    logger.close()
+
+    def reject(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line, parse_constant=reject) == {"step": 1, "loss": 2.5, "mfu": None, "grad_norm": None}
+
+
+@pytest.mark.parametrize(
+    ("kind", "peak"),
+    [
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("Mystery X1", None),
+    ],
+)
+def test_peak_flops_by_device_kind(kind, peak):
+    from types import SimpleNamespace
+
+    from jaxdist.metrics import peak_flops_per_device
+
+    found = peak_flops_per_device([SimpleNamespace(device_kind=kind, platform="gpu", process_index=0)])
+    assert found == peak if peak else math.isnan(found)
+
+
+def test_logged_mfu_matches_a_hand_computation(tmp_path):
+    """MFU from the logged tokens/s, a parameter count taken from the initialised state
+    (not the config formula), attention FLOPs for causal attention, and a fixed peak."""
+    peak = 1e12
+    config = load_config(None, [*TINY, "train.steps=3", f"train.peak_flops={peak}", "checkpoint.every_steps=0"])
+    result = run(config, parse_mesh("data=2"), tmp_path, devices=jax.devices()[:2], progress=False)
+    params = jax.device_get(result.state.params)
+    n_matmul = sum(x.size for x in jax.tree.leaves(params)) - params["embed"][...].size  # the lookup table does no matmul
+    m, seq = config.model, config.train.seq_len
+    attention = 2 * 2 * m.n_layers * seq * m.n_heads * (m.d_model // m.n_heads) / 2  # QK^T and AV, causal half...
+    flops_per_token = 6 * n_matmul + 3 * attention  # ...forward + backward (x3)
+    for line in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()):
+        assert line["mfu"] == pytest.approx(flops_per_token * line["tokens_per_sec"] / (2 * peak), rel=1e-6)

@@ -29,6 +29,7 @@ class Task:
     tokens_per_example: int  # what "tokens/s" counts per batch row
     n_params: int
     batch_spec: Callable[[int], dict[str, jax.ShapeDtypeStruct]]  # global batch size -> shapes
+    notes: tuple[str, ...] = ()  # weaker paths the model takes (one line each, printed once)
 
 
 def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -53,19 +54,25 @@ def build_task(config: Config, platform: str = "cpu") -> Task:
     """The task for ``config``'s model; parallelism is applied afterwards (``jaxdist.parallel.parallelize``)."""
     cfg, dtype = config.model, compute_dtype(config, platform)
     if cfg.kind == "llama":
+        from jaxdist.models.attention import choose_implementation
         from jaxdist.models.llama import Llama, count_params, flops_per_token
 
         seq = config.train.seq_len
         keys = ["inputs", "targets"]
+        packed = config.data.source != "synthetic" and config.data.document_mask
         if config.data.source != "synthetic":  # packed text: mask the EOD successors, maybe the documents
-            keys += ["loss_mask", *(("segment_ids", "positions") if config.data.document_mask else ())]
+            keys += ["loss_mask", *(("segment_ids", "positions") if packed else ())]
+        attention, note = choose_implementation(
+            cfg.attention, platform=platform, dtype=dtype, head_dim=cfg.resolved_head_dim, packed=packed
+        )
         return Task(
-            make_model=lambda rngs: Llama(cfg, dtype=dtype, platform=platform, rngs=rngs),
+            make_model=lambda rngs: Llama(cfg, dtype=dtype, attention=attention, rngs=rngs),
             loss_fn=lm_loss,
             flops_per_example=flops_per_token(cfg, seq) * seq,
             tokens_per_example=seq,
             n_params=count_params(cfg),
             batch_spec=lambda b: {k: jax.ShapeDtypeStruct((b, seq), jnp.float32 if k == "loss_mask" else jnp.int32) for k in keys},
+            notes=(f"jaxdist: {note}",) if note else (),
         )
     from jaxdist.models.resnet import ResNet, count_params, flops_per_image
 

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 
 from jaxdist.config import ModelConfig
+from jaxdist.models.attention import causal_attention
 from jaxdist.sharding import constrain
 
 Initializer = Callable[..., jax.Array]
@@ -49,19 +50,6 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention_implementation(cfg: ModelConfig, dtype, platform: str) -> str:
-    """cuDNN's fused flash attention where it applies (GPU, 16-bit, head_dim <= 128), else XLA's.
-
-    ``jax.nn.dot_product_attention`` picks XLA unless told otherwise, and XLA keeps the
-    [batch, heads, seq, seq] scores of every layer alive for the backward pass.
-    """
-    if cfg.attention != "auto":
-        return cfg.attention
-    head_dim = cfg.resolved_head_dim
-    fits = platform == "gpu" and jnp.dtype(dtype).itemsize == 2 and head_dim <= 128 and head_dim % 8 == 0
-    return "cudnn" if fits else "xla"
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, implementation: str = "xla"):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
@@ -74,16 +62,13 @@ class Attention(nnx.Module):
         self.dtype = dtype
         self.implementation = implementation
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731 - cast fp32 master weights to compute dtype
         q = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wq)), ("batch", "seq", "act_heads", None))
         k = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wk)), ("batch", "seq", "act_kv_heads", None))
         v = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wv)), ("batch", "seq", "act_kv_heads", None))
         q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
-        if mask is None:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
-        else:  # packed documents: an explicit mask, which XLA's implementation takes
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        out = causal_attention(q, k, v, segment_ids, implementation=self.implementation)
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return jnp.einsum("bthk,hkd->btd", out, w(self.wo))
 
@@ -114,8 +99,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions, mask)
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("batch", "seq", "act_embed"))
 
@@ -130,12 +115,13 @@ class Llama(nnx.Module):
     """The decoder, exposing its parts (embedding, stacked blocks, head and loss) so that
     parallelism can be applied from outside (``jaxdist.parallel.pipeline``)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, platform: str = "cpu", rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: str = "xla", rngs: nnx.Rngs):
+        """``attention``: the implementation (``models.attention.choose_implementation`` picks it)."""
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.dtype = dtype
         self.embed = _param(rngs, jax.nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd)
-        self.blocks = _stacked_blocks(cfg, dtype, attention_implementation(cfg, dtype, platform), rngs)
+        self.blocks = _stacked_blocks(cfg, dtype, attention, rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, _fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd)
@@ -185,10 +171,10 @@ class Llama(nnx.Module):
     def run_layers(self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array]) -> jax.Array:
         """The layers of ``stacked`` (leading axis) applied in order, as one scan."""
         positions = aux["positions"]
-        mask = _document_causal_mask(aux["segment_ids"]) if "segment_ids" in aux else None
+        segment_ids = aux.get("segment_ids")
 
         def layer(h: jax.Array, params) -> tuple[jax.Array, None]:
-            return nnx.merge(graphdef, params)(h, positions, mask), None
+            return nnx.merge(graphdef, params)(h, positions, segment_ids), None
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
@@ -236,14 +222,6 @@ def _stacked_blocks(cfg: ModelConfig, dtype, attention: str, rngs: nnx.Rngs) -> 
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
     return nnx.merge(graphdef, stacked)
-
-
-def _document_causal_mask(segment_ids: jax.Array) -> jax.Array:
-    """[batch, 1, q, k] mask: causal and within the same packed document."""
-    t = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (causal & same_doc)[:, None, :, :]
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -1,0 +1,174 @@
+"""Causal self-attention, optionally restricted to packed documents, by one of three implementations.
+
+A batch row may hold several documents ("packing"): ``segment_ids`` [batch, seq] numbers them
+(non-decreasing along the row, e.g. 0,0,0,1,1,2,...) and a token attends only to earlier tokens
+of its own document.
+
+- ``xla``: ``jax.nn.dot_product_attention`` with an explicit [B,1,T,T] mask. The reference; it
+  materialises the [B,H,T,T] scores, which is what runs out of memory at long sequences.
+- ``cudnn``: cuDNN's fused flash attention. Packed documents use cuDNN's sequence packing
+  (per-document offsets and lengths), which needs a Hopper or newer GPU and 16-bit inputs.
+- ``pallas``: JAX's Pallas (Triton) flash attention, which takes segment ids directly; runs
+  interpreted (slowly) on CPU so that tests can check it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
+
+# The Pallas kernel's tiles (its defaults: 128 forward, 32 backward). Triton needs power-of-two
+# tiles of at least 16, so a sequence shorter than a tile must itself be such a power of two.
+_PALLAS_BLOCK = 128
+_PALLAS_MIN_DIM = 16
+
+
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *, implementation: str, max_segments: int | None = None
+) -> jax.Array:
+    """Causal attention, within documents when ``segment_ids`` is given.
+
+    q: [B, T, H, D]; k, v: [B, T, KV, D] with H a multiple of KV; segment_ids: [B, T] int32,
+    non-decreasing along each row. Returns [B, T, H, D] in q's dtype. ``max_segments`` is only
+    used by ``cudnn`` with segment ids (see ``default_max_segments``).
+    """
+    if implementation == "xla":
+        mask = None if segment_ids is None else document_causal_mask(segment_ids)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=segment_ids is None, implementation="xla")
+    if implementation == "cudnn":
+        if segment_ids is None:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return _cudnn_packed(q, k, v, segment_ids, default_max_segments(q.shape[1]) if max_segments is None else max_segments)
+    if implementation == "pallas":
+        return _pallas(q, k, v, segment_ids)
+    raise ValueError(f"attention implementation must be xla, cudnn or pallas here, got {implementation!r}")
+
+
+def document_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, 1, T, T] boolean mask: causal and within the same document."""
+    t = segment_ids.shape[1]
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (jnp.tril(jnp.ones((t, t), dtype=bool)) & same_doc)[:, None]
+
+
+def num_segments(segment_ids: jax.Array) -> jax.Array:
+    """[B] number of documents in each row (a new one starts wherever the id changes)."""
+    return 1 + jnp.sum(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1, dtype=jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# cuDNN
+
+
+def default_max_segments(seq_len: int) -> int:
+    """Documents per row that the cuDNN packed call makes room for: one per 32 tokens (at least 2).
+
+    It is a static shape, and it costs memory: cuDNN keeps softmax statistics of shape
+    [B * max_segments, H, T] float32 per layer, so max_segments = T would be as large as the
+    scores that flash attention avoids. T // 32 keeps them at 1/16 of bf16 [B,H,T,T] scores.
+    A row with more documents gets NaN output (see ``_cudnn_packed``), never a wrong one.
+    """
+    return max(2, seq_len // 32)
+
+
+@functools.partial(jax.jit, static_argnames="max_segments")
+def packed_offsets(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """Per-row document starts and lengths in the convention of cuDNN sequence packing in JAX.
+
+    With M = max_segments, returns (offsets [B, M+1], lengths [B, M]), both int32: offsets[b, j]
+    is the index within row b of the first token of its j-th document, lengths[b, j] that
+    document's token count; unused entries are -1, so the last column of offsets is always -1.
+    (``jax._src.cudnn.fused_attention_stablehlo`` shifts the valid entries of all rows together
+    into cuDNN's flat [total documents] form.) Documents past the M-th are left out.
+    """
+    b, t = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    index = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1  # which document of its row each token is in
+    rows = jnp.arange(b)[:, None]
+    counts = jnp.zeros((b, max_segments), jnp.int32).at[rows, index].add(1, mode="drop")
+    lengths = jnp.where(counts > 0, counts, -1)  # every real document has a token, so 0 means unused
+    # Scatter each start position to its document's slot; others (and documents >= M) go out of
+    # range (index M+1) and are dropped, leaving -1.
+    slot = jnp.where(starts & (index < max_segments), index, max_segments + 1)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    offsets = jnp.full((b, max_segments + 1), -1, jnp.int32).at[rows, slot].set(positions, mode="drop")
+    return offsets, lengths
+
+
+def _cudnn_packed(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, max_segments: int) -> jax.Array:
+    # A private JAX module: jax.nn.dot_product_attention does not expose sequence packing (jax 0.10).
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    if max_segments < 2:  # with one segment JAX treats the call as unpacked
+        raise ValueError(f"max_segments must be at least 2 for cuDNN sequence packing, got {max_segments}")
+    # jax <= 0.11.0 scales kv_offsets by the query head count (fixed upstream in jax-ml/jax#39521),
+    # which reads the wrong keys under grouped-query attention: give k and v all H heads.
+    repeat = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+    offsets, lengths = packed_offsets(segment_ids, max_segments)
+    # Ragged offsets need cuDNN's padding mask (lengths), hence PADDING_CAUSAL; causal is then
+    # applied inside each document, which is causal in the row restricted to that document.
+    out = cudnn_attention.dot_product_attention(
+        q, k, v, None, None, lengths, lengths, offsets, offsets,
+        scale=q.shape[-1] ** -0.5, mask_type=cudnn_attention.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
+    )  # fmt: skip
+    # A row with more than max_segments documents is only partly covered: make it loudly NaN
+    # (a non-finite loss stops or skips the step) rather than silently wrong.
+    overflow = num_segments(segment_ids) > max_segments
+    return jnp.where(overflow[:, None, None, None], jnp.nan, out).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pallas
+
+
+def _pallas(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    t, d = q.shape[1], q.shape[-1]
+    if not (t % _PALLAS_BLOCK == 0 or (_PALLAS_MIN_DIM <= t < _PALLAS_BLOCK and t & (t - 1) == 0)):
+        raise ValueError(f"pallas attention needs seq_len a multiple of {_PALLAS_BLOCK} or a power of two in [16, 128), got {t}")
+    if d < _PALLAS_MIN_DIM:
+        raise ValueError(f"pallas attention needs head_dim >= {_PALLAS_MIN_DIM}, got {d}")
+    repeat = q.shape[2] // k.shape[2]  # the kernel wants as many kv heads as query heads
+    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+    return pallas_attention.mha(q, k, v, segment_ids, sm_scale=d**-0.5, causal=True, interpret=jax.default_backend() == "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Choice
+
+
+def choose_implementation(
+    requested: str, *, platform: str, dtype, head_dim: int, packed: bool, compute_capability: str | None = None
+) -> tuple[str, str | None]:
+    """(implementation, note) for ``model.attention`` = auto | xla | cudnn | pallas.
+
+    Explicit choices are returned as they are. ``auto`` is cudnn on a GPU when it applies
+    (16-bit dtype, head_dim <= 128 and a multiple of 8, and for packed documents a Hopper or
+    newer GPU, ``compute_capability`` >= "9.0", read from the first GPU when not given), else
+    xla. When auto falls back to xla on a GPU, the note says why in one line; else it is None.
+    """
+    if requested not in IMPLEMENTATIONS:
+        raise ValueError(f"model.attention must be one of {', '.join(IMPLEMENTATIONS)}, got {requested!r}")
+    if requested != "auto":
+        return requested, None
+    if platform != "gpu":
+        return "xla", None
+    cost = "XLA attention materialises [batch, heads, seq, seq] scores per layer"
+    if jnp.dtype(dtype).itemsize != 2:
+        return "xla", f"attention: {jnp.dtype(dtype).name} compute, cuDNN flash attention needs bf16/fp16; {cost}"
+    if head_dim > 128 or head_dim % 8:
+        return "xla", f"attention: head_dim {head_dim} does not suit cuDNN (<= 128, multiple of 8); {cost}"
+    if packed:
+        cc = compute_capability or jax.devices("gpu")[0].compute_capability
+        if tuple(int(x) for x in cc.split(".")) < (9, 0):
+            return (
+                "xla",
+                f"attention: cuDNN sequence packing needs compute capability >= 9.0, got {cc}; {cost} (try model.attention=pallas)",
+            )
+    return "cudnn", None
