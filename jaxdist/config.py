@@ -159,7 +159,9 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     return value
 
 
-def _apply(config: Config, key: str, value: Any) -> None:
+def _apply(config: Config, key: str, value: Any, raw: str | None = None) -> None:
+    """Set ``key``; ``raw`` is the override's text, taken as is for string fields (YAML
+    would read ``off`` or ``no`` as a boolean)."""
     parts = key.split(".")
     target: Any = config
     for i, part in enumerate(parts):
@@ -173,6 +175,8 @@ def _apply(config: Config, key: str, value: Any) -> None:
                 for sub, subvalue in value.items():
                     _apply(config, f"{key}.{sub}", subvalue)
             else:
+                if annotation is str and raw is not None and not isinstance(value, str):
+                    value = raw
                 setattr(target, part, _coerce(key, value, annotation))
         else:
             target = getattr(target, part)
@@ -215,7 +219,7 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
             value = yaml.safe_load(raw) if raw else ""
         except yaml.YAMLError:
             value = raw
-        _apply(config, key.strip(), value)
+        _apply(config, key.strip(), value, raw)
     validate(config)
     return config
 

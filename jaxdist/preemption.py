@@ -2,11 +2,13 @@
 
 One process: a signal handler sets a flag the loop reads after each step. Several
 processes: they must agree on the step to save at, so the loop asks JAX's preemption
-sync point (the coordination service notices SIGTERM on any host) instead.
+sync point (the coordination service notices SIGTERM on any host) instead; SIGINT
+(Ctrl-C) is turned into a SIGTERM to this process so that it takes the same path.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from types import FrameType
@@ -33,7 +35,9 @@ class PreemptionWatcher:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> PreemptionWatcher:
-        if not self.multi_process:
+        if self.multi_process:  # JAX's own handler reports SIGTERM to the coordination service
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._handle_interrupt_as_term)
+        else:
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -50,10 +54,20 @@ class PreemptionWatcher:
         self.reason = name
         print(f"jaxdist: {name} received; finishing this step, saving, then exiting", file=sys.stderr, flush=True)
 
+    def _handle_interrupt_as_term(self, signum: int, frame: FrameType | None) -> None:
+        if self.reason is not None:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.reason = "SIGINT"
+        print("jaxdist: SIGINT received; all processes finish the same step, save, then exit", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def requested(self, step: int) -> bool:
         if self.multi_process:
             from jax.experimental import multihost_utils
 
+            # Only the sync point decides, so that every process saves at the same step.
             if multihost_utils.reached_preemption_sync_point(step):
                 self.reason = self.reason or "the cluster (preemption sync point)"
+                return True
+            return False
         return self.reason is not None

@@ -194,3 +194,26 @@ def test_logged_mfu_matches_a_hand_computation(tmp_path):
     flops_per_token = 6 * n_matmul + 3 * attention  # ...forward + backward (x3)
     for line in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()):
         assert line["mfu"] == pytest.approx(flops_per_token * line["tokens_per_sec"] / (2 * peak), rel=1e-6)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", "data=2", "--steps", "2", *TINY[:-1], "checkpoint.every_steps=0", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def test_compilation_cache_is_reused_by_the_next_start(tmp_path):
+    """A restarted run finds its programs in the persistent cache: the second, identical
+    start adds no entry; ``auto`` keeps the cache in the run directory, ``off`` writes none."""
+    cache = tmp_path / "cache"
+    _cli("--run-dir", str(tmp_path / "a"), f"train.compile_cache={cache}")
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries
+    _cli("--run-dir", str(tmp_path / "b"), f"train.compile_cache={cache}")
+    assert sorted(p.name for p in cache.iterdir()) == entries
+    _cli("--run-dir", str(tmp_path / "c"))
+    assert any((tmp_path / "c" / "xla_cache").iterdir())
+    _cli("--run-dir", str(tmp_path / "d"), "train.compile_cache=off")
+    assert not (tmp_path / "d" / "xla_cache").exists()
