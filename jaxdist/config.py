@@ -74,6 +74,7 @@ class TrainConfig:
     nonfinite: str = "halt"  # a NaN/inf loss: halt (exit 3, last checkpoint intact) | skip (drop that update)
     max_skips: int = 10  # with nonfinite=skip: halt (exit 3) after this many non-finite steps in a row
     compile_cache: str = "auto"  # XLA's persistent compilation cache: auto (RUN_DIR/xla_cache) | off | a directory
+    profile_steps: str = ""  # "A:B": trace steps A..B into RUN_DIR/profile (--profile-steps)
 
 
 @dataclasses.dataclass
@@ -87,6 +88,7 @@ class DataConfig:
     eval_fraction: float = 0.01  # the held-out tail of the corpus
     shuffle: bool = True
     document_mask: bool = True  # packed documents do not attend to each other
+    synthetic_latency_ms: float = 0.0  # benchmarking knob: every synthetic example read first waits this long (slow storage)
 
 
 @dataclasses.dataclass
@@ -224,6 +226,14 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
     return config
 
 
+def profile_window(spec: str) -> tuple[int, int]:
+    """``"A:B"`` -> (A, B), the first and last traced step."""
+    first, sep, last = spec.partition(":")
+    if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+        raise ConfigError(f"train.profile_steps {spec!r}: expected A:B, e.g. 5:8")
+    return int(first), int(last)
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -251,6 +261,9 @@ def validate(config: Config) -> None:
     _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
     _require(t.nonfinite in ("halt", "skip"), f"train.nonfinite must be halt or skip, got {t.nonfinite!r}")
     _require(t.max_skips >= 1, f"train.max_skips must be >= 1, got {t.max_skips}")
+    if t.profile_steps:
+        first, last = profile_window(t.profile_steps)
+        _require(1 <= first <= last <= t.steps, f"train.profile_steps {t.profile_steps}: need 1 <= A <= B <= train.steps ({t.steps})")
     _require(t.warmup_steps >= 0 and t.eval_every >= 0, "train.warmup_steps and train.eval_every must be >= 0")
     _require(
         t.global_batch % t.microbatches == 0,
@@ -262,6 +275,7 @@ def validate(config: Config) -> None:
     )
     _require(d.text_unit in ("file", "line"), f"data.text_unit must be file or line, got {d.text_unit!r}")
     _require(d.workers >= 0 and d.prefetch >= 0, "data.workers and data.prefetch must be >= 0")
+    _require(d.synthetic_latency_ms >= 0, f"data.synthetic_latency_ms must be >= 0, got {d.synthetic_latency_ms}")
     _require(0 < d.eval_fraction < 1, f"data.eval_fraction must be in (0, 1), got {d.eval_fraction}")
     p = config.parallel
     _require(p.schedule in ("gpipe", "circular", "1f1b"), f"parallel.schedule must be gpipe, circular or 1f1b, got {p.schedule!r}")

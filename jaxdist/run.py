@@ -6,6 +6,7 @@ the experiments import ``prepare_devices`` and ``build_trainer`` from here.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import time
@@ -168,8 +169,9 @@ def run(
             checkpointer=checkpointer,
             data_state=batches.get_state,
             config_dict=config.to_dict(),
+            tracer=profile_window(trainer, step_fn, run_dir, int(jax.device_get(state.step)), logger),
         )
-        with PreemptionWatcher(multi_process=jax.process_count() > 1) as hooks.preemption:
+        with PreemptionWatcher(multi_process=jax.process_count() > 1) as hooks.preemption, contextlib.closing(hooks.tracer):
             return train_loop(
                 trainer,
                 state,
@@ -188,6 +190,55 @@ def run(
             checkpointer.wait()
             checkpointer.close()
         logger.close()
+
+
+def profile_window(trainer, compiled_step, run_dir: Path | None, start_step: int, logger):
+    """The tracer for ``train.profile_steps`` (a no-op without one); process 0 writes the
+    compiled step's analysis now and the bottleneck report when the window closes."""
+    import json
+
+    import jax
+
+    from jaxdist.config import profile_window as parse_window
+    from jaxdist.tracing import ProfileWindow, StepTracer
+
+    config = trainer.config
+    if not config.train.profile_steps or run_dir is None:
+        return StepTracer()
+    first, last = parse_window(config.train.profile_steps)
+    if start_step >= last:
+        logger.message(f"jaxdist: warning: resumed at step {start_step}, past the profile window {first}:{last}; not tracing")
+        return StepTracer()
+    if start_step >= first:
+        logger.message(f"jaxdist: resumed inside the profile window: tracing steps {start_step + 1}:{last}")
+        first = start_step + 1
+    out_dir = run_dir / "profile"
+    is_main = jax.process_index() == 0
+    if is_main:
+        from jaxdist.analyze import build_report
+        from jaxdist.metrics import peak_flops_per_device
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        analysis = build_report(trainer, compiled_step)
+        analysis["peak_flops_per_device"] = peak_flops_per_device(list(trainer.layout.mesh.devices.flat), config.train.peak_flops)
+        (out_dir / "analysis.json").write_text(json.dumps(analysis, indent=1))
+
+    def summarise() -> None:
+        if not is_main:
+            return
+        from jaxdist.profile import summarize
+
+        report = summarize(run_dir)
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in report["fractions"].items())
+        logger.message(f"jaxdist: profile of steps {first}:{last}: {report['bound']}-bound ({shares}); python -m jaxdist.profile {run_dir}")
+
+    facts = {
+        "mesh": {a: int(n) for a, n in trainer.layout.mesh.shape.items()},
+        "strategy": str(trainer.layout.strategy),
+        "platform": trainer.layout.mesh.devices.flat[0].platform,
+        "config": config.to_dict(),
+    }
+    return ProfileWindow(first, last, out_dir, facts, on_done=summarise)
 
 
 def create_run_dir(run_dir: Path, config: Config) -> None:

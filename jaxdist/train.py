@@ -32,6 +32,7 @@ def build_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.Argument
     parser.add_argument("--resume", default="auto", help="auto (latest checkpoint in the run dir, if any) | never | STEP | PATH")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart a crashed run from its latest checkpoint up to N times")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds before the first restart; doubles each time")
+    parser.add_argument("--profile-steps", default=None, metavar="A:B", help="trace steps A..B into RUN_DIR/profile (train.profile_steps)")
     return parser
 
 
@@ -42,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(build_arg_parser(), argv)
+        if args.profile_steps is not None:
+            args.overrides.append(f"train.profile_steps={args.profile_steps}")
         config = config_from_args(args)
         from jaxdist.run import default_run_dir, prepare_devices, run
 

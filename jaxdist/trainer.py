@@ -23,6 +23,7 @@ from jaxdist.models import Batch, Task
 from jaxdist.optim import lr_schedule, make_optimizer
 from jaxdist.parallel.microbatch import split_microbatches
 from jaxdist.sharding import Layout, activation_layout, tree_shardings
+from jaxdist.tracing import StepTracer
 
 
 @jax.tree_util.register_dataclass
@@ -207,6 +208,7 @@ class LoopHooks:
     data_state: Callable[[], dict] | None = None  # the data iterator's state after the last batch taken
     config_dict: dict | None = None
     preemption: Any = None  # jaxdist.preemption.PreemptionWatcher
+    tracer: StepTracer = dataclasses.field(default_factory=StepTracer)  # --profile-steps
 
 
 def train_loop(
@@ -232,7 +234,7 @@ def train_loop(
 
     cfg, hooks = trainer.config.train, hooks or LoopHooks()
     step_fn = step_fn or trainer.train_step
-    checkpointer = hooks.checkpointer
+    checkpointer, tracer = hooks.checkpointer, hooks.tracer
     n_devices = trainer.layout.mesh.size
     start_step = int(jax.device_get(state.step))
     result = LoopResult(state, [], {})
@@ -240,68 +242,79 @@ def train_loop(
     window_start, data_wait = time.perf_counter(), 0.0
     skips_in_a_row = 0
     for step in range(start_step + 1, steps + 1):
-        wait_start = time.perf_counter()
-        batch = next(batches)
-        data_wait += time.perf_counter() - wait_start
-        state, metrics = step_fn(state, batch)
-        pending.append(metrics)
+        with tracer.step(step):
+            with tracer.phase("data"):
+                wait_start = time.perf_counter()
+                batch = next(batches)
+                waited = time.perf_counter() - wait_start
+            data_wait += waited
+            tracer.data_waited(step, waited)
+            with tracer.phase("dispatch"):
+                state, metrics = step_fn(state, batch)
+            pending.append(metrics)
 
-        last = step == steps
-        eval_now = hooks.eval_batches is not None and cfg.eval_every > 0 and step % cfg.eval_every == 0
-        preempt = hooks.preemption is not None and hooks.preemption.requested(step)
-        save_now = checkpointer is not None and (last or preempt or checkpointer.due(step))
-        if step % cfg.log_every and not (last or eval_now or save_now):
-            continue
-
-        # Log point: wait for the devices, check and write this window's metrics.
-        fetched = jax.device_get(pending)
-        pending.clear()
-        step_time = (time.perf_counter() - window_start) / len(fetched)
-        for offset, m in enumerate(fetched):
-            loss = float(m["loss"])
-            at_step = step - len(fetched) + 1 + offset
-            if not math.isfinite(loss) and "skipped" not in m:
-                raise NonFiniteLoss(
-                    f"loss is {loss} at step {at_step}; stopping (lower train.lr, check the data, or train.nonfinite=skip){_last_saved(checkpointer)}"
-                )
-            skipped = bool(m.get("skipped", False))
-            result.skipped_steps += skipped
-            skips_in_a_row = skips_in_a_row + 1 if skipped else 0
-            if skips_in_a_row > cfg.max_skips:
-                raise NonFiniteLoss(
-                    f"{skips_in_a_row} non-finite steps in a row up to step {at_step} (train.max_skips={cfg.max_skips}); "
-                    f"stopping{_last_saved(checkpointer)}"
-                )
-            result.losses.append(loss)
-        latest = fetched[-1]
-        record = {
-            "loss": float(latest["loss"]),
-            "grad_norm": float(latest["grad_norm"]),
-            "lr": float(latest["lr"]),
-            "tokens_per_sec": tokens_per_step / step_time,
-            "step_time_s": step_time,
-            "data_wait_s": data_wait / len(fetched),
-            "mfu": flops_per_step / (step_time * n_devices * peak_flops),
-        }
-        if cfg.nonfinite == "skip":
-            record["skipped_steps"] = result.skipped_steps
-        logger.log(step, record)
-        logger.advance(len(fetched))
-        eval_metrics = None
-        if eval_now:
-            result.eval_losses[step] = evaluate(trainer, state, hooks.eval_batches())
-            eval_metrics = {"eval_loss": result.eval_losses[step]}
-            logger.log(step, eval_metrics)
-        if save_now:
-            if not bool(trainer.params_finite(state.params)):
-                raise NonFiniteLoss(f"parameters became non-finite at step {step}; not saving them{_last_saved(checkpointer)}")
-            checkpointer.save(step, state, hooks.data_state(), hooks.config_dict, metrics=eval_metrics)
-        if preempt:
-            checkpointer.wait()
-            raise Preempted(step, hooks.preemption.reason)
-        window_start, data_wait = time.perf_counter(), 0.0
+            last = step == steps
+            eval_now = hooks.eval_batches is not None and cfg.eval_every > 0 and step % cfg.eval_every == 0
+            preempt = hooks.preemption is not None and hooks.preemption.requested(step)
+            save_now = checkpointer is not None and (last or preempt or checkpointer.due(step))
+            if step % cfg.log_every == 0 or last or eval_now or save_now:
+                # Log point: wait for the devices, check and write this window's metrics.
+                with tracer.phase("log"):
+                    fetched = jax.device_get(pending)
+                    pending.clear()
+                    step_time = (time.perf_counter() - window_start) / len(fetched)
+                    for offset, m in enumerate(fetched):
+                        skips_in_a_row = _check_step(m, step - len(fetched) + 1 + offset, skips_in_a_row, cfg, result, checkpointer)
+                    record = {
+                        "loss": float(fetched[-1]["loss"]),
+                        "grad_norm": float(fetched[-1]["grad_norm"]),
+                        "lr": float(fetched[-1]["lr"]),
+                        "tokens_per_sec": tokens_per_step / step_time,
+                        "step_time_s": step_time,
+                        "data_wait_s": data_wait / len(fetched),
+                        "mfu": flops_per_step / (step_time * n_devices * peak_flops),
+                    }
+                    if cfg.nonfinite == "skip":
+                        record["skipped_steps"] = result.skipped_steps
+                    logger.log(step, record)
+                    logger.advance(len(fetched))
+                eval_metrics = None
+                if eval_now:
+                    with tracer.phase("eval"):
+                        result.eval_losses[step] = evaluate(trainer, state, hooks.eval_batches())
+                    eval_metrics = {"eval_loss": result.eval_losses[step]}
+                    logger.log(step, eval_metrics)
+                if save_now:
+                    with tracer.phase("checkpoint"):
+                        if not bool(trainer.params_finite(state.params)):
+                            raise NonFiniteLoss(f"parameters became non-finite at step {step}; not saving them{_last_saved(checkpointer)}")
+                        checkpointer.save(step, state, hooks.data_state(), hooks.config_dict, metrics=eval_metrics)
+                if preempt:
+                    checkpointer.wait()
+                    raise Preempted(step, hooks.preemption.reason)
+                window_start, data_wait = time.perf_counter(), 0.0
+        tracer.after_step(step, state)
     result.state = state
     return result
+
+
+def _check_step(metrics: dict, step: int, skips_in_a_row: int, cfg, result: LoopResult, checkpointer) -> int:
+    """Record one step's loss; stop on a non-finite loss (or too many skipped steps in a
+    row). Returns the new count of skipped steps in a row."""
+    loss = float(metrics["loss"])
+    if not math.isfinite(loss) and "skipped" not in metrics:
+        raise NonFiniteLoss(
+            f"loss is {loss} at step {step}; stopping (lower train.lr, check the data, or train.nonfinite=skip){_last_saved(checkpointer)}"
+        )
+    skipped = bool(metrics.get("skipped", False))
+    result.skipped_steps += skipped
+    skips_in_a_row = skips_in_a_row + 1 if skipped else 0
+    if skips_in_a_row > cfg.max_skips:
+        raise NonFiniteLoss(
+            f"{skips_in_a_row} non-finite steps in a row up to step {step} (train.max_skips={cfg.max_skips}); stopping{_last_saved(checkpointer)}"
+        )
+    result.losses.append(loss)
+    return skips_in_a_row
 
 
 def _last_saved(checkpointer) -> str:

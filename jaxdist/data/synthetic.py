@@ -10,6 +10,7 @@ colour and a coarse pattern per class) plus noise. Example i is a pure function 
 from __future__ import annotations
 
 import bisect
+import time
 
 import numpy as np
 
@@ -61,3 +62,18 @@ class SyntheticImages:
         label = int(rng.integers(0, self.num_classes))
         image = self.prototypes[label] + self.noise * rng.normal(size=self.prototypes.shape[1:]).astype(np.float32)
         return {"images": image, "labels": np.int32(label)}
+
+
+class SlowReads:
+    """A source whose every read waits ``latency_s`` first: simulated slow storage, so a
+    benchmark can make a run data-bound on purpose (``data.synthetic_latency_ms``)."""
+
+    def __init__(self, source, latency_s: float):
+        self.source, self.latency_s = source, latency_s
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int):
+        time.sleep(self.latency_s)
+        return self.source[index]
