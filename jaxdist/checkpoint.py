@@ -11,6 +11,7 @@ written on one mesh lands directly in the shards of another (never gathered).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import sys
 import time
@@ -48,9 +49,30 @@ class _IteratorState:
 class Restored:
     step: int
     state: Any
-    data_state: dict | None  # None: no state for this process layout (resume from the step)
+    data_state: dict | None  # None: no usable state for this process (resume the data from the step)
     config: dict
     path: Path
+    data_problem: str | None = None  # why data_state is None
+
+
+class IncompatibleCheckpoint(JaxdistError):
+    """A readable checkpoint whose train state does not fit this run (other shapes or
+    another optimizer tree): an error, never a reason to fall back or start over."""
+
+    def __init__(self, step: int, path: Path, differences: list[str]):
+        self.step, self.path, self.differences = step, path, differences
+        super().__init__(f"checkpoint step {step} ({path}) does not fit this run's train state: {'; '.join(differences)}")
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint whose files cannot be read back."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _SaveInfo:  # what Orbax's save decision policies read about a step
+    step: int
+    time: datetime.datetime
+    metrics: dict | None = None
 
 
 def checkpoint_steps(directory: Path) -> list[int]:
@@ -68,11 +90,51 @@ def saved_config(step_dir: Path) -> dict | None:
         return None
 
 
+def _first_line(error: BaseException, limit: int = 200) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
+
+
+def _clock_time(seconds: float) -> datetime.datetime:
+    """A monotonic clock reading as the datetime Orbax's policies compare."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC)
+
+
+def state_differences(saved_tree: Any, abstract_state: Any, limit: int = 3) -> list[str]:
+    """How a checkpoint's stored tree (Orbax array metadata) differs from the state a run
+    expects: arrays missing on either side and arrays of another shape, a few of each.
+    Dtypes may differ (the restore casts)."""
+    import orbax.checkpoint as ocp
+
+    def shapes(tree) -> dict[str, tuple[int, ...]]:
+        return {"/".join(map(str, k)): tuple(v.shape) for k, v in ocp.tree.to_flat_dict(tree).items() if hasattr(v, "shape")}
+
+    have, want = shapes(saved_tree), shapes(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True))
+
+    def listed(what: str, items: list[str]) -> list[str]:
+        if not items:
+            return []
+        more = f" and {len(items) - limit} more" if len(items) > limit else ""
+        return [f"{len(items)} {what}: {', '.join(items[:limit])}{more}"]
+
+    def ordered(keys) -> list[str]:  # the parameters first: they name the model change
+        return sorted(keys, key=lambda k: (not k.startswith("params/"), k))
+
+    return [
+        *listed("arrays this run needs are not in the checkpoint", ordered(want.keys() - have.keys())),
+        *listed("arrays in the checkpoint are not in this run", ordered(have.keys() - want.keys())),
+        *listed(
+            "arrays have other shapes (checkpoint vs this run)",
+            [f"{k} {have[k]} vs {want[k]}" for k in ordered(have.keys() & want.keys()) if have[k] != want[k]],
+        ),
+    ]
+
+
 class Checkpointer:
     """Saves on a schedule (steps and/or minutes), keeps the last N (and optionally the
     best by eval loss), restores the newest readable checkpoint."""
 
     def __init__(self, directory: Path, cfg, *, read_only: bool = False):
+        import grain.checkpoint as grain_checkpoint
         import orbax.checkpoint as ocp
         from orbax.checkpoint import checkpoint_managers as cm
 
@@ -90,16 +152,39 @@ class Checkpointer:
         self.directory = Path(directory)
         self.cfg = cfg
         self._ocp = ocp
-        self.manager = ocp.CheckpointManager(self.directory.absolute(), options=options)
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(),
+            "data": grain_checkpoint.CheckpointHandler(),
+            "config": ocp.JsonCheckpointHandler(),
+        }
+        self.manager = ocp.CheckpointManager(self.directory.absolute(), options=options, item_handlers=handlers)
+        # Time-based saves: process 0's clock decides, through Orbax's policy (which
+        # broadcasts the primary host's decision), so every process saves the same steps.
+        self._minutes_policy = cm.ContinuousCheckpointingPolicy(minimum_interval_secs=60 * cfg.every_minutes)
+        self._decision_context = cm.DecisionContext(
+            is_saving_in_progress=False, reached_preemption=False, multiprocessing_options=ocp.options.MultiprocessingOptions()
+        )
         self._last_save_time = time.monotonic()
         self.last_saved_step: int | None = self.manager.latest_step()
+        self._existing_steps = set(self.manager.all_steps())  # from earlier runs: never overwritten
 
     # -- saving ---------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
-        every_steps = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
-        every_minutes = self.cfg.every_minutes > 0 and time.monotonic() - self._last_save_time >= 60 * self.cfg.every_minutes
-        return every_steps or every_minutes
+        """Whether to save at ``step``; the same answer on every process (the save is
+        collective). Call it at the same steps on all processes."""
+        if self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0:
+            return True
+        if self.cfg.every_minutes <= 0:
+            return False
+        import jax
+
+        now, saving = time.monotonic(), self.manager.is_saving_in_progress()
+        if jax.process_count() == 1:
+            return not saving and now - self._last_save_time >= 60 * self.cfg.every_minutes
+        previous = _SaveInfo(self.last_saved_step or 0, _clock_time(self._last_save_time))
+        context = dataclasses.replace(self._decision_context, is_saving_in_progress=saving)
+        return self._minutes_policy.should_save(_SaveInfo(step, _clock_time(now)), [previous], context=context)
 
     def save(self, step: int, state: Any, data_state: dict, config: dict, metrics: dict | None = None) -> None:
         """Start saving (returns once the arrays are copied off the devices when async)."""
@@ -107,6 +192,11 @@ class Checkpointer:
         import grain.checkpoint as grain_checkpoint
 
         if step == self.last_saved_step:
+            return
+        if step in self._existing_steps:  # e.g. a damaged one the resume fell back from: never overwritten
+            warn(
+                f"jaxdist: warning: not saving step {step}: {self.directory / str(step)} already holds a checkpoint from an earlier run (kept as it is)"
+            )
             return
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
@@ -139,31 +229,80 @@ class Checkpointer:
     # -- restoring ------------------------------------------------------------------
 
     def restore(self, step: int, abstract_state: Any) -> Restored:
-        """One step, into the shardings of ``abstract_state``; raises if unreadable."""
-        import grain.checkpoint as grain_checkpoint
-
+        """One step, into the shardings of ``abstract_state``. Raises
+        ``IncompatibleCheckpoint`` when its stored tree does not fit (checked before any
+        array is read) and ``DamagedCheckpoint`` when its files cannot be read."""
         ocp = self._ocp
-        state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
         step_dir = self.directory / str(step)
-        data_state = None
+        try:
+            saved_tree = self.manager.item_metadata(step)["state"]
+        except Exception as e:  # noqa: BLE001 - unreadable metadata: a damaged checkpoint
+            raise DamagedCheckpoint(f"{step_dir / 'state'}: {_first_line(e)}") from None
+        if saved_tree is not None:
+            differences = state_differences(saved_tree, abstract_state)
+            if differences:
+                raise IncompatibleCheckpoint(step, step_dir, differences)
+        error = None
+        try:
+            state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+        except Exception as e:  # noqa: BLE001 - damaged files; agreed on below
+            error = f"{step_dir / 'state'}: {_first_line(e)}"
+        if not _all_processes_ok(error is None):  # fall back together, or not at all
+            raise DamagedCheckpoint(error or "unreadable on another process")
+        data_state, data_problem = self._restore_data(step)
+        return Restored(step, state, data_state, saved_config(step_dir) or {}, step_dir, data_problem)
+
+    def _restore_data(self, step: int) -> tuple[dict | None, str | None]:
+        """This process's data-iterator state, or why there is none to use."""
+        import grain.checkpoint as grain_checkpoint
+        import jax
+
+        data_dir = self.directory / str(step) / "data"
+        index, count = jax.process_index(), jax.process_count()
+        if not (data_dir / f"process_{index}-of-{count}.json").exists():
+            written = sorted({p.name.split("-of-")[-1].removesuffix(".json") for p in data_dir.glob("process_*-of-*.json")})
+            by = f"saved by {' or '.join(written)} process(es)" if written else "no data state saved"
+            return None, f"{by}, this run has {count}"
         try:
             holder = _IteratorState()
-            self.manager.restore(step, args=ocp.args.Composite(data=grain_checkpoint.CheckpointRestore(holder)))
-            data_state = json.loads(holder.state.decode())
-        except Exception:  # noqa: BLE001 - another process count wrote it: resume the data from the step
-            data_state = None
-        return Restored(step, state, data_state, saved_config(step_dir) or {}, step_dir)
+            self.manager.restore(step, args=self._ocp.args.Composite(data=grain_checkpoint.CheckpointRestore(holder)))
+            return json.loads(holder.state.decode()), None
+        except Exception as e:  # noqa: BLE001 - reported by the caller, which resumes the data by step
+            return None, f"{data_dir} is unreadable ({_first_line(e)})"
 
     def restore_latest(self, abstract_state: Any, *, warn=print) -> Restored | None:
-        """The newest checkpoint that reads back; a corrupt one is reported and skipped
-        (never deleted)."""
-        for step in reversed(self.manager.all_steps()):
+        """The newest checkpoint that reads back, or None when there is none.
+
+        A damaged one is reported and the previous one tried (nothing is deleted); one
+        that does not fit this run raises ``IncompatibleCheckpoint``; when every
+        checkpoint is damaged this raises rather than start over from step 0.
+        """
+        steps = self.manager.all_steps()
+        damaged = []
+        for step in reversed(steps):
             try:
                 return self.restore(step, abstract_state)
-            except Exception as e:  # noqa: BLE001 - a damaged checkpoint: fall back to the previous one
-                first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                warn(f"jaxdist: warning: checkpoint step {step} in {self.directory} is unreadable ({first_line}); trying the previous one")
-        return None
+            except DamagedCheckpoint as e:
+                damaged.append(step)
+                warn(f"jaxdist: warning: checkpoint step {step} is damaged ({e}); trying the previous one (nothing is deleted)")
+        if not steps:
+            return None
+        raise JaxdistError(
+            f"no checkpoint in {self.directory} can be read (steps {', '.join(map(str, sorted(damaged)))} are damaged; nothing was deleted); "
+            "to start over use --resume never with a new --run-dir"
+        )
+
+
+def _all_processes_ok(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process (a collective when there are several)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def parse_resume(resume: str, checkpoints: Path) -> tuple[str, Path, int | None]:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
 from jaxdist.mesh import parse_mesh
 
 
@@ -33,8 +34,10 @@ def adapt_microbatches_for_resume(config: Config, run_dir: Path | None, resume: 
 
 
 def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, checkpointer, log):
-    """The restored checkpoint for ``--resume``, or None to start fresh."""
-    from jaxdist.checkpoint import Checkpointer, parse_resume
+    """The restored checkpoint for ``--resume``, or None to start fresh (only when there
+    is no checkpoint). A checkpoint that does not fit this run's state is an error, as is
+    a damaged one asked for by step, or every checkpoint being damaged."""
+    from jaxdist.checkpoint import Checkpointer, DamagedCheckpoint, IncompatibleCheckpoint, parse_resume
 
     mode, directory, step = parse_resume(resume, run_dir / "checkpoints")
     if mode == "never":
@@ -45,26 +48,63 @@ def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, chec
         if mode == "step":
             return source.restore(step, trainer.abstract_state())
         return source.restore_latest(trainer.abstract_state(), warn=log)
+    except DamagedCheckpoint as e:  # asked for by step: no fallback
+        raise JaxdistError(f"--resume {resume}: checkpoint step {step} is damaged ({e}); nothing was deleted") from None
+    except IncompatibleCheckpoint as e:
+        raise JaxdistError(
+            f"{e}{_config_changes(e.path, config)}; resume with the settings it was saved with, or use --resume never with a new --run-dir"
+        ) from None
     finally:
         if not own:
             source.close()
 
 
+# Keys that change between the runs of one training without changing the state's shape.
+_RESUME_NOISE = {"train.steps", "train.log_every", "train.microbatches", "train.compile_cache", "parallel.mesh", "parallel.dcn_mesh"}
+
+
+def _config_changes(step_dir: Path, config: Config, limit: int = 4) -> str:
+    """`` (config changed since: key old -> new, ...)`` for the model, train and parallel
+    keys, as a hint to what made the state differ; empty when nothing is known."""
+    from jaxdist.checkpoint import saved_config
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    saved = saved_config(step_dir)
+    if not saved:
+        return ""
+    old, new = flat({k: saved.get(k, {}) for k in ("model", "train", "parallel")}), flat(config.to_dict())
+    changed = [f"{k} {old[k]} -> {new[k]}" for k in sorted(old.keys() & new.keys()) if old[k] != new[k] and k not in _RESUME_NOISE]
+    if not changed:
+        return ""
+    more = f", {len(changed) - limit} more" if len(changed) > limit else ""
+    return f" (config changed since: {', '.join(changed[:limit])}{more})"
+
+
 def continue_data(batches, restored, config: Config, layout, log):
-    """Put the data stream where the checkpoint left it: Grain's own state when this
-    process layout wrote one, else the step (batch k is a function of k alone)."""
+    """Put the data stream where the checkpoint left it: from the data state saved by
+    this process layout, else -- saying so -- by step (batch k is a function of k alone)."""
     saved_batch = restored.config.get("train", {}).get("global_batch")
     if saved_batch not in (None, config.train.global_batch):
         log(
             f"jaxdist: warning: train.global_batch changed {saved_batch} -> {config.train.global_batch}; the data stream restarts its order at step {restored.step}"
         )
+    problem = restored.data_problem or "none saved"
     if restored.data_state is not None:
         try:
             batches.set_state(restored.data_state)
             return batches
-        except Exception:  # noqa: BLE001 - e.g. another worker count: fall back to the step
-            pass
+        except Exception as e:  # noqa: BLE001 - e.g. another worker count: resume by step, saying so
+            problem = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
     from jaxdist.data.pipeline import make_iterator
 
+    log(f"jaxdist: warning: data state of checkpoint step {restored.step} not restored ({problem}); data resumed by step {restored.step}")
     batches.close()
     return make_iterator(config, layout, start_step=restored.step)

@@ -141,13 +141,15 @@ def run(
     checkpointer = None
     if run_dir is not None:
         if is_main:
-            create_run_dir(run_dir, config)
+            create_run_dir(run_dir)
         checkpointer = Checkpointer(run_dir / "checkpoints", config.checkpoint)
     enable_compile_cache(config, run_dir)
     t = config.train
     logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress, print_lines=print_lines)
     try:
         restored = restore_checkpoint(trainer, config, run_dir, resume, checkpointer, warn) if checkpointer else None
+        if run_dir is not None and is_main:  # after the resume check: a rejected config does not overwrite the saved one
+            write_config(run_dir, config)
         if restored is None:
             state = trainer.init_state(t.seed)
         else:
@@ -241,11 +243,17 @@ def profile_window(trainer, compiled_step, run_dir: Path | None, start_step: int
     return ProfileWindow(first, last, out_dir, facts, on_done=summarise)
 
 
-def create_run_dir(run_dir: Path, config: Config) -> None:
+def create_run_dir(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise JaxdistError(f"cannot write run directory {run_dir}: {e.strerror}") from None
+
+
+def write_config(run_dir: Path, config: Config) -> None:
     import yaml
 
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     except OSError as e:
         raise JaxdistError(f"cannot write run directory {run_dir}: {e.strerror}") from None

@@ -48,7 +48,7 @@ def test_restore_lands_in_the_new_shardings(tmp_path):
     wq = restored.state.params["blocks"]["attn"]["wq"][...]
     assert wq.sharding.is_equivalent_to(trainer.state_shardings.params["blocks"]["attn"]["wq"].get_value(), wq.ndim)
     assert {s.data.shape for s in wq.addressable_shards} == {(wq.shape[0], wq.shape[1] // 2, wq.shape[2] // 2, wq.shape[3])}
-    assert restored.data_state == {"next_index": 4}
+    assert restored.data_state == {"start_step": 0, "workers": 0, "grain": {"next_index": 4}}  # absolute: start + Grain's position
 
 
 def _corrupt(step_dir):
@@ -58,13 +58,71 @@ def _corrupt(step_dir):
         p.write_bytes(b"\0" * 7)
 
 
+def _files(directory) -> dict[str, tuple[int, int]]:
+    """Every file under ``directory`` with its size and modification time."""
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
 def test_corrupt_latest_falls_back_to_previous(tmp_path, uninterrupted, capsys):
     _run(tmp_path, "data=2,fsdp=4", 8)
     _corrupt(tmp_path / "checkpoints" / "8")
     resumed = _run(tmp_path, "data=2,fsdp=4", 10)
     np.testing.assert_array_equal(resumed.losses, uninterrupted[4:10])  # resumed from step 4
-    assert "checkpoint step 8" in capsys.readouterr().err
+    warning = [line for line in capsys.readouterr().err.splitlines() if "checkpoint step 8" in line]
+    assert len(warning) == 1 and "damaged" in warning[0] and str(tmp_path / "checkpoints" / "8") in warning[0], warning
     assert (tmp_path / "checkpoints" / "8").exists()  # nothing deleted
+
+
+def test_every_checkpoint_damaged_is_an_error_and_nothing_is_deleted(tmp_path):
+    _run(tmp_path, "data=2,fsdp=4", 8)  # checkpoints 4 and 8
+    for step in (4, 8):
+        _corrupt(tmp_path / "checkpoints" / str(step))
+    before = _files(tmp_path / "checkpoints")
+    with pytest.raises(
+        JaxdistError, match=r"no checkpoint in .* can be read \(steps 4, 8 are damaged.*--resume never with a new --run-dir"
+    ):
+        _run(tmp_path, "data=2,fsdp=4", 10)  # never a silent fresh start at step 0
+    assert _files(tmp_path / "checkpoints") == before
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """A run directory with one checkpoint (step 4) of the TINY model, grad_clip=1.0."""
+    run_dir = tmp_path_factory.mktemp("four-steps")
+    _run(run_dir, "data=2,fsdp=4", 4)
+    return run_dir
+
+
+def test_toggled_grad_clip_is_an_error_naming_the_difference(four_steps, tmp_path, capsys):
+    """Another optax chain is another state tree: exit 2 with one line, nothing touched."""
+    import shutil
+
+    from jaxdist.train import main
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(four_steps, run_dir)
+    before = _files(run_dir / "checkpoints")
+    argv = ["--run-dir", str(run_dir), "--mesh", "data=2,fsdp=4", "--steps", "8", *TINY, "checkpoint.every_steps=4", "train.grad_clip=0"]
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxdist: error:")]
+    assert len(errors) == 1, errors
+    assert "checkpoint step 4" in errors[0] and "does not fit" in errors[0]
+    assert "opt_state/" in errors[0]  # the differing tree paths
+    assert "train.grad_clip 1.0 -> 0" in errors[0]  # and the config change behind them
+    assert _files(run_dir / "checkpoints") == before
+
+
+def test_other_model_shape_is_an_error_naming_the_shape(four_steps, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(four_steps, run_dir)
+    before = _files(run_dir / "checkpoints")
+    with pytest.raises(
+        JaxdistError, match=r"does not fit.*params/blocks/attn/wk/value \(2, 64, 4, 8\) vs \(2, 128, 4, 16\).*model.d_model 64 -> 128"
+    ):
+        _run(run_dir, "data=2,fsdp=4", 8, "model.d_model=128")
+    assert _files(run_dir / "checkpoints") == before
 
 
 def test_explicit_resume_step_and_never(tmp_path, uninterrupted):
@@ -123,3 +181,24 @@ def test_failed_save_is_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, un
     assert checkpoint_steps(tmp_path / "checkpoints") == [4]
     resumed = _run(tmp_path, "data=2,fsdp=4", 10)
     np.testing.assert_array_equal(resumed.losses, uninterrupted[4:])
+
+
+def test_time_based_saves_wait_for_the_interval(tmp_path, monkeypatch):
+    """``checkpoint.every_minutes`` alone: due once the interval has passed since the last
+    save (or the start), not before. (Across processes, process 0's clock decides: see
+    tests/test_distributed.py.)"""
+    import types
+
+    import jaxdist.checkpoint
+
+    now = [1000.0]
+    monkeypatch.setattr(jaxdist.checkpoint, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    config = load_config(None, ["checkpoint.every_steps=0", "checkpoint.every_minutes=2"])
+    checkpointer = Checkpointer(tmp_path / "checkpoints", config.checkpoint)
+    try:
+        now[0] += 119
+        assert not checkpointer.due(1)
+        now[0] += 1
+        assert checkpointer.due(2)
+    finally:
+        checkpointer.close()

@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
+from jaxdist.checkpoint import checkpoint_steps
 from jaxdist.config import load_config
 from jaxdist.launch import free_port
 from jaxdist.mesh import parse_mesh
@@ -76,12 +77,71 @@ def _reference(steps: int, tmp_path_factory=None) -> list[float]:
     return run(config, parse_mesh(MESH), None, devices=jax.devices()[:8], progress=False).losses
 
 
+# Process 1's checkpoint clock runs a million times faster than process 0's: on its own
+# clock every step is an hour after the last save, on process 0's none is.
+SKEWED_CLOCK = """
+import sys, time, types
+import jaxdist.checkpoint
+from jaxdist.train import main
+
+if sys.argv[1] == "1":
+    real, start = time.monotonic, time.monotonic()
+    fast = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    fast.monotonic = lambda: start + (real() - start) * 1e6
+    jaxdist.checkpoint.time = fast
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _start_skewed(run_dir: Path, steps: int, *overrides: str) -> list[tuple[subprocess.Popen, Path]]:
+    """Two processes of one run, started without the launcher so that each can run a
+    wrapper (see SKEWED_CLOCK); each writes its output to RUN_DIR/../NAME-rankI.log."""
+    script = run_dir.parent / "skewed_clock.py"
+    script.write_text(SKEWED_CLOCK)
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = {
+            **_env(),
+            "JAXDIST_COORDINATOR": f"127.0.0.1:{port}",
+            "JAXDIST_NUM_PROCESSES": "2",
+            "JAXDIST_PROCESS_ID": str(rank),
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "PYTHONUNBUFFERED": "1",
+        }
+        log = run_dir.parent / f"{run_dir.name}-rank{rank}.log"
+        cmd = [sys.executable, str(script), str(rank), "--mesh", MESH, "--run-dir", str(run_dir), *_overrides(steps), *overrides]
+        with open(log, "w") as out:
+            procs.append((subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True), log))
+    return procs
+
+
+def _finish_all(procs: list[tuple[subprocess.Popen, Path]], timeout: float = 240) -> list[str]:
+    """Wait for every process (killing all of them at the deadline); their outputs."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return [log.read_text() for _, log in procs]
+
+
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
-    """Six steps by 2 processes x 4 fake devices (checkpoints at 3 and 6)."""
-    run_dir = tmp_path_factory.mktemp("two-procs")
-    out = _finish(_launch(run_dir, 6))
-    assert "jaxdist: done at step 6" in out, out[-3000:]
+    """Six steps by 2 processes x 4 fake devices (checkpoints at 3 and 6), saving every
+    hour too, by clocks that disagree (SKEWED_CLOCK)."""
+    run_dir = tmp_path_factory.mktemp("two-procs") / "run"
+    procs = _start_skewed(run_dir, 6, "checkpoint.every_minutes=60", "checkpoint.keep=10")
+    start = time.monotonic()
+    outputs = _finish_all(procs)
+    took = time.monotonic() - start
+    assert [p.returncode for p, _ in procs] == [0, 0], f"after {took:.0f}s: " + "\n".join(o[-2000:] for o in outputs)
+    assert "jaxdist: done at step 6" in outputs[0], outputs[0][-3000:]
     return run_dir
 
 
@@ -97,14 +157,49 @@ def test_two_processes_train_like_one(two_process_run, reference_losses):
     assert files == ["process_0-of-2.json", "process_1-of-2.json"]  # one data state per process
 
 
-def test_two_process_checkpoint_resumes_in_one_process(two_process_run, reference_losses, tmp_path):
+def test_time_based_saves_follow_process_0s_clock(two_process_run):
+    """Process 1 alone would save every step; the run saved where process 0's clock said
+    (never, within an hour): the step saves only, written by both processes."""
+    checkpoints = two_process_run / "checkpoints"
+    assert checkpoint_steps(checkpoints) == [3, 6]
+    for step in (3, 6):
+        assert sorted(p.name for p in (checkpoints / str(step) / "data").glob("*.json")) == ["process_0-of-2.json", "process_1-of-2.json"]
+
+
+def test_two_process_checkpoint_resumes_in_one_process_twice(two_process_run, reference_losses, tmp_path, capsys):
+    """2 processes -> 1 process (their data states do not fit 1 process: the data resumes
+    by step, with a warning) -> 1 process again, from the data state saved after that
+    fallback: every step sees the uninterrupted run's batch."""
     import shutil
+
+    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.run import build_trainer
 
     run_dir = tmp_path / "one-proc"
     shutil.copytree(two_process_run, run_dir)
+    devices = jax.devices()[:8]
+    first = run(load_config(None, _overrides(8)), parse_mesh(MESH), run_dir, devices=devices, progress=False)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "data resumed by step" in line]
+    assert len(warnings) == 1 and "checkpoint step 6" in warnings[0] and "saved by 2 process" in warnings[0], warnings
+    np.testing.assert_allclose(first.losses, reference_losses[6:8], rtol=1e-5)
+
+    # The data state saved at step 8 is absolute: restored into a fresh iterator it
+    # continues with global batch 9, exactly where the uninterrupted stream is.
+    saved = json.loads((run_dir / "checkpoints" / "8" / "data" / "process_0-of-1.json").read_text())
     config = load_config(None, _overrides(10))
-    resumed = run(config, parse_mesh(MESH), run_dir, devices=jax.devices()[:8], progress=False)
-    np.testing.assert_allclose(resumed.losses, reference_losses[6:10], rtol=1e-5)
+    layout = build_trainer(config, parse_mesh(MESH), devices).layout
+    uninterrupted, restored = make_iterator(config, layout), make_iterator(config, layout)
+    restored.set_state(saved)
+    for _ in range(8):
+        next(uninterrupted)
+    for _ in range(2):  # batches 9 and 10
+        np.testing.assert_array_equal(np.asarray(next(restored)["inputs"]), np.asarray(next(uninterrupted)["inputs"]))
+    uninterrupted.close()
+    restored.close()
+
+    second = run(config, parse_mesh(MESH), run_dir, devices=devices, progress=False)
+    assert "data resumed by step" not in capsys.readouterr().err  # its own data state this time
+    np.testing.assert_allclose(second.losses, reference_losses[8:10], rtol=1e-5)
 
 
 def test_two_process_run_stops_on_sigterm_and_resumes(tmp_path):
@@ -123,6 +218,25 @@ def test_two_process_run_stops_on_sigterm_and_resumes(tmp_path):
     assert f"resumed from step {saved}" in out and f"done at step {target}" in out, out[-3000:]
     losses = _losses(tmp_path)
     np.testing.assert_allclose([losses[s] for s in range(saved + 1, target + 1)], _reference(target)[saved:], rtol=1e-5)
+
+
+def test_two_process_run_saves_on_sigint_like_sigterm(tmp_path):
+    """Ctrl-C reaches every process (the launcher forwards it): all of them agree on one
+    step through the preemption sync point, save it and exit with the preempted code."""
+    proc = _launch(tmp_path, 500)
+    deadline = time.monotonic() + 180
+    while not ((tmp_path / "metrics.jsonl").exists() and len(_losses(tmp_path)) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGINT)
+    out = _finish(proc)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    saved_steps = {int(part.split(";")[0]) for part in out.split("state saved at step ")[1:]}
+    assert len(saved_steps) == 1, out[-3000:]  # both ranks saved the same step
+    (saved,) = saved_steps
+    assert out.count("SIGINT received") == 2 and "Traceback" not in out, out[-3000:]
+    files = sorted(p.name for p in (tmp_path / "checkpoints" / str(saved) / "data").glob("process_*.json"))
+    assert files == ["process_0-of-2.json", "process_1-of-2.json"]
 
 
 def test_one_failing_process_stops_the_launch(tmp_path):

@@ -13,7 +13,7 @@ import copy
 import dataclasses
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grain
@@ -23,7 +23,7 @@ import numpy as np
 from jaxdist.config import Config
 from jaxdist.data.loader import process_rows, to_global
 from jaxdist.data.sources import Corpus, TokenStream, open_corpus
-from jaxdist.data.synthetic import SyntheticImages, SyntheticTokens
+from jaxdist.data.synthetic import SlowReads, SyntheticImages, SyntheticTokens
 from jaxdist.errors import JaxdistError
 from jaxdist.sharding import Layout
 
@@ -92,8 +92,10 @@ def example_source(config: Config, split: str) -> Any:
     m, t = config.model, config.train
     if config.data.source == "synthetic":
         if m.kind == "resnet":
-            return SyntheticImages(m.image_size, m.num_classes, seed=t.seed, split=split)
-        return SyntheticTokens(m.vocab_size, t.seq_len, seed=t.seed, split=split)
+            source = SyntheticImages(m.image_size, m.num_classes, seed=t.seed, split=split)
+        else:
+            source = SyntheticTokens(m.vocab_size, t.seq_len, seed=t.seed, split=split)
+        return SlowReads(source, config.data.synthetic_latency_ms / 1000) if config.data.synthetic_latency_ms else source
     if m.kind == "resnet":
         raise JaxdistError(f"model.kind=resnet trains on data.source=synthetic images, not {config.data.source!r}")
     corpus = open_corpus(config)
@@ -140,16 +142,47 @@ def _mark_absl_flags_parsed() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
+class DataStateMismatch(ValueError):
+    """A saved data state that this iterator cannot continue from (e.g. another worker count)."""
+
+
+def split_data_state(state: dict) -> tuple[int, int | None, dict]:
+    """A saved data state -> (start step, worker count or None if unknown, Grain's state).
+
+    Older checkpoints stored Grain's state alone: it starts at step 0 and its worker
+    count shows in its shape (multiprocessing prefetch interleaves one iterator per worker).
+    """
+    if "grain" in state:
+        return int(state.get("start_step", 0)), state.get("workers"), state["grain"]
+    if "next_index" in state:
+        return 0, 0, state
+    return 0, len(state.get("iterators_in_use_states", ())) or None, state
+
+
 class BatchIterator:
     """Global ``jax.Array`` batches from this process's Grain iterator.
 
     A background thread turns host batches into device arrays ``prefetch`` steps ahead,
     so the training loop rarely waits. Each queued batch carries the Grain state after
     it, so ``get_state`` describes what the loop consumed, not what was read ahead.
+
+    The state is absolute: Grain's position inside the dataset sliced at ``start_step``
+    (the step the iterator was opened at) together with that step, so it continues the
+    same stream whichever slice the restoring iterator was opened at.
     """
 
-    def __init__(self, dataset: grain.IterDataset, layout: Layout, global_batch: int, prefetch: int = 2):
-        self._iterator = iter(dataset)
+    def __init__(
+        self,
+        open_dataset: Callable[[int], grain.IterDataset],
+        layout: Layout,
+        global_batch: int,
+        prefetch: int = 2,
+        *,
+        start_step: int = 0,
+        workers: int = 0,
+    ):
+        self._open, self.start_step, self.workers = open_dataset, start_step, workers
+        self._iterator = iter(open_dataset(start_step))
         self.layout, self.global_batch, self.prefetch = layout, global_batch, prefetch
         self._state = self._iterator.get_state()
         self._queue: queue.Queue | None = None
@@ -205,12 +238,20 @@ class BatchIterator:
             self._iterator.close()
 
     def get_state(self) -> dict:
-        return copy.deepcopy(self._state)
+        return {"start_step": self.start_step, "workers": self.workers, "grain": copy.deepcopy(self._state)}
 
     def set_state(self, state: dict) -> None:
+        """Continue from ``get_state``'s output (of this iterator or one opened at another
+        step); raises ``DataStateMismatch`` for a state of another worker count."""
+        start_step, workers, grain_state = split_data_state(state)
+        if workers is not None and workers != self.workers:
+            raise DataStateMismatch(f"saved with data.workers={workers}, this run reads with {self.workers}")
         self._stop_reading_ahead()
-        self._iterator.set_state(state)
-        self._state = copy.deepcopy(state)
+        if start_step != self.start_step:  # reopen the same slice the saving iterator read
+            self.close()
+            self._iterator, self.start_step = iter(self._open(start_step)), start_step
+        self._iterator.set_state(grain_state)
+        self._state = copy.deepcopy(grain_state)
 
 
 def make_iterator(
@@ -221,15 +262,18 @@ def make_iterator(
     d, t = config.data, config.train
     part = ProcessSlice.for_layout(layout, t.global_batch)
     shuffle = split == "train" and d.shuffle and d.source != "synthetic"  # synthetic examples are random already
-    ds = batches_dataset(example_source(config, split), part, seed=t.seed, shuffle=shuffle)
-    if start_step:
-        ds = ds[start_step:]
-    iter_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, min(d.prefetch, 8)), prefetch_buffer_size=d.prefetch))
+    batches = batches_dataset(example_source(config, split), part, seed=t.seed, shuffle=shuffle)
     workers = d.workers if workers is None else workers
-    if workers > 0:
-        _mark_absl_flags_parsed()
-        iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(1, d.prefetch)))
-    return BatchIterator(iter_ds, layout, t.global_batch, prefetch=d.prefetch)
+    read_options = grain.ReadOptions(num_threads=max(1, min(d.prefetch, 8)), prefetch_buffer_size=d.prefetch)
+
+    def open_dataset(start: int) -> grain.IterDataset:
+        iter_ds = (batches[start:] if start else batches).to_iter_dataset(read_options)
+        if workers > 0:
+            _mark_absl_flags_parsed()
+            iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(1, d.prefetch)))
+        return iter_ds
+
+    return BatchIterator(open_dataset, layout, t.global_batch, prefetch=d.prefetch, start_step=start_step, workers=workers)
 
 
 def eval_batches(config: Config, layout: Layout) -> Iterator[dict[str, jax.Array]]:
