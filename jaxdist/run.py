@@ -230,7 +230,11 @@ def profile_window(trainer, compiled_step, run_dir: Path | None, start_step: int
             return
         from jaxdist.profile import summarize
 
-        report = summarize(run_dir)
+        try:
+            report = summarize(run_dir)  # writes profile/summary.json and breakdown.png
+        except JaxdistError as e:  # a report that cannot be made must not stop the training
+            logger.message(f"jaxdist: warning: no profile report ({e}); the trace is in {out_dir}")
+            return
         shares = ", ".join(f"{k} {v:.0%}" for k, v in report["fractions"].items())
         logger.message(f"jaxdist: profile of steps {first}:{last}: {report['bound']}-bound ({shares}); python -m jaxdist.profile {run_dir}")
 
