@@ -205,15 +205,22 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_compilation_cache_is_reused_by_the_next_start(tmp_path):
-    """A restarted run finds its programs in the persistent cache: the second, identical
-    start adds no entry; ``auto`` keeps the cache in the run directory, ``off`` writes none."""
-    cache = tmp_path / "cache"
-    _cli("--run-dir", str(tmp_path / "a"), f"train.compile_cache={cache}")
+    """A restarted run finds its programs in the persistent cache: ``auto`` keeps it in the
+    run directory, and a second start pointed at it adds no entry (every program was a hit)."""
+    _cli("--run-dir", str(tmp_path / "a"))
+    cache = tmp_path / "a" / "xla_cache"
     entries = sorted(p.name for p in cache.iterdir())
     assert entries
     _cli("--run-dir", str(tmp_path / "b"), f"train.compile_cache={cache}")
     assert sorted(p.name for p in cache.iterdir()) == entries
-    _cli("--run-dir", str(tmp_path / "c"))
-    assert any((tmp_path / "c" / "xla_cache").iterdir())
-    _cli("--run-dir", str(tmp_path / "d"), "train.compile_cache=off")
-    assert not (tmp_path / "d" / "xla_cache").exists()
+
+
+def test_compilation_cache_off_and_without_a_run_dir(tmp_path):
+    import jax
+
+    from jaxdist.run import enable_compile_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    assert enable_compile_cache(load_config(None, ["train.compile_cache=off"]), tmp_path) is None
+    assert enable_compile_cache(load_config(None, []), None) is None
+    assert jax.config.jax_compilation_cache_dir == before and not (tmp_path / "xla_cache").exists()
