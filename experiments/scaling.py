@@ -745,27 +745,33 @@ def _batch_words(mode: str, rows: list[dict]) -> str:
     return f"{', '.join(map(str, pdb))} per device"
 
 
+def _device_grid(devices: list[int], keys: list[tuple[str, str]], cells: dict, cell) -> list[str]:
+    """A markdown table: one row per (framework, strategy), one column per device count."""
+    lines = [
+        "| framework | strategy | " + " | ".join(f"{n} dev" for n in devices) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in devices) + " |",
+    ]
+    for fw, strategy in keys:
+        cols = ["—" if (r := cells.get((fw, strategy, n))) is None else cell(r) for n in devices]
+        lines.append(f"| {fw} | {strategy} | " + " | ".join(cols) + " |")
+    return lines
+
+
 def _speed_table(model: str, mode: str, kind: str, rows: list[dict]) -> list[str]:
     devices, keys, cells = _grid(rows)
     seq = sorted({r["seq_len"] for r in rows if r.get("seq_len")})
     out = [
         f"### {model}: {mode} scaling, {kind} ({_batch_words(mode, rows)}, seq {', '.join(map(str, seq))})",
         "",
-        "| framework | strategy | " + " | ".join(f"{n} dev" for n in devices) + " |",
-        "| --- | --- | " + " | ".join("---" for _ in devices) + " |",
     ]
-    for fw, strategy in keys:
-        cols = []
-        for n in devices:
-            r = cells.get((fw, strategy, n))
-            if r is None:
-                cols.append("—")
-            elif not is_ok(r):
-                cols.append(_status_word(r))
-            else:
-                eff = "—" if r.get("efficiency") is None else f"{r['efficiency']:.2f}"
-                cols.append(f"{_fmt_time(r['step_time_s'])} · {r['tokens_per_sec']:,.0f} · {eff}")
-        out.append(f"| {fw} | {strategy} | " + " | ".join(cols) + " |")
+
+    def cell(r: dict) -> str:
+        if not is_ok(r):
+            return _status_word(r)
+        eff = "—" if r.get("efficiency") is None else f"{r['efficiency']:.2f}"
+        return f"{_fmt_time(r['step_time_s'])} · {r['tokens_per_sec']:,.0f} · {eff}"
+
+    out += _device_grid(devices, keys, cells, cell)
     notes = _notes(rows)
     return out + ([""] + notes if notes else []) + [""]
 
@@ -849,17 +855,10 @@ def _memory_tables(model: str, rows: list[dict]) -> list[str]:
             "(params + grads + Adam, fp32 as run here; the ZeRO paper's mixed-precision forms are 4P + 12P/N for ZeRO-1 and "
             "2P + 14P/N for ZeRO-2).",
             "",
-            "| framework | strategy | " + " | ".join(f"{n} dev" for n in devices) + " |",
-            "| --- | --- | " + " | ".join("---" for _ in devices) + " |",
         ]
-        for fw, strategy in keys:
-            cols = []
-            for n in devices:
-                r = cells.get((fw, strategy, n))
-                cols.append(
-                    "—" if r is None else f"{_fmt_mib(r['memory_per_device_bytes'])}, comm {_fmt_mib(r.get('comm_bytes_per_step'))}"
-                )
-            out.append(f"| {fw} | {strategy} | " + " | ".join(cols) + " |")
+        out += _device_grid(
+            devices, keys, cells, lambda r: f"{_fmt_mib(r['memory_per_device_bytes'])}, comm {_fmt_mib(r.get('comm_bytes_per_step'))}"
+        )
         if len(params) == 1:
             p = params[0]
             for name, f in ZERO_FP32.items():
@@ -883,21 +882,14 @@ def _bound_table(model: str, rows: list[dict]) -> list[str]:
                 "Cells: the bound of the traced steps (`jaxdist.profile`), then the collective time per step (exposed + "
                 "overlapped) over the step time.",
                 "",
-                "| framework | strategy | " + " | ".join(f"{n} dev" for n in devices) + " |",
-                "| --- | --- | " + " | ".join("---" for _ in devices) + " |",
             ]
-            for fw, strategy in keys:
-                cols = []
-                for n in devices:
-                    r = cells.get((fw, strategy, n))
-                    if r is None:
-                        cols.append("—")
-                    else:
-                        ct, st = r.get("comm_time_s"), r.get("profile_step_time_s") or r.get("step_time_s")
-                        share = f", comm {ct / st:.0%}" if isinstance(ct, int | float) and st else ""
-                        cols.append(f"{r['bound']}{share}")
-                out.append(f"| {fw} | {strategy} | " + " | ".join(cols) + " |")
-            out.append("")
+
+            def cell(r: dict) -> str:
+                ct, st = r.get("comm_time_s"), r.get("profile_step_time_s") or r.get("step_time_s")
+                share = f", comm {ct / st:.0%}" if isinstance(ct, int | float) and st else ""
+                return f"{r['bound']}{share}"
+
+            out += [*_device_grid(devices, keys, cells, cell), ""]
     return out
 
 
