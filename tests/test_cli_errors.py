@@ -34,6 +34,9 @@ BAD_INPUTS = {
     "unknown flag": (["--meshh", "8"], "unrecognized arguments"),
     "strategy tp without tensor axis": (["--mesh", "data=2", "parallel.strategy=fsdp+tp"], "no tensor axis"),
     "resnet on tensor axis": (["--config", "resnet", "--mesh", "data=2,tensor=2"], "not tensor"),
+    "profile window backwards": (["--profile-steps", "5:3"], "train.profile_steps 5:3: need 1 <= A <= B"),
+    "profile window past the run": (["--profile-steps", "1:50"], "<= train.steps (1)"),
+    "profile window malformed": (["--profile-steps", "five"], "expected A:B"),
 }
 
 
