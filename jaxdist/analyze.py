@@ -15,7 +15,9 @@ the number of times a collective of that kind executes per step.
 JSON fields: ``devices``, ``mesh`` (axis -> size), ``params``, ``flops_per_step`` (the
 model's analytic training FLOPs for one global batch), ``memory_per_device_bytes``
 (``arguments``, ``outputs``, ``temp``, ``alias`` and ``total`` = arguments + outputs -
-alias + temp) and ``collectives`` (kind -> ``count``, ``bytes``, ``largest``), plus
+alias + temp), ``collectives`` (kind -> ``count``, ``bytes``, ``wire_bytes``, ``largest``) and
+``collectives_by_axes`` (the mesh axes a collective's groups span, e.g. ``"data"`` or
+``"fsdp,tensor"`` -> ``count``, ``bytes``, ``wire_bytes``; ``jaxdist/wire.py`` says how), plus
 ``strategy``, ``compute_dtype``, ``param_bytes``, ``xla_flops_per_device`` and ``notes``.
 """
 
@@ -33,7 +35,17 @@ from jaxdist.config import Config
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError
 from jaxdist.mesh import MeshSizes
 
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVE_KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "send",
+    "recv",
+)
 
 # Bits per element of HLO primitive types; f8*/f4* variants are matched by prefix below.
 _DTYPE_BITS = {
@@ -113,6 +125,7 @@ class HloModule:
     computations: dict[str, list[Instruction]]
     entry: str
     shapes: dict[str, str]  # instruction name -> result shape (names are unique per module)
+    num_partitions: int | None = None  # from the module header, when printed
 
 
 def _balanced(text: str, start: int) -> int:
@@ -166,8 +179,11 @@ def parse_instruction(line: str) -> Instruction | None:
 def parse_hlo(text: str) -> HloModule:
     computations: dict[str, list[Instruction]] = {}
     shapes: dict[str, str] = {}
-    entry, current = "", None
+    entry, current, partitions = "", None, None
     for line in text.splitlines():
+        if line.startswith("HloModule "):
+            found = re.search(r"\bnum_partitions=(\d+)", line)
+            partitions = int(found.group(1)) if found else None
         if not line[:1].isspace():  # computation headers and module-level lines start in column 0
             header = _COMPUTATION_RE.match(line)
             if header and line.rstrip().endswith("{") and "->" in line:
@@ -185,7 +201,7 @@ def parse_hlo(text: str) -> HloModule:
             shapes[instruction.name] = instruction.shape
     if not entry:
         raise ValueError("no ENTRY computation in the HLO text")
-    return HloModule(computations, entry, shapes)
+    return HloModule(computations, entry, shapes, partitions)
 
 
 # -- loops and calls ----------------------------------------------------------------
@@ -262,7 +278,7 @@ def collective_payload(instruction: Instruction, module: HloModule, async_result
 
 
 def empty_collectives() -> dict[str, dict[str, int]]:
-    return {kind: {"count": 0, "bytes": 0, "largest": 0} for kind in COLLECTIVE_KINDS}
+    return {kind: {"count": 0, "bytes": 0, "wire_bytes": 0, "largest": 0} for kind in COLLECTIVE_KINDS}
 
 
 def computation_multipliers(module: HloModule) -> dict[str, int]:
@@ -296,10 +312,17 @@ class CollectiveOp:
     bytes: int  # payload of one execution (larger of operands and result)
     executions: int  # times it runs per step (product of enclosing loop trip counts)
     computation: str
+    group_size: int | None = None  # devices per replica group (None: not printed, device count unknown)
+    axes: tuple[str, ...] | None = None  # mesh axes the groups span (None without a mesh)
+    wire_bytes: int | None = None  # one execution's bytes on the wire per device (jaxdist/wire.py)
 
 
-def collective_ops(module: HloModule) -> list[CollectiveOp]:
-    """Every collective the program runs (async ``-start`` forms once, ``-done`` ignored)."""
+def collective_ops(module: HloModule, mesh_shape: dict[str, int] | None = None) -> list[CollectiveOp]:
+    """Every collective the program runs (async ``-start`` forms once, ``-done`` ignored),
+    with its groups' size, the mesh axes they span and its wire bytes."""
+    from jaxdist.wire import device_groups, group_size, spanned_axes, wire_bytes
+
+    devices = math.prod(mesh_shape.values()) if mesh_shape else module.num_partitions
     async_results = _async_results(module)
     ops = []
     for computation, executions in computation_multipliers(module).items():
@@ -307,21 +330,39 @@ def collective_ops(module: HloModule) -> list[CollectiveOp]:
             kind = collective_kind(instruction.opcode)
             if kind is not None:
                 payload = collective_payload(instruction, module, async_results)
-                ops.append(CollectiveOp(kind, instruction.name, payload, executions, computation))
+                groups = device_groups(_STRING_RE.sub('""', instruction.attributes), devices)
+                n = group_size(kind, groups)
+                axes = spanned_axes(groups, mesh_shape)
+                ops.append(CollectiveOp(kind, instruction.name, payload, executions, computation, n, axes, wire_bytes(kind, payload, n)))
     return ops
 
 
-def collective_stats(ops: Sequence[CollectiveOp]) -> dict[str, dict[str, int]]:
-    """Per kind (all five, zero when absent): ``count`` executions per step, ``bytes`` payload
-    per device per step, ``largest`` payload of a single execution."""
-    stats = empty_collectives()
+def collective_stats(ops: Sequence[CollectiveOp]) -> dict[str, dict[str, int | None]]:
+    """Per kind (every kind, zero when absent): ``count`` executions per step, ``bytes`` payload
+    per device per step, ``wire_bytes`` sent per device per step (None when a group size is
+    unknown), ``largest`` payload of a single execution."""
+    stats: dict[str, dict[str, Any]] = empty_collectives()
     for op in ops:
         if op.executions:
             kind = stats[op.kind]
             kind["count"] += op.executions
             kind["bytes"] += op.executions * op.bytes
             kind["largest"] = max(kind["largest"], op.bytes)
+            if kind["wire_bytes"] is not None:
+                kind["wire_bytes"] = None if op.wire_bytes is None else kind["wire_bytes"] + op.executions * op.wire_bytes
     return stats
+
+
+def collectives_by_axes(ops: Sequence[CollectiveOp]) -> dict[str, dict[str, int]]:
+    """Per set of mesh axes spanned ("data", "fsdp,tensor", ...): count, bytes and wire bytes per step."""
+    out: dict[str, dict[str, int]] = {}
+    for op in ops:
+        if op.executions and op.axes is not None:
+            entry = out.setdefault(",".join(op.axes) or "none", {"count": 0, "bytes": 0, "wire_bytes": 0})
+            entry["count"] += op.executions
+            entry["bytes"] += op.executions * op.bytes
+            entry["wire_bytes"] += op.executions * (op.wire_bytes or 0)
+    return out
 
 
 def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -396,6 +437,8 @@ def build_report(trainer: Any, compiled: Any) -> dict[str, Any]:
     config, mesh = trainer.config, trainer.layout.mesh
     module = parse_hlo(compiled.as_text())
     platform = mesh.devices.flat[0].platform
+    mesh_shape = {axis: int(size) for axis, size in mesh.shape.items()}
+    ops = collective_ops(module, mesh_shape)
     report = {
         "config": config.name,
         "devices": int(mesh.size),
@@ -410,7 +453,8 @@ def build_report(trainer: Any, compiled: Any) -> dict[str, Any]:
         "flops_per_step": float(trainer.task.flops_per_example * config.train.global_batch),
         "xla_flops_per_device": _xla_flops(compiled),
         "memory_per_device_bytes": _memory(compiled),
-        "collectives": collective_stats(collective_ops(module)),
+        "collectives": collective_stats(ops),
+        "collectives_by_axes": collectives_by_axes(ops),
     }
     spec = _pipeline_of(trainer)
     if spec is not None:
@@ -458,10 +502,18 @@ def format_report(report: dict[str, Any]) -> str:
         f"flops/step      {report['flops_per_step']:.4g} (model, global batch {report['global_batch']})",
         "memory/device   " + ", ".join(f"{k} {_human_bytes(mem[k])}" for k in ("arguments", "outputs", "temp", "total")),
         "",
-        f"{'collective':<20}{'count/step':>12}{'bytes/device/step':>20}",
+        f"{'collective':<22}{'count/step':>12}{'buffer bytes':>16}{'wire bytes':>16}   (per device per step)",
     ]
-    for kind, stats in report["collectives"].items():
-        lines.append(f"{kind:<20}{stats['count']:>12,}{_human_bytes(stats['bytes']):>20}")
+    active = {kind: stats for kind, stats in report["collectives"].items() if stats["count"]}
+    for kind, stats in active.items():
+        wire = "?" if stats["wire_bytes"] is None else _human_bytes(stats["wire_bytes"])
+        lines.append(f"{kind:<22}{stats['count']:>12,}{_human_bytes(stats['bytes']):>16}{wire:>16}")
+    if not active:
+        lines.append("(none)")
+    for axes, stats in report.get("collectives_by_axes", {}).items():
+        lines.append(
+            f"{'  over ' + axes:<22}{stats['count']:>12,}{_human_bytes(stats['bytes']):>16}{_human_bytes(stats['wire_bytes']):>16}"
+        )
     if "pipeline" in report:
         p = report["pipeline"]
         lines += [

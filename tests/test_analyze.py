@@ -92,7 +92,7 @@ def test_collective_kind() -> None:
 # a computation with an all-to-all; at top level async forms, a tuple all-reduce, a
 # reduce-scatter wrapped in async-start/async-done, and a loop without a known trip count.
 HLO = """\
-HloModule test, is_scheduled=true, entry_computation_layout={(f32[8,8]{1,0})->f32[16]{0}}
+HloModule test, is_scheduled=true, entry_computation_layout={(f32[8,8]{1,0})->f32[16]{0}}, num_partitions=8
 
 %add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
@@ -164,18 +164,27 @@ def test_nested_loops_multiply_trip_counts() -> None:
     assert hand_written_stats()["all-reduce"]["count"] == 32 * 4 + 4 + 1
     inner = (32 * 4 + 4) * 1024 * 4
     assert hand_written_stats()["all-reduce"]["bytes"] == inner + (10 * 4 + 20 * 4)  # + the tuple all-reduce
+    # wire: the inner ones over {0,1} send 2 x 1/2 of their buffer; the tuple one, printed without
+    # groups, spans all 8 partitions of the header: 2 x 7/8
+    assert hand_written_stats()["all-reduce"]["wire_bytes"] == inner + round((10 * 4 + 20 * 4) * 2 * 7 / 8)
 
 
 def test_calls_inherit_the_loop_multiplier() -> None:
-    assert hand_written_stats()["all-to-all"] == {"count": 33, "bytes": 33 * 64, "largest": 64}
+    assert hand_written_stats()["all-to-all"] == {"count": 33, "bytes": 33 * 64, "wire_bytes": 33 * 32, "largest": 64}
 
 
 def test_async_start_counts_once_with_the_done_result() -> None:
     # all-gather-start's tuple bundles operand and result; the payload is the result (the done's shape)
-    assert hand_written_stats()["all-gather"] == {"count": 33 + 1, "bytes": 33 * 64 * 8 * 4 + 64 * 8 * 4, "largest": 64 * 8 * 4}
-    assert hand_written_stats()["collective-permute"] == {"count": 1, "bytes": 32 * 4, "largest": 32 * 4}
+    gathered = 64 * 8 * 4
+    assert hand_written_stats()["all-gather"] == {
+        "count": 33 + 1,
+        "bytes": 34 * gathered,
+        "wire_bytes": 34 * gathered * 7 // 8,  # no groups printed: all 8 partitions
+        "largest": gathered,
+    }
+    assert hand_written_stats()["collective-permute"] == {"count": 1, "bytes": 32 * 4, "wire_bytes": 32 * 4, "largest": 32 * 4}
     # a reduce-scatter inside async-start/async-done is counted once, by its operand size
-    assert hand_written_stats()["reduce-scatter"] == {"count": 1, "bytes": 128 * 4, "largest": 128 * 4}
+    assert hand_written_stats()["reduce-scatter"] == {"count": 1, "bytes": 128 * 4, "wire_bytes": 128 * 4 * 7 // 8, "largest": 128 * 4}
 
 
 def test_loop_without_trip_count_is_reported() -> None:
@@ -336,7 +345,20 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--mesh", "fsdp=2", *TINY_ANALYZE]) == 0
     out = capsys.readouterr().out
     assert "fsdp=2" in out
-    for kind in COLLECTIVE_KINDS:
-        assert kind in out
+    assert "all-gather" in out and "all-to-all" not in out  # only the kinds the step runs
+    assert "over fsdp" in out  # the mesh axes they span
     with pytest.raises(json.JSONDecodeError):
         json.loads(out)
+
+
+def test_wire_bytes_and_axes_of_compiled_steps() -> None:
+    """Against the parameter count (not the HLO): DP's gradient ring all-reduce sends
+    2(n-1)/n of the gradients, over the data axis only; FSDP's collectives span fsdp and TP's tensor."""
+    dp = report("data=8")
+    assert set(dp["collectives_by_axes"]) == {"data"}
+    assert dp["collectives"]["all-reduce"]["wire_bytes"] == pytest.approx(2 * 7 / 8 * _grad_bytes(dp), rel=0.02)
+    assert dp["collectives_by_axes"]["data"]["wire_bytes"] == dp["collectives"]["all-reduce"]["wire_bytes"]
+    fsdp = report("fsdp=8")
+    assert set(fsdp["collectives_by_axes"]) == {"fsdp"}
+    assert fsdp["collectives"]["all-gather"]["wire_bytes"] == pytest.approx(7 / 8 * fsdp["collectives"]["all-gather"]["bytes"], rel=1e-3)
+    assert set(report("tensor=4")["collectives_by_axes"]) == {"tensor"}
