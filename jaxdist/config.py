@@ -35,6 +35,7 @@ class ModelConfig:
     dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     param_dtype: str = "float32"
     remat: str = "none"  # none | full | save_matmuls
+    scan_layers: bool = True  # one lax.scan over the layer stack (compile time flat in depth); false: a Python loop
     attention: str = "auto"  # auto (cuDNN flash attention on GPU when it applies, packed documents too) | xla | cudnn | pallas
     # resnet only
     image_size: int = 32

@@ -36,6 +36,11 @@ def test_remat_changes_memory_not_math(remat):
     np.testing.assert_allclose(train_losses("fsdp=4", (f"model.remat={remat}",)), train_losses("data=1"), rtol=1e-5)
 
 
+def test_layer_loop_matches_the_layer_scan():
+    """model.scan_layers=false (a Python loop over the stacked layers) is the same math, sharded too."""
+    np.testing.assert_allclose(train_losses("data=2,fsdp=2,tensor=2", ("model.scan_layers=false",)), train_losses("data=1"), rtol=1e-5)
+
+
 def test_tied_embeddings_shard_like_untied():
     tied = ("model.tie_embeddings=true",)
     np.testing.assert_allclose(train_losses("data=2,tensor=4", tied), train_losses("data=1", tied), rtol=1e-5)

@@ -169,7 +169,11 @@ class Llama(nnx.Module):
         return graphdef, stacked
 
     def run_layers(self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array]) -> jax.Array:
-        """The layers of ``stacked`` (leading axis) applied in order, as one scan."""
+        """The layers of ``stacked`` (leading axis) applied in order: one scan, or with
+        ``model.scan_layers=false`` a Python loop. The loop compiles each layer separately
+        (compile time grows with depth) but saves the scan's stacked residual buffers: on
+        XLA's CPU backend their zero-fills and dynamic-update-slices cost a quarter of a
+        small model's step (experiments/README.md)."""
         positions = aux["positions"]
         segment_ids = aux.get("segment_ids")
 
@@ -178,7 +182,12 @@ class Llama(nnx.Module):
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        return jax.lax.scan(layer, x, stacked)[0]
+        if self.cfg.scan_layers:
+            return jax.lax.scan(layer, x, stacked)[0]
+        depth = jax.tree.leaves(stacked)[0].shape[0]
+        for i in range(depth):
+            x = layer(x, jax.tree.map(lambda p, i=i: p[i], stacked))[0]
+        return x
 
     def head_params(self) -> dict[str, jax.Array]:
         head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
