@@ -16,15 +16,13 @@ from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.mesh import MeshSizes, ensure_fake_cpu_devices, gpu_plugin_installed, mesh_device_count, parse_mesh
 from jaxdist.validate import check_config_on_mesh
-from jaxdist.xla_flags import apply_defaults as apply_xla_defaults
 
 DEFAULT_FAKE_DEVICES = 8  # `--mesh auto` without an accelerator
 
 
 def prepare_devices(config: Config, num_processes: int = 1) -> MeshSizes | None:
-    """Validate the mesh against the config, add jaxdist's default XLA flags
-    (``jaxdist/xla_flags.py``) and, without a GPU, ask for enough fake CPU devices (split
-    over the processes).
+    """Validate the mesh against the config; on CPU ask for enough fake devices (split
+    over the processes), on GPU set the communication-overlap XLA flags.
 
     Runs before JAX starts its backend. Returns the mesh sizes (None for ``auto``).
     """
@@ -34,10 +32,11 @@ def prepare_devices(config: Config, num_processes: int = 1) -> MeshSizes | None:
     if sizes is not None:
         resolve_vocab(config)
         check_config_on_mesh(config, sizes)  # warnings are printed once, by build_trainer
-    apply_xla_defaults(gpu=gpu_plugin_installed())
     if gpu_plugin_installed():
-        return sizes
-    if sizes is not None:
+        from jaxdist.xla_flags import apply_gpu_defaults
+
+        apply_gpu_defaults()
+    elif sizes is not None:
         if mesh_device_count(sizes) % num_processes:
             raise JaxdistError(
                 f"mesh {config.parallel.mesh} ({mesh_device_count(sizes)} devices) does not split over {num_processes} processes"

@@ -1,8 +1,7 @@
-"""XLA flags jaxdist sets by default: on GPUs, overlap communication with compute; on
-CPUs, XLA's memory-minimising scheduler.
+"""XLA flags jaxdist sets on GPUs: overlap communication with compute.
 
-Applied before the backend starts (the GPU set only where a CUDA plugin is installed, the
-CPU set otherwise), and only for flags the user has not set in ``XLA_FLAGS`` (theirs win). ``JAXDIST_XLA_DEFAULTS=0``
+Applied only where a CUDA plugin is installed, before the backend starts, and only for
+flags the user has not set in ``XLA_FLAGS`` (theirs win). ``JAXDIST_XLA_DEFAULTS=0``
 turns all of them off. Every flag here must parse on the jaxlib in use: a flag XLA does
 not know aborts the process, so ``tests/test_distributed.py`` starts a backend with them.
 """
@@ -28,31 +27,19 @@ GPU_FLAGS: dict[str, str] = {
     "xla_gpu_enable_while_loop_double_buffering": "true",
 }
 
-CPU_FLAGS: dict[str, str] = {
-    # The concurrency-optimised scheduler keeps more buffers live to run more thunks at
-    # once; with two cores shared by several processes that only adds contention. Off:
-    # 2 processes x 1 device over gloo 0.448 -> 0.386 s/step, 1 process 0.201 -> 0.188 s,
-    # fake devices unchanged (experiments/README.md, "Closing the gap to DDP").
-    "xla_cpu_enable_concurrency_optimized_scheduler": "false",
-}
-
-
-def with_defaults(xla_flags: str, defaults: dict[str, str]) -> str:
-    """``xla_flags`` plus every flag of ``defaults`` it does not already set."""
-    present = {token.split("=", 1)[0].lstrip("-") for token in xla_flags.split()}
-    extra = [f"--{name}={value}" for name, value in defaults.items() if name not in present]
-    return " ".join([xla_flags.strip(), *extra]).strip()
+# None on CPUs: --xla_cpu_enable_concurrency_optimized_scheduler=false made a 2-process
+# gloo step 14% faster (0.448 -> 0.386 s) but deadlocks fsdp x tensor meshes on jaxlib
+# 0.10.2 (devices enter different collectives first: a rendezvous timeout with fake
+# devices, a gloo size mismatch across processes); experiments/README.md, "ddp_gap.py".
 
 
 def with_gpu_defaults(xla_flags: str) -> str:
-    return with_defaults(xla_flags, GPU_FLAGS)
+    """``xla_flags`` plus every default flag it does not already set."""
+    present = {token.split("=", 1)[0].lstrip("-") for token in xla_flags.split()}
+    extra = [f"--{name}={value}" for name, value in GPU_FLAGS.items() if name not in present]
+    return " ".join([xla_flags.strip(), *extra]).strip()
 
 
-def with_cpu_defaults(xla_flags: str) -> str:
-    return with_defaults(xla_flags, CPU_FLAGS)
-
-
-def apply_defaults(gpu: bool) -> None:
-    """Add the platform's defaults to ``XLA_FLAGS`` unless ``JAXDIST_XLA_DEFAULTS=0``."""
+def apply_gpu_defaults() -> None:
     if os.environ.get("JAXDIST_XLA_DEFAULTS", "1") != "0":
-        os.environ["XLA_FLAGS"] = (with_gpu_defaults if gpu else with_cpu_defaults)(os.environ.get("XLA_FLAGS", ""))
+        os.environ["XLA_FLAGS"] = with_gpu_defaults(os.environ.get("XLA_FLAGS", ""))

@@ -21,7 +21,7 @@ from jaxdist.launch import free_port
 from jaxdist.mesh import parse_mesh
 from jaxdist.preemption import EXIT_PREEMPTED
 from jaxdist.run import run
-from jaxdist.xla_flags import with_cpu_defaults, with_gpu_defaults
+from jaxdist.xla_flags import with_gpu_defaults
 
 from helpers import TINY
 
@@ -270,28 +270,12 @@ def test_unreachable_coordinator_is_a_clear_error(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_default_flag_sets_parse_on_this_jaxlib():
-    """XLA aborts on a flag it does not know: compile on a backend started with every default set."""
-    env = {**_env(), "XLA_FLAGS": with_cpu_defaults(with_gpu_defaults("")), "JAX_PLATFORMS": "cpu"}
-    code = "import jax, jax.numpy as jnp; print(jax.jit(lambda x: (x @ x).sum())(jnp.ones((4, 4))))"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+def test_gpu_flag_set_parses_on_this_jaxlib():
+    """XLA aborts on a flag it does not know: start a backend with every default set."""
+    env = {**_env(), "XLA_FLAGS": with_gpu_defaults(""), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import jax; print(len(jax.devices()))"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "64.0"
-    assert env["XLA_FLAGS"].count("--xla_gpu_") >= 5 and "--xla_cpu_" in env["XLA_FLAGS"]
-    user = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
-    assert with_cpu_defaults(user) == user  # the user's value wins
+    assert env["XLA_FLAGS"].count("--xla_gpu_") >= 5
     assert with_gpu_defaults("--xla_gpu_enable_latency_hiding_scheduler=false").count("latency_hiding") == 1  # the user's value wins
-
-
-def test_prepare_devices_adds_the_cpu_defaults_unless_turned_off(monkeypatch):
-    from jaxdist.config import load_config
-    from jaxdist.run import prepare_devices
-
-    config = load_config(None, ["parallel.mesh=data=1"])
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
-    prepare_devices(config)
-    assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false --xla_cpu_enable_concurrency_optimized_scheduler=false"
-    monkeypatch.setenv("XLA_FLAGS", "")
-    monkeypatch.setenv("JAXDIST_XLA_DEFAULTS", "0")
-    prepare_devices(config)
-    assert os.environ["XLA_FLAGS"] == ""
