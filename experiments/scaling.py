@@ -96,6 +96,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from scaling_analytic import ZERO_STATES_FP32, Dims, expected_state_bytes, expected_wire_bytes  # noqa: E402
+
 TORCH_SCRIPT = HERE / "torch_baseline.py"
 DEFAULT_README = HERE / "README.md"
 FIGURES = HERE / "figures"
@@ -341,14 +345,14 @@ def child_env(point: Point, preset: Preset) -> dict[str, str]:
     return env
 
 
-def threads_of(point: Point, env: dict[str, str]) -> dict:
+def threads_of(point: Point, preset: Preset, env: dict[str, str]) -> dict:
     threads = {"cores": os.cpu_count(), "cores_usable": _affinity(), "processes": point.devices if point.kind == "proc" else 1}
     threads["omp_num_threads"] = env.get("OMP_NUM_THREADS")
     if point.framework == "jaxdist":
         flags = env.get("XLA_FLAGS")
         if point.kind == "proc":
             flags = f"{flags or ''} --xla_force_host_platform_device_count=1".strip()  # what jaxdist.launch adds
-        threads["xla_flags"] = flags
+        threads["xla_flags"] = flags or None
         threads["torch_threads"] = None
     else:
         threads["xla_flags"] = None
@@ -452,6 +456,41 @@ def analyze_point(point: Point, preset: Preset, mesh: str, extra: list[str], out
     return report
 
 
+def apply_analysis(row: dict, report: dict) -> None:
+    """Memory and communication fields of a jaxdist line from its ``jaxdist.analyze`` report."""
+    if "error" in report:
+        row["analyze_error"] = report["error"]
+        return
+    row.pop("analyze_error", None)
+    row["params"] = report.get("params")
+    mem = report.get("memory_per_device_bytes") or {}
+    row["memory_per_device_bytes"] = mem.get("total")
+    row["states_bytes_per_device"] = mem.get("arguments")  # weights + optimizer state (+ the batch)
+    row["memory_breakdown"] = {k: mem[k] for k in sorted(mem)}
+    coll = {k: v for k, v in sorted((report.get("collectives") or {}).items()) if v.get("count")}
+    wire = [v.get("wire_bytes") for v in coll.values()]
+    row["comm_buffer_bytes_per_step"] = int(sum(v.get("bytes", 0) for v in coll.values()))
+    # on the wire (ring formulas, jaxdist/wire.py); buffer bytes where a group size was not printed
+    row["comm_bytes_per_step"] = int(sum(w if w is not None else v["bytes"] for w, v in zip(wire, coll.values(), strict=True)))
+    row["collectives"] = {k: {"count": v.get("count"), "bytes": v.get("bytes"), "wire_bytes": v.get("wire_bytes")} for k, v in coll.items()}
+    row["comm_by_axes"] = report.get("collectives_by_axes")
+
+
+def refresh_analysis(args: argparse.Namespace, preset: Preset, results: Path) -> None:
+    """Recompute every jaxdist line's analyze fields (compile only; reports without the
+    per-axis breakdown are compiled again), keeping the timings."""
+    rows, runner = read_results(results), Runner(args.point_timeout)
+    for row in rows:
+        if row.get("framework") != "jaxdist" or not row.get("mesh") or row.get("model") != preset.name:
+            continue
+        point = Point(row["framework"], row["model"], row["mode"], row["kind"], row["strategy"], row["devices"])
+        cached = args.out / "analyze" / f"{point.model}_{point.mode}_{point.strategy}_n{point.devices}.json".replace("+", "-")
+        if cached.exists() and "collectives_by_axes" not in json.loads(cached.read_text()):
+            cached.unlink()
+        apply_analysis(row, analyze_point(point, preset, row["mesh"], row.get("overrides") or [], args.out, runner))
+    write_results(results, rows)
+
+
 def base_row(point: Point, preset: Preset, host: str) -> dict:
     n = point.devices
     gb = preset.global_batch(point.mode, n)
@@ -500,21 +539,11 @@ def run_jaxdist(point: Point, preset: Preset, args: argparse.Namespace, runner: 
     else:
         cmd = [sys.executable, "-m", "jaxdist.train", *train_args]
     env = child_env(point, preset)
-    row["threads"] = threads_of(point, env)
+    row["threads"] = threads_of(point, preset, env)
     row["command"] = " ".join(cmd[1:]).replace(str(out), "OUT")
 
     # compile-only report first (cached): memory and collective bytes
-    report = analyze_point(point, preset, mesh, extra, out, runner)
-    if "error" in report:
-        row["analyze_error"] = report["error"]
-    else:
-        row["params"] = report.get("params")
-        mem = report.get("memory_per_device_bytes") or {}
-        row["memory_per_device_bytes"] = mem.get("total")
-        row["memory_breakdown"] = {k: mem[k] for k in sorted(mem)}
-        coll = report.get("collectives") or {}
-        row["comm_bytes_per_step"] = int(sum(v.get("bytes", 0) for v in coll.values()))
-        row["collectives"] = {k: {"count": v.get("count"), "bytes": v.get("bytes")} for k, v in sorted(coll.items()) if v.get("count")}
+    apply_analysis(row, analyze_point(point, preset, mesh, extra, out, runner))
 
     rc, line = runner.run(cmd, env, out / "logs" / f"{point.name}.log")
     times = read_metrics(run_dir)
@@ -542,6 +571,14 @@ def run_jaxdist(point: Point, preset: Preset, args: argparse.Namespace, runner: 
     return row
 
 
+def torch_wire_bytes(strategy: str, buffer_bytes: int, n: int) -> int:
+    """DDP all-reduces its gradient buckets (2(n-1)/n on a ring); FSDP's payload is all-gathers
+    and reduce-scatters ((n-1)/n each)."""
+    if n == 1:
+        return 0
+    return round(buffer_bytes * (2 if strategy == "ddp" else 1) * (n - 1) / n)
+
+
 def run_torch(point: Point, preset: Preset, args: argparse.Namespace, runner: Runner, row: dict) -> dict:
     if preset.hardware == "gpu":
         return {**row, "status": "skipped: experiments/torch_baseline.py runs on CPU (gloo) only"}
@@ -559,7 +596,7 @@ def run_torch(point: Point, preset: Preset, args: argparse.Namespace, runner: Ru
     if not args.profile:
         cmd.append("--no-compute-only")
     env = child_env(point, preset)
-    row["threads"] = threads_of(point, env)
+    row["threads"] = threads_of(point, preset, env)
     row["command"] = " ".join(cmd[1:]).replace(str(ROOT) + "/", "")
     log = args.out / "logs" / f"{point.name}.log"
     stdout = log.with_suffix(".stdout")
@@ -576,7 +613,8 @@ def run_torch(point: Point, preset: Preset, args: argparse.Namespace, runner: Ru
         step_times_s=result["step_times_s"],
         tokens_per_sec=result["tokens_per_sec"],
         memory_per_device_bytes=result["memory_per_device_bytes"],
-        comm_bytes_per_step=result["comm_bytes_per_step"],
+        comm_buffer_bytes_per_step=result["comm_bytes_per_step"],
+        comm_bytes_per_step=torch_wire_bytes(torch_strategy, result["comm_bytes_per_step"], point.devices),
         compute_only_step_time_s=result.get("compute_only_step_time_s"),
         torch_strategy=torch_strategy,
         torch_version=result.get("torch_version"),
@@ -733,6 +771,7 @@ def render_tables(rows: list[dict]) -> str:
                 out += _speed_table(model, mode, kind, sub)
         out += _torch_table(model, mrows)
         out += _memory_tables(model, mrows)
+        out += _analytic_table(model, mrows)
         out += _bound_table(model, mrows)
     return "\n".join(out).rstrip("\n") + "\n"
 
@@ -819,52 +858,94 @@ def _torch_table(model: str, rows: list[dict]) -> list[str]:
     return out + [""]
 
 
-ZERO_FP32 = {  # bytes per device of params + grads + Adam moments, all fp32 (4 + 4 + 8 bytes per parameter)
-    "replicated (16P)": lambda p, n: 16 * p,
-    "ZeRO-1 fp32 (8P + 8P/N)": lambda p, n: 8 * p + 8 * p / n,
-    "ZeRO-2 fp32 (4P + 12P/N)": lambda p, n: 4 * p + 12 * p / n,
-    "ZeRO-3 (16P/N)": lambda p, n: 16 * p / n,
-}
-ZERO_MIXED = {  # the ZeRO paper's mixed-precision forms (fp16 params and grads, fp32 master + Adam)
-    "replicated (16P)": lambda p, n: 16 * p,
-    "ZeRO-1 (4P + 12P/N)": lambda p, n: 4 * p + 12 * p / n,
-    "ZeRO-2 (2P + 14P/N)": lambda p, n: 2 * p + 14 * p / n,
-    "ZeRO-3 (16P/N)": lambda p, n: 16 * p / n,
-}
+def _analyzed_once(rows: list[dict]) -> list[dict]:
+    """analyze is kind-independent: one line per (framework, strategy, devices), the fake one first."""
+    first: dict = {}
+    for r in sorted(rows, key=lambda r: (KINDS.index(r["kind"]) if r["kind"] in KINDS else 9, r["kind"])):
+        first.setdefault((r["framework"], r["strategy"], r["devices"]), r)
+    return list(first.values())
 
 
 def _memory_tables(model: str, rows: list[dict]) -> list[str]:
     out = []
     for mode in sorted({r["mode"] for r in rows}, key=lambda m: (MODES.index(m) if m in MODES else 9, m)):
-        sub = [r for r in rows if r["mode"] == mode and r.get("memory_per_device_bytes") is not None]
+        sub = _analyzed_once([r for r in rows if r["mode"] == mode and r.get("memory_per_device_bytes") is not None])
         if not sub:
             continue
-        # analyze is kind-independent: one line per (framework, strategy, devices), the fake one first
-        sub.sort(key=lambda r: (KINDS.index(r["kind"]) if r["kind"] in KINDS else 9, r["kind"]))
-        first: dict = {}
-        for r in sub:
-            first.setdefault((r["framework"], r["strategy"], r["devices"]), r)
-        devices, keys, cells = _grid(list(first.values()))
+        devices, keys, cells = _grid(sub)
         params = sorted({r["params"] for r in sub if r["framework"] == "jaxdist" and r.get("params")})
         out += [
             f"### {model}: memory and communication per device, {mode} scaling ({_batch_words(mode, sub)})",
             "",
-            "jaxdist: `jaxdist.analyze` (compile only): memory = arguments + outputs + temp less aliased buffers (states and "
-            "activations) in MiB, then communication = collective bytes per device per step in MiB. PyTorch: params + grads + "
-            "Adam moments per process (no activations), then its gradient / FSDP payload bytes. Formula rows: model states only "
-            "(params + grads + Adam, fp32 as run here; the ZeRO paper's mixed-precision forms are 4P + 12P/N for ZeRO-1 and "
-            "2P + 14P/N for ZeRO-2).",
+            "Cells, MiB per device: total · states · wire. jaxdist (`jaxdist.analyze`, compile only): total = arguments + "
+            "outputs + temp less aliased buffers (states and activations), states = the step's arguments (weights and Adam "
+            "moments as sharded, plus the batch), wire = the bytes its collectives send per step (ring formulas, "
+            "`jaxdist/wire.py`). PyTorch: states = params + grads + Adam moments per process (no activations, so no total), "
+            "wire = its gradient all-reduce (DDP) or all-gather + reduce-scatter payload (FSDP2) on a ring. Formula rows: "
+            "weights + Adam moments in fp32 (`experiments/scaling_analytic.py`), comparable with the states.",
             "",
         ]
-        out += _device_grid(
-            devices, keys, cells, lambda r: f"{_fmt_mib(r['memory_per_device_bytes'])}, comm {_fmt_mib(r.get('comm_bytes_per_step'))}"
-        )
+
+        def cell(r: dict) -> str:
+            total = "—" if r["framework"] != "jaxdist" else _fmt_mib(r["memory_per_device_bytes"])
+            states = r.get("states_bytes_per_device") if r["framework"] == "jaxdist" else r["memory_per_device_bytes"]
+            return f"{total} · {_fmt_mib(states)} · {_fmt_mib(r.get('comm_bytes_per_step'))}"
+
+        out += _device_grid(devices, keys, cells, cell)
         if len(params) == 1:
             p = params[0]
-            for name, f in ZERO_FP32.items():
+            for name, f in ZERO_STATES_FP32.items():
                 out.append(f"| formula, P = {p:,} | {name} | " + " | ".join(_fmt_mib(f(p, n)) for n in devices) + " |")
         out.append("")
     return out
+
+
+def _ratio(measured: float | None, expected: float | None) -> str:
+    return "—" if not measured or not expected else f"{measured / expected:.3f}"
+
+
+def _analytic_table(model: str, rows: list[dict]) -> list[str]:
+    """Measured (compiled program) vs expected (model dimensions) wire bytes per mesh axis and states per device."""
+    preset = PRESETS.get(model)
+    lines = []
+    for r in _analyzed_once([r for r in rows if r["framework"] == "jaxdist" and r.get("comm_by_axes") is not None]):
+        if preset is None or r["devices"] == 1:
+            continue
+        dims = Dims(r["params"], preset.n_layers, preset.d_model, preset.seq_len, r["global_batch"])
+        expected = expected_wire_bytes(r["strategy"], r["mesh"], dims)
+        states = expected_state_bytes(r["strategy"], r["mesh"], r["params"])
+        if expected is None:
+            continue
+        measured_states = r.get("states_bytes_per_device")
+        for axis, want in expected.items():
+            got = (r["comm_by_axes"].get(axis) or {}).get("wire_bytes")
+            lines.append(
+                (
+                    MODES.index(r["mode"]) if r["mode"] in MODES else 9,
+                    _strategy_order(r["strategy"]),
+                    r["devices"],
+                    axis,
+                    f"| {r['mode']} | {r['strategy']} | {r['mesh']} | {axis} | {_fmt_mib(got)} | {_fmt_mib(want['cpu'])} | "
+                    f"{_ratio(got, want['cpu'])} | {_fmt_mib(want['ideal'])} | {_fmt_mib(measured_states)} | {_fmt_mib(states)} | "
+                    f"{_ratio(measured_states, states)} |",
+                )
+            )
+    if not lines:
+        return []
+    return [
+        f"### {model}: measured vs expected communication and model states",
+        "",
+        "Measured: `jaxdist.analyze`'s wire bytes of the collectives spanning that mesh axis, and its arguments (states). "
+        "Expected: `experiments/scaling_analytic.py`, from the parameter count and the model's dimensions only "
+        "(ring formulas; the CPU column runs the gradient reduce-scatter as all-reduce + slice, as XLA's CPU backend "
+        "does; ideal uses reduce-scatters). MiB per device per step.",
+        "",
+        "| mode | strategy | mesh | axis | wire measured | expected (CPU) | ratio | expected (ideal) | states measured | "
+        "states expected | ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *(line[-1] for line in sorted(lines, key=lambda x: x[:4])),
+        "",
+    ]
 
 
 def _bound_table(model: str, rows: list[dict]) -> list[str]:
@@ -958,6 +1039,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hardware", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--report-only", action="store_true", help="run nothing: README / plots from results.jsonl only")
     p.add_argument("--retry-failed", action="store_true", help="rerun points recorded as failed")
+    p.add_argument(
+        "--refresh-analyze", action="store_true", help="recompute memory / communication of every jaxdist line (compile only), keep timings"
+    )
     args = p.parse_args(argv)
     args.model = args.model or ("small-gpu" if args.hardware == "gpu" else "small-cpu")
     if args.model not in PRESETS:
@@ -1032,6 +1116,8 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[args.model]
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"
+    if args.refresh_analyze:
+        refresh_analysis(args, preset, results)
     if not args.report_only:
         code = sweep(args, preset, results)
         if code:

@@ -3,18 +3,23 @@
 - ``scaling_throughput.png``: tokens/s vs devices, one line per (framework, strategy), one
   panel per (mode, kind);
 - ``scaling_efficiency.png``: scaling efficiency vs devices, same panels, 1.0 drawn;
-- ``scaling_memory.png``: memory per device vs devices, measured points per strategy (one
-  panel per mode) with the ZeRO model-state formula lines: the fp32 forms of this run
-  (dashed: 16P, 8P + 8P/N, 4P + 12P/N, 16P/N) and the paper's mixed-precision forms
-  (dotted: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N). The measured jaxdist points are
-  ``jaxdist.analyze``'s total (states and activations), PyTorch's are states only;
-- ``scaling_comm.png``: collective bytes per device per step vs devices, with the DP
-  reference P x 4 bytes (the fp32 gradients all-reduced once).
+- ``scaling_memory.png``: model states per device vs devices, measured points per strategy
+  (one panel per mode; jaxdist: ``jaxdist.analyze``'s arguments, i.e. weights + Adam moments
+  as sharded; PyTorch: params + grads + Adam) with formula lines: weights + Adam in fp32
+  as run (dashed: 12P, 4P + 8P/N, 12P/N) and the ZeRO paper's mixed-precision model states
+  (dotted: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N);
+- ``scaling_comm.png``: bytes each device sends per step vs devices (``jaxdist.analyze``'s
+  wire bytes), with the DP reference 2(N-1)/N x 4P (a ring all-reduce of fp32 gradients).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from scaling_analytic import ZERO_PAPER, ZERO_STATES_FP32  # noqa: E402
 
 SINGLE = "single"
 ORDER = ("dp", "zero1", "fsdp", "tp", "pipe-1f1b", "pipe-gpipe", "dp+tp", "fsdp+tp", "3d")
@@ -107,37 +112,32 @@ def _per_panel(rows: list[dict], value: str, ylabel: str, title: str, path: Path
     return path
 
 
-FP32 = {
-    "16P replicated": lambda p, n: 16 * p,
-    "8P+8P/N ZeRO-1 fp32": lambda p, n: 8 * p + 8 * p / n,
-    "4P+12P/N ZeRO-2 fp32 (= ZeRO-1 mixed)": lambda p, n: 4 * p + 12 * p / n,
-    "16P/N ZeRO-3": lambda p, n: 16 * p / n,
-}
-MIXED = {  # the paper's ZeRO-1 (4P + 12P/N) is the fp32 ZeRO-2 line; replicated and ZeRO-3 are the same in both
-    "2P+14P/N ZeRO-2 mixed": lambda p, n: 2 * p + 14 * p / n,
-}
+def _states(row: dict) -> float | None:
+    """Model states per device: jaxdist's step arguments (weights + Adam moments), PyTorch's params + grads + Adam."""
+    return row.get("states_bytes_per_device") if row.get("framework") == "jaxdist" else row.get("memory_per_device_bytes")
 
 
 def _memory(rows: list[dict], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
-    modes = [m for m in ("strong", "weak") if any(r.get("mode") == m and r.get("memory_per_device_bytes") for r in rows)]
+    rows = [{**r, "states": _states(r)} for r in rows]
+    modes = [m for m in ("strong", "weak") if any(r.get("mode") == m and r.get("states") for r in rows)]
     if not modes:
         return None
     fig, axes = _grid(len(modes))
     devices = sorted({r["devices"] for r in rows if r.get("devices")})
     params = sorted({r["params"] for r in rows if r.get("framework") == "jaxdist" and r.get("params")})
     for ax, mode in zip(axes, modes, strict=False):
-        for (fw, strategy), pts in series(_one_per_kind(rows), "memory_per_device_bytes", mode, None).items():
+        for (fw, strategy), pts in series(_one_per_kind(rows), "states", mode, None).items():
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, [y / 2**20 for y in ys], label=f"{fw} {strategy}" if fw != "jaxdist" else strategy, **_style(fw))
         if len(params) == 1:
             p = params[0]
             xs = devices
-            for name, f in FP32.items():
+            for name, f in ZERO_STATES_FP32.items():
                 ax.plot(xs, [f(p, n) / 2**20 for n in xs], color="black", linestyle="--", linewidth=0.8, alpha=0.6)
                 ax.annotate(name, (xs[-1], f(p, xs[-1]) / 2**20), fontsize=6, alpha=0.7)
-            for name, f in MIXED.items():
+            for name, f in ZERO_PAPER.items():
                 ax.plot(xs, [f(p, n) / 2**20 for n in xs], color="grey", linestyle=":", linewidth=0.8)
                 ax.annotate(name, (xs[-1], f(p, xs[-1]) / 2**20), fontsize=6, color="grey")
         _devices_axis(ax, devices)
@@ -148,8 +148,8 @@ def _memory(rows: list[dict], path: Path) -> Path | None:
     for ax in axes[len(modes) :]:
         ax.set_visible(False)
     fig.suptitle(
-        "memory per device: jaxdist.analyze total (fp32 states + activations), PyTorch states;\n"
-        "lines: model states by the ZeRO formulas, dashed fp32 (as run), dotted the paper's mixed precision",
+        "model states per device: jaxdist.analyze arguments (fp32 weights + Adam), PyTorch params + grads + Adam;\n"
+        "dashed: weights + Adam in fp32 (12P, 4P + 8P/N, 12P/N); dotted: the ZeRO paper's 16P, 4P + 12P/N, 2P + 14P/N, 16P/N",
         fontsize=9,
     )
     fig.tight_layout()
@@ -186,14 +186,16 @@ def _comm(rows: list[dict], path: Path) -> Path | None:
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, [y / 2**20 for y in ys], label=f"{fw} {strategy}" if fw != "jaxdist" else strategy, **_style(fw))
         if len(params) == 1:
-            ax.axhline(4 * params[0] / 2**20, color="black", linestyle="--", linewidth=0.8, label="P x 4 B (fp32 grads)")
+            xs = [n for n in devices if n > 1]
+            ys = [2 * (n - 1) / n * 4 * params[0] / 2**20 for n in xs]
+            ax.plot(xs, ys, color="black", linestyle="--", linewidth=0.8, label="DP ring all-reduce 2(N-1)/N x 4P")
         _devices_axis(ax, devices)
         ax.set_ylabel("MiB per device per step")
         ax.set_title(f"{mode} scaling")
         ax.legend(fontsize=7, ncol=2)
     for ax in axes[len(modes) :]:
         ax.set_visible(False)
-    fig.suptitle("collective bytes per device per step (jaxdist.analyze; PyTorch: payload)", fontsize=9)
+    fig.suptitle("bytes each device sends per step (jaxdist.analyze wire bytes; PyTorch: its payload on a ring)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -132,6 +132,8 @@ def _line(framework: str, strategy: str, devices: int, mode: str, kind: str, t: 
     )
     if t:
         row.update(memory_per_device_bytes=int(16 * 853120 / devices) + 1000, comm_bytes_per_step=4 * 853120 * (devices > 1))
+        if framework == "jaxdist" and devices > 1:  # what analyze reports: a ring all-reduce of the grads over data
+            row.update(states_bytes_per_device=12 * 853120 + 512, comm_by_axes={"data": {"count": 5, "wire_bytes": 4 * 853120}})
     row.update(extra)
     return row
 
@@ -204,7 +206,9 @@ def test_write_readme_is_deterministic_and_keeps_the_rest(tmp_path: Path) -> Non
     assert "250.0 ms · 8,192 · 0.80" in body
     assert "skipped: model.n_kv_heads (4)" in body and "failed: exit 1: RuntimeError: boom" in body
     assert "| strong | dp vs pytorch-ddp | 200.0 ms / 100.0 ms = 2.00 | 250.0 ms / 100.0 ms = 2.50 |" in body
-    assert "ZeRO-3 (16P/N)" in body and "communication" in body
+    assert "ZeRO-3 / FSDP (12P/N)" in body and "communication" in body
+    # measured vs expected: DP on 2 devices sends 2 x 1/2 x 4P = 3.25 MiB over data and holds 12P of states
+    assert "| strong | dp | data=2 | data | 3.25 | 3.25 | 1.000 | 3.25 | 9.76 | 9.76 | 1.000 |" in body
     assert json.loads((out / "results.jsonl").read_text().splitlines()[1])["efficiency"] == 0.123  # the report does not rewrite results
 
 
