@@ -859,10 +859,10 @@ def _torch_table(model: str, rows: list[dict]) -> list[str]:
 
 
 def _analyzed_once(rows: list[dict]) -> list[dict]:
-    """analyze is kind-independent: one line per (framework, strategy, devices), the fake one first."""
+    """analyze is kind-independent: one line per (framework, mode, strategy, devices), the fake one first."""
     first: dict = {}
     for r in sorted(rows, key=lambda r: (KINDS.index(r["kind"]) if r["kind"] in KINDS else 9, r["kind"])):
-        first.setdefault((r["framework"], r["strategy"], r["devices"]), r)
+        first.setdefault((r["framework"], r["mode"], r["strategy"], r["devices"]), r)
     return list(first.values())
 
 

@@ -209,6 +209,7 @@ def test_write_readme_is_deterministic_and_keeps_the_rest(tmp_path: Path) -> Non
     assert "ZeRO-3 / FSDP (12P/N)" in body and "communication" in body
     # measured vs expected: DP on 2 devices sends 2 x 1/2 x 4P = 3.25 MiB over data and holds 12P of states
     assert "| strong | dp | data=2 | data | 3.25 | 3.25 | 1.000 | 3.25 | 9.76 | 9.76 | 1.000 |" in body
+    assert "| weak | dp | data=2 | data | 3.25 |" in body  # each mode has its rows
     assert json.loads((out / "results.jsonl").read_text().splitlines()[1])["efficiency"] == 0.123  # the report does not rewrite results
 
 
