@@ -185,7 +185,9 @@ def load_jaxdist_params(model: Llama, tree: dict) -> None:
     """Copy jaxdist's Llama parameters (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``,
     arrays of any kind) into ``model``. jaxdist keeps einsum layouts (wq [d, h, hd], wo [h, hd, d],
     w_gate [d, f], head [d, V]) with blocks stacked on a leading layer axis; ``nn.Linear``
-    holds [out, in]."""
+    holds [out, in]. With ``model.fused_projections`` (the default) jaxdist holds
+    wqkv [d, kv, h/kv + 2, hd] (per kv head: its query heads, then k, then v) and
+    w_gate_up [d, 2, f]; they are split back into q, k, v and gate, up."""
 
     def t(x) -> torch.Tensor:
         import numpy as np
@@ -205,12 +207,24 @@ def load_jaxdist_params(model: Llama, tree: dict) -> None:
             a, m = blocks["attn"], blocks["mlp"]
             block.attn_norm.weight.copy_(t(blocks["attn_norm"]["scale"])[i])
             block.mlp_norm.weight.copy_(t(blocks["mlp_norm"]["scale"])[i])
-            block.attn.wq.weight.copy_(linear(t(a["wq"])[i].reshape(c.d_model, -1)))
-            block.attn.wk.weight.copy_(linear(t(a["wk"])[i].reshape(c.d_model, -1)))
-            block.attn.wv.weight.copy_(linear(t(a["wv"])[i].reshape(c.d_model, -1)))
+            if "wqkv" in a:  # query head kv * (h/kv) + j is wqkv[:, kv, j]
+                qkv = t(a["wqkv"])[i]
+                group = qkv.shape[2] - 2
+                wq, wk, wv = qkv[:, :, :group], qkv[:, :, group], qkv[:, :, group + 1]
+            else:
+                wq, wk, wv = t(a["wq"])[i], t(a["wk"])[i], t(a["wv"])[i]
+            block.attn.wq.weight.copy_(linear(wq.reshape(c.d_model, -1)))
+            block.attn.wk.weight.copy_(linear(wk.reshape(c.d_model, -1)))
+            block.attn.wv.weight.copy_(linear(wv.reshape(c.d_model, -1)))
             block.attn.wo.weight.copy_(linear(t(a["wo"])[i].reshape(-1, c.d_model)))
-            for name in ("w_gate", "w_up", "w_down"):
-                getattr(block.mlp, name).weight.copy_(linear(t(m[name])[i]))
+            if "w_gate_up" in m:
+                gate_up = t(m["w_gate_up"])[i]
+                gate, up = gate_up[:, 0], gate_up[:, 1]
+            else:
+                gate, up = t(m["w_gate"])[i], t(m["w_up"])[i]
+            block.mlp.w_gate.weight.copy_(linear(gate))
+            block.mlp.w_up.weight.copy_(linear(up))
+            block.mlp.w_down.weight.copy_(linear(t(m["w_down"])[i]))
 
 
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.AdamW:

@@ -229,7 +229,8 @@ class Checkpointer:
     # -- restoring ------------------------------------------------------------------
 
     def restore(self, step: int, abstract_state: Any) -> Restored:
-        """One step, into the shardings of ``abstract_state``. Raises
+        """One step, into the shardings of ``abstract_state`` (or of ``abstract_state(saved
+        tree)`` when it is a callable: a target that depends on what was saved). Raises
         ``IncompatibleCheckpoint`` when its stored tree does not fit (checked before any
         array is read) and ``DamagedCheckpoint`` when its files cannot be read."""
         ocp = self._ocp
@@ -238,6 +239,8 @@ class Checkpointer:
             saved_tree = self.manager.item_metadata(step)["state"]
         except Exception as e:  # noqa: BLE001 - unreadable metadata: a damaged checkpoint
             raise DamagedCheckpoint(f"{step_dir / 'state'}: {_first_line(e)}") from None
+        if callable(abstract_state):
+            abstract_state = abstract_state(saved_tree)
         if saved_tree is not None:
             differences = state_differences(saved_tree, abstract_state)
             if differences:

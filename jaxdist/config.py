@@ -37,6 +37,8 @@ class ModelConfig:
     remat: str = "none"  # none | full | save_matmuls
     scan_layers: bool = True  # one lax.scan over the layer stack (compile time flat in depth); false: a Python loop
     attention: str = "auto"  # auto (cuDNN flash attention on GPU when it applies, packed documents too) | xla | cudnn | pallas
+    fused_projections: bool = True  # one QKV matmul and one gate/up matmul per layer; false: separate wq/wk/wv, w_gate/w_up
+    loss_chunk: int = 0  # tokens of the sequence per cross-entropy chunk (logits never whole); 0: whole sequence
     # resnet only
     image_size: int = 32
     num_classes: int = 10
@@ -63,6 +65,8 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 10
+    optimizer: str = "adamw"  # adamw | sgd
+    momentum: float = 0.0  # sgd only: heavy-ball momentum (0: plain SGD)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -76,6 +80,7 @@ class TrainConfig:
     max_skips: int = 10  # with nonfinite=skip: halt (exit 3) after this many non-finite steps in a row
     compile_cache: str = "auto"  # XLA's persistent compilation cache: auto (RUN_DIR/xla_cache) | off | a directory
     profile_steps: str = ""  # "A:B": trace steps A..B into RUN_DIR/profile (--profile-steps)
+    loss_scale: str = "dynamic"  # model.dtype=float16 only: dynamic (GradScaler's schedule) | a fixed number
 
 
 @dataclasses.dataclass
@@ -109,6 +114,10 @@ class ParallelConfig:
     schedule: str = "gpipe"  # pipeline schedule on a pipe axis: gpipe | circular | 1f1b
     pipeline_microbatches: int = 0  # M per step (per gradient-accumulation microbatch); 0: the pipe size
     virtual_stages: int = 1  # V layer chunks per device (circular)
+    grad_reduce: str = "float32"  # what gradients cross devices as: float32 | bfloat16 | int8 (block-quantized) | topk
+    grad_topk_fraction: float = 0.01  # topk: the fraction of entries each device sends
+    error_feedback: bool | None = None  # keep what compression dropped for the next step; None: on for int8 and topk
+    compress_axes: str = "all"  # all | dcn (compress only across hosts; fp32 inside a host)
 
 
 @dataclasses.dataclass
@@ -235,6 +244,13 @@ def profile_window(spec: str) -> tuple[int, int]:
     return int(first), int(last)
 
 
+def _positive_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -244,10 +260,13 @@ def validate(config: Config) -> None:
     """Checks that need no devices; mesh-dependent checks live in ``validate.check_config_on_mesh``."""
     m, t = config.model, config.train
     _require(m.kind in ("llama", "resnet"), f"model.kind must be llama or resnet, got {m.kind!r}")
-    _require(m.dtype in ("auto", "float32", "bfloat16"), f"model.dtype must be auto, float32 or bfloat16, got {m.dtype!r}")
+    _require(
+        m.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype must be auto, float32, bfloat16 or float16, got {m.dtype!r}"
+    )
     _require(m.param_dtype in ("float32", "bfloat16"), f"model.param_dtype must be float32 or bfloat16, got {m.param_dtype!r}")
     _require(m.attention in ("auto", "xla", "cudnn", "pallas"), f"model.attention must be auto, xla, cudnn or pallas, got {m.attention!r}")
     _require(m.remat in ("none", "full", "save_matmuls"), f"model.remat must be none, full or save_matmuls, got {m.remat!r}")
+    _require(m.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0: the whole sequence), got {m.loss_chunk}")
     _require(m.vocab_size >= 0, f"model.vocab_size must be >= 0 (0: from the tokenizer), got {m.vocab_size}")
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads"):
         _require(getattr(m, name) > 0, f"model.{name} must be positive, got {getattr(m, name)}")
@@ -260,11 +279,18 @@ def validate(config: Config) -> None:
     for name in ("steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches"):
         _require(getattr(t, name) > 0, f"train.{name} must be positive, got {getattr(t, name)}")
     _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    _require(t.optimizer in ("adamw", "sgd"), f"train.optimizer must be adamw or sgd, got {t.optimizer!r}")
+    _require(0 <= t.momentum < 1, f"train.momentum must be in [0, 1), got {t.momentum}")
     _require(t.nonfinite in ("halt", "skip"), f"train.nonfinite must be halt or skip, got {t.nonfinite!r}")
     _require(t.max_skips >= 1, f"train.max_skips must be >= 1, got {t.max_skips}")
     if t.profile_steps:
         first, last = profile_window(t.profile_steps)
         _require(1 <= first <= last <= t.steps, f"train.profile_steps {t.profile_steps}: need 1 <= A <= B <= train.steps ({t.steps})")
+    if m.dtype == "float16":
+        _require(
+            t.loss_scale == "dynamic" or _positive_number(t.loss_scale),
+            f"train.loss_scale must be dynamic or a positive number with model.dtype=float16, got {t.loss_scale!r}",
+        )
     _require(t.warmup_steps >= 0 and t.eval_every >= 0, "train.warmup_steps and train.eval_every must be >= 0")
     _require(
         t.global_batch % t.microbatches == 0,
@@ -284,6 +310,12 @@ def validate(config: Config) -> None:
         p.pipeline_microbatches >= 0 and p.virtual_stages >= 1,
         "parallel.pipeline_microbatches must be >= 0 and parallel.virtual_stages >= 1",
     )
+    _require(
+        p.grad_reduce in ("float32", "bfloat16", "int8", "topk"),
+        f"parallel.grad_reduce must be float32, bfloat16, int8 or topk, got {p.grad_reduce!r}",
+    )
+    _require(0 < p.grad_topk_fraction <= 1, f"parallel.grad_topk_fraction must be in (0, 1], got {p.grad_topk_fraction}")
+    _require(p.compress_axes in ("all", "dcn"), f"parallel.compress_axes must be all or dcn, got {p.compress_axes!r}")
     strategy_parts = set(config.parallel.strategy.split("+"))
     _require(
         strategy_parts <= {"auto", "dp", "fsdp", "zero1", "tp"} and len(strategy_parts & {"auto", "dp", "fsdp", "zero1"}) <= 1,

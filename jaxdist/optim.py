@@ -1,4 +1,4 @@
-"""The optimizer: AdamW with linear warmup + cosine decay and global-norm clipping."""
+"""The optimizer: AdamW (or SGD) with linear warmup + cosine decay and global-norm clipping."""
 
 from __future__ import annotations
 
@@ -29,9 +29,16 @@ def _decay_mask(params):
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Clip (on the averaged gradient) then AdamW. Adam's moments mirror the parameter
-    tree, so their layout follows the same logical axes (see ``sharding.rules_for``)."""
-    adamw = optax.adamw(lr_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=_decay_mask)
+    """Clip (on the averaged gradient) then AdamW, or SGD (``train.momentum``; weight decay
+    decoupled, as in AdamW). Moments mirror the parameter tree, so their layout follows
+    the same logical axes (see ``sharding.rules_for``)."""
+    if cfg.optimizer == "sgd":
+        update = optax.chain(
+            optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask) if cfg.weight_decay else optax.identity(),
+            optax.sgd(lr_schedule(cfg), momentum=cfg.momentum or None),
+        )
+    else:
+        update = optax.adamw(lr_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=_decay_mask)
     if cfg.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
-    return adamw
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), update)
+    return update

@@ -46,8 +46,12 @@ def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, chec
     source = checkpointer if own else Checkpointer(directory, config.checkpoint, read_only=True)
     try:
         if mode == "step":
-            return source.restore(step, trainer.abstract_state())
-        return source.restore_latest(trainer.abstract_state(), warn=log)
+            restored = source.restore(step, trainer.restore_target)
+        else:
+            restored = source.restore_latest(trainer.restore_target, warn=log)
+        if restored is not None:
+            restored.state = trainer.adapt_restored(restored.state, log)
+        return restored
     except DamagedCheckpoint as e:  # asked for by step: no fallback
         raise JaxdistError(f"--resume {resume}: checkpoint step {step} is damaged ({e}); nothing was deleted") from None
     except IncompatibleCheckpoint as e:

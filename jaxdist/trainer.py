@@ -16,11 +16,13 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist import loss_scale
 from jaxdist.config import Config
 from jaxdist.errors import NonFiniteLoss
 from jaxdist.metrics import MetricsLogger
 from jaxdist.models import Batch, Task
 from jaxdist.optim import lr_schedule, make_optimizer
+from jaxdist.parallel import grad_reduce
 from jaxdist.parallel.microbatch import split_microbatches
 from jaxdist.sharding import Layout, activation_layout, tree_shardings
 from jaxdist.tracing import StepTracer
@@ -32,6 +34,8 @@ class TrainState:
     step: jax.Array
     params: Any  # nnx.State of the model's parameters
     opt_state: Any  # optax state; Adam's moments mirror ``params``
+    residual: Any = None  # error feedback: per device, what gradient compression dropped ([devices, *param])
+    loss_scale: Any = None  # model.dtype=float16: jaxdist.loss_scale.LossScale
 
 
 class Trainer:
@@ -49,15 +53,26 @@ class Trainer:
         mesh = layout.mesh
         replicated: dict[tuple, str] = {}  # no silent replication: one line per dimension a mesh axis cannot split
         self.param_shardings = tree_shardings(abstract_params, layout.param_rules, mesh, replicated=replicated)
+        self.reduce_plan = reduce_plan(config, mesh)
+        self.dynamic_scale = config.model.dtype == "float16" and config.train.loss_scale == "dynamic"
+        abstract_residual = residual_shardings = abstract_scale = scale_shardings = None
+        if self.reduce_plan is not None and self.reduce_plan.error_feedback:
+            residual_shardings = grad_reduce.per_device_shardings(self.param_shardings, mesh)
+            abstract_residual = self._residual_shapes(abstract_params, self.reduce_devices)
+        if config.model.dtype == "float16":
+            abstract_scale = jax.eval_shape(loss_scale.initial, config.train.loss_scale)
+            scale_shardings = jax.tree.map(lambda _: layout.replicated(), abstract_scale)
         self.state_shardings = TrainState(
             step=layout.replicated(),
             params=self.param_shardings,
             opt_state=tree_shardings(abstract_opt, layout.opt_rules, mesh, replicated=replicated),
+            residual=residual_shardings,
+            loss_scale=scale_shardings,
         )
         if jax.process_index() == 0:
-            for line in replicated.values():
+            for line in (*replicated.values(), *self._reduction_notes()):
                 print(line, file=sys.stderr)
-        self._abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt)
+        self._abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt, abstract_residual, abstract_scale)
         self.train_step = jax.jit(
             self._train_step,
             in_shardings=(self.state_shardings, None),
@@ -78,9 +93,73 @@ class Trainer:
 
         def init() -> TrainState:
             params = nnx.state(self.task.make_model(nnx.Rngs(params=seed)))
-            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+            residual = scale = None
+            if self._abstract.residual is not None:
+                residual = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._abstract.residual)
+            if self._abstract.loss_scale is not None:
+                scale = loss_scale.initial(self.config.train.loss_scale)
+            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), residual, scale)
 
         return jax.jit(init, out_shardings=self.state_shardings)()
+
+    # -- gradient compression's residuals --------------------------------------------
+
+    @property
+    def reduce_devices(self) -> int:
+        """How many devices each hold a residual: the batch axes' size."""
+        return math.prod(self.layout.mesh.shape[a] for a in grad_reduce.BATCH_AXES)
+
+    @staticmethod
+    def _residual_shapes(abstract_params: Any, devices: int) -> Any:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((devices, *a.shape), jnp.float32), abstract_params)
+
+    def _reduction_notes(self) -> list[str]:
+        plan = self.reduce_plan
+        if plan is None:
+            return []
+        lines = []
+        if self.layout.strategy.zero == "fsdp":
+            lines.append(
+                f"jaxdist: parallel.grad_reduce={plan.mode} with fsdp: parameters are gathered once per step and gradients all-reduced "
+                "(ZeRO-2-like memory during the step), not FSDP's per-layer gather and reduce-scatter"
+            )
+        if self.config.parallel.compress_axes == "dcn" and plan.full_axes:
+            lines.append(
+                f"jaxdist: gradients reduce in float32 over {','.join(plan.full_axes)} (inside hosts) and in {plan.mode} over "
+                f"{','.join(plan.compressed_axes) or 'nothing'} (across hosts)"
+            )
+        return lines
+
+    def restore_target(self, saved_tree: Any) -> Any:
+        """The abstract state to restore a checkpoint into: this run's, except that residuals
+        keep the device count they were saved with (``adapt_restored`` re-spreads them)."""
+        target = self.abstract_state()
+        saved = _saved_residual_devices(saved_tree)
+        if target.residual is None or saved in (None, self.reduce_devices):
+            return target
+        unsharded = jax.tree.map(lambda s: NamedSharding(self.layout.mesh, PartitionSpec(None, *s.spec[1:])), self.state_shardings.residual)
+        residual = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self._residual_shapes(self._abstract.params, saved),
+            unsharded,
+        )
+        return dataclasses.replace(target, residual=residual)
+
+    def adapt_restored(self, state: TrainState, log: Callable[[str], None]) -> TrainState:
+        """Residuals saved on another device count: what all devices still owed the model
+        (their sum) is kept and spread evenly over this run's devices."""
+        if state.residual is None:
+            return state
+        saved = jax.tree.leaves(state.residual)[0].shape[0]
+        if saved == self.reduce_devices:
+            return state
+        n = self.reduce_devices
+        respread = jax.jit(
+            lambda r: jax.tree.map(lambda x: jnp.broadcast_to(jnp.sum(x, 0) / n, (n, *x.shape[1:])), r),
+            out_shardings=self.state_shardings.residual,
+        )
+        log(f"jaxdist: error-feedback residuals were saved on {saved} devices; their sum is spread evenly over this run's {n}")
+        return dataclasses.replace(state, residual=respread(state.residual))
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, with nothing allocated."""
@@ -102,20 +181,37 @@ class Trainer:
     def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
         return self.task.loss_fn(nnx.merge(self.graphdef, params), batch)
 
+    def _grad_fn(self, scale: jax.Array | None = None) -> Callable:
+        """``(params, batch) -> ((loss sum, weight), gradients of the loss sum x scale)``."""
+        if scale is None:
+            return jax.value_and_grad(self._loss, has_aux=True)
+
+        def objective(params, batch):
+            loss_sum, weight = self._loss(params, batch)
+            return loss_sum * scale, (loss_sum, weight)
+
+        grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+        def scaled(params, batch):
+            (_, aux), grads = grad_fn(params, batch)
+            return aux, grads
+
+        return scaled
+
     def _split_microbatches(self, x: jax.Array) -> jax.Array:
         """[B, ...] -> [M, B/M, ...] taking every M-th row, so each device keeps its rows."""
         x = split_microbatches(x, self.microbatches)
         spec = PartitionSpec(None, ("data", "fsdp"), *([None] * (x.ndim - 2)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.layout.mesh, spec))
 
-    def _summed_grads(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, Any]:
-        """Sum of losses, their weight, and gradients of the sum, accumulated over microbatches."""
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+    def _summed_grads(self, params: Any, batch: Batch, scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Any]:
+        """Sum of losses, their weight, and gradients of the sum (x ``scale``), accumulated over microbatches."""
+        grad_fn = self._grad_fn(scale)
         if self.microbatches == 1:
             (loss_sum, weight), grads = grad_fn(params, batch)
             return loss_sum, weight, grads
         if self._accumulate_locally:
-            return self._summed_grads_reduced_once(params, batch)
+            return self._summed_grads_reduced_once(params, batch, grad_fn)
 
         def accumulate(carry, microbatch):
             loss_acc, weight_acc, grad_acc = carry
@@ -127,10 +223,25 @@ class Trainer:
         (loss_sum, weight, grads), _ = jax.lax.scan(accumulate, init, jax.tree.map(self._split_microbatches, batch))
         return loss_sum, weight, grads
 
+    def _reduced_grads(self, params: Any, batch: Batch, residual: Any, scale: jax.Array | None) -> tuple[jax.Array, jax.Array, Any, Any]:
+        """(loss sum, weight, summed gradients, new residuals): GSPMD's fp32 reduction, or
+        per-device gradients reduced by ``parallel.grad_reduce``."""
+        if self.reduce_plan is None:
+            return (*self._summed_grads(params, batch, scale), residual)
+        microbatched = self.microbatches > 1
+        rows = jax.tree.map(self._split_microbatches, batch) if microbatched else batch
+        loss_sum, weight, local = grad_reduce.per_device_gradients(self._grad_fn(scale), params, rows, self.layout.mesh, microbatched)
+        grads, residual = grad_reduce.reduce_gradients(local, residual, self.reduce_plan, self.param_shardings, self.layout.mesh)
+        return loss_sum, weight, grads, residual
+
     def loss_and_grads(self, params: Any, batch: Batch) -> tuple[jax.Array, Any]:
-        """Mean loss and its gradients (what one train step would apply), for checks."""
+        """Mean loss and its gradients (what one train step would apply, with zero
+        residuals), for checks."""
+        residual = None
+        if self._abstract.residual is not None:
+            residual = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._abstract.residual)
         with activation_layout(self.layout):
-            loss_sum, weight, grads = self._summed_grads(params, batch)
+            loss_sum, weight, grads, _ = self._reduced_grads(params, batch, residual, None)
         return loss_sum / weight, jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
 
     @property
@@ -139,9 +250,8 @@ class Trainer:
         gradients and reduce across the batch axes once per step, like DDP's no_sync."""
         return self.layout.strategy.zero in ("dp", "zero1") and self.layout.mesh.shape.get("pipe", 1) == 1
 
-    def _summed_grads_reduced_once(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, Any]:
+    def _summed_grads_reduced_once(self, params: Any, batch: Batch, grad_fn: Callable) -> tuple[jax.Array, jax.Array, Any]:
         batch_axes = ("data", "fsdp")
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
         def per_device(params, microbatches):
             def accumulate(carry, microbatch):
@@ -164,25 +274,69 @@ class Trainer:
         return reduce_once(params, jax.tree.map(self._split_microbatches, batch))
 
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        # fp16: scale the objective to the mean loss x scale (GradScaler's convention), whatever the batch
+        scale = None if state.loss_scale is None else state.loss_scale.scale / self._targets_per_step
         with activation_layout(self.layout):
-            loss_sum, weight, grads = self._summed_grads(state.params, batch)
-        grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
+            loss_sum, weight, grads, residual = self._reduced_grads(state.params, batch, state.residual, scale)
+        divisor = weight if scale is None else weight * scale
+        grads = jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
         # The rate this update used: the optimizer's own step count, which skipped steps do not advance.
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(optimizer_step(state.opt_state))}
-        if self.config.train.nonfinite == "skip":  # drop a non-finite update; the step still counts
+        new_scale = state.loss_scale
+        if state.loss_scale is not None:
+            metrics["loss_scale"] = state.loss_scale.scale
+            new_scale = loss_scale.update(state.loss_scale, jnp.isfinite(grad_norm), self.dynamic_scale)
+        if self.config.train.nonfinite == "skip" or state.loss_scale is not None:  # drop a non-finite update; the step still counts
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-            params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
+            params, opt_state, residual = (
+                jax.tree.map(keep, *pair) for pair in ((params, state.params), (opt_state, state.opt_state), (residual, state.residual))
+            )
             metrics["skipped"] = ~finite
-        return TrainState(state.step + 1, params, opt_state), metrics
+        return TrainState(state.step + 1, params, opt_state, residual, new_scale), metrics
+
+    @property
+    def _targets_per_step(self) -> float:
+        return float(self.task.tokens_per_example * self.config.train.global_batch)
 
     def _eval_step(self, params: Any, batch: Batch) -> jax.Array:
         with activation_layout(self.layout):
             loss_sum, weight = self._loss(params, batch)
         return jnp.stack([loss_sum, weight])
+
+
+def reduce_plan(config: Config, mesh) -> grad_reduce.ReducePlan | None:
+    """The compressed gradient reduction ``parallel.grad_reduce`` asks for (None: GSPMD's fp32)."""
+    if config.parallel.grad_reduce == "float32":
+        return None
+    hosts = _hosts_along_axes(mesh) if jax.process_count() > 1 else None
+    try:
+        return grad_reduce.plan_reduction(config.parallel, dict(mesh.shape), hosts)
+    except ValueError as e:
+        from jaxdist.errors import MeshError
+
+        raise MeshError(str(e)) from None
+
+
+def _hosts_along_axes(mesh) -> dict[str, int]:
+    """For each mesh axis, how many processes the devices along it belong to."""
+    devices = mesh.devices
+    out = {}
+    for i, axis in enumerate(mesh.axis_names):
+        line = devices[tuple(slice(None) if j == i else 0 for j in range(devices.ndim))]
+        out[axis] = len({d.process_index for d in line})
+    return out
+
+
+def _saved_residual_devices(saved_tree: Any) -> int | None:
+    """The leading (device) dimension of a checkpoint's residuals, if it has any."""
+    residual = saved_tree.get("residual") if isinstance(saved_tree, dict) else None
+    shapes = [getattr(x, "shape", None) for x in jax.tree.leaves(residual)] if residual else []
+    shapes = [s for s in shapes if s]
+    return shapes[0][0] if shapes else None
 
 
 def optimizer_step(opt_state: Any) -> jax.Array:
@@ -274,7 +428,9 @@ def train_loop(
                         "data_wait_s": data_wait / len(fetched),
                         "mfu": flops_per_step / (step_time * n_devices * peak_flops),
                     }
-                    if cfg.nonfinite == "skip":
+                    if "loss_scale" in fetched[-1]:
+                        record["loss_scale"] = float(fetched[-1]["loss_scale"])
+                    if "skipped" in fetched[-1]:
                         record["skipped_steps"] = result.skipped_steps
                     logger.log(step, record)
                     logger.advance(len(fetched))

@@ -35,6 +35,8 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
         _check_resnet(config, sizes)
     if sizes["pipe"] > 1:
         _check_pipeline(config, sizes)
+        if config.parallel.grad_reduce != "float32":
+            raise ConfigError(f"parallel.grad_reduce={config.parallel.grad_reduce} does not support a pipe axis yet (use float32)")
     return warnings
 
 

@@ -45,9 +45,9 @@ def test_restore_lands_in_the_new_shardings(tmp_path):
     config = load_config(None, [*TINY])
     trainer = build_trainer(config, parse_mesh("tensor=2,fsdp=2"), jax.devices()[:4])
     restored = Checkpointer(tmp_path / "checkpoints", config.checkpoint, read_only=True).restore(4, trainer.abstract_state())
-    wq = restored.state.params["blocks"]["attn"]["wq"][...]
-    assert wq.sharding.is_equivalent_to(trainer.state_shardings.params["blocks"]["attn"]["wq"].get_value(), wq.ndim)
-    assert {s.data.shape for s in wq.addressable_shards} == {(wq.shape[0], wq.shape[1] // 2, wq.shape[2] // 2, wq.shape[3])}
+    wqkv = restored.state.params["blocks"]["attn"]["wqkv"][...]  # [layers, embed (fsdp), kv_heads (tensor), q heads + k + v, head_dim]
+    assert wqkv.sharding.is_equivalent_to(trainer.state_shardings.params["blocks"]["attn"]["wqkv"].get_value(), wqkv.ndim)
+    assert {s.data.shape for s in wqkv.addressable_shards} == {(wqkv.shape[0], wqkv.shape[1] // 2, wqkv.shape[2] // 2, *wqkv.shape[3:])}
     assert restored.data_state == {"start_step": 0, "workers": 0, "grain": {"next_index": 4}}  # absolute: start + Grain's position
 
 
@@ -119,7 +119,8 @@ def test_other_model_shape_is_an_error_naming_the_shape(four_steps, tmp_path):
     shutil.copytree(four_steps, run_dir)
     before = _files(run_dir / "checkpoints")
     with pytest.raises(
-        JaxdistError, match=r"does not fit.*params/blocks/attn/wk/value \(2, 64, 4, 8\) vs \(2, 128, 4, 16\).*model.d_model 64 -> 128"
+        JaxdistError,
+        match=r"does not fit.*params/blocks/attn/wqkv/value \(2, 64, 4, 4, 8\) vs \(2, 128, 4, 4, 16\).*model.d_model 64 -> 128",
     ):
         _run(run_dir, "data=2,fsdp=4", 8, "model.d_model=128")
     assert _files(run_dir / "checkpoints") == before

@@ -38,14 +38,15 @@ def test_param_count_matches_jaxdist(heads, kv_heads):
     assert tb.num_params(model) == count_params(cfg)
 
 
-def test_logits_match_jaxdist():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_logits_match_jaxdist(fused):
     import jax
     from flax import nnx
 
     from jaxdist.config import ModelConfig
     from jaxdist.models.llama import Llama
 
-    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, dtype="float32")
+    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, dtype="float32", fused_projections=fused)
     jax_model = Llama(cfg, rngs=nnx.Rngs(0))
     tokens = np.array(jax.random.randint(jax.random.key(1), (2, 64), 0, cfg.vocab_size))
     expected = np.asarray(jax_model(tokens))

@@ -80,9 +80,9 @@ def _spec_axes(sharding) -> set:
 def _param_and_moment_shardings(mesh: str, *overrides: str):
     trainer = build_trainer(load_config(None, [*TINY, *overrides]), parse_mesh(mesh), jax.devices())
     state = trainer.abstract_state()
-    wq = state.params["blocks"]["attn"]["wq"]
-    moments = [v for v in jax.tree.leaves(state.opt_state) if getattr(v, "shape", None) == wq.shape]
-    return wq.sharding, moments[0].sharding
+    wqkv = state.params["blocks"]["attn"]["wqkv"]
+    moments = [v for v in jax.tree.leaves(state.opt_state) if getattr(v, "shape", None) == wqkv.shape]
+    return wqkv.sharding, moments[0].sharding
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,13 @@
 Every parameter carries ``axes`` metadata (logical names, see ``jaxdist.sharding``); key
 activations are pinned with ``constrain``. The layers are stacked on a leading
 ``layers`` axis and run with ``jax.lax.scan``, so compile time does not grow with depth.
+
+By default (``model.fused_projections``) each layer has one QKV and one gate/up matrix:
+under tensor parallelism the input gradient of each is then one all-reduce, so a layer
+costs Megatron's 2 activation all-reduces forward and 2 backward instead of one per
+separate q, k, v, gate and up matmul. ``model.loss_chunk`` computes the head and the
+cross-entropy a sequence chunk at a time, recomputing each chunk's logits in the
+backward pass, so the [batch, seq, vocab] fp32 logits never exist at once.
 """
 
 from __future__ import annotations
@@ -54,9 +61,17 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, implementation: str = "xla"):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         pd = jnp.dtype(cfg.param_dtype)
-        self.wq = _param(rngs, _fan_in_init(d), (d, h, hd), ("embed", "heads", "head_dim"), pd)
-        self.wk = _param(rngs, _fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
-        self.wv = _param(rngs, _fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+        self.fused = cfg.fused_projections
+        if self.fused:
+            # One matrix per GQA group: its h/kv query heads, then its k and v head. Tensor
+            # parallelism splits whole groups (kv_heads), so every shard holds the q, k and v
+            # it needs; query head kv_index * (h/kv) + j reads kv head kv_index, the order of
+            # the separate wq (``causal_attention``: head i reads kv head i // (h/kv)).
+            self.wqkv = _param(rngs, _fan_in_init(d), (d, kv, h // kv + 2, hd), ("embed", "kv_heads", None, "head_dim"), pd)
+        else:
+            self.wq = _param(rngs, _fan_in_init(d), (d, h, hd), ("embed", "heads", "head_dim"), pd)
+            self.wk = _param(rngs, _fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+            self.wv = _param(rngs, _fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
         self.wo = _param(rngs, _fan_in_init(h * hd), (h, hd, d), ("heads", "head_dim", "embed"), pd)
         self.rope_theta = cfg.rope_theta
         self.dtype = dtype
@@ -64,9 +79,16 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731 - cast fp32 master weights to compute dtype
-        q = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wq)), ("batch", "seq", "act_heads", None))
-        k = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wk)), ("batch", "seq", "act_kv_heads", None))
-        v = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wv)), ("batch", "seq", "act_kv_heads", None))
+        if self.fused:
+            qkv = constrain(jnp.einsum("btd,dkgh->btkgh", x, w(self.wqkv)), ("batch", "seq", "act_kv_heads", None, None))
+            b, t, kv, groups, hd = qkv.shape
+            q = constrain(qkv[:, :, :, : groups - 2].reshape(b, t, kv * (groups - 2), hd), ("batch", "seq", "act_heads", None))
+            k = constrain(qkv[:, :, :, groups - 2], ("batch", "seq", "act_kv_heads", None))
+            v = constrain(qkv[:, :, :, groups - 1], ("batch", "seq", "act_kv_heads", None))
+        else:
+            q = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wq)), ("batch", "seq", "act_heads", None))
+            k = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wk)), ("batch", "seq", "act_kv_heads", None))
+            v = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wv)), ("batch", "seq", "act_kv_heads", None))
         q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
         out = causal_attention(q, k, v, segment_ids, implementation=self.implementation)
         out = constrain(out, ("batch", "seq", "act_heads", None))
@@ -77,14 +99,23 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.resolved_mlp_dim
         pd = jnp.dtype(cfg.param_dtype)
-        self.w_gate = _param(rngs, _fan_in_init(d), (d, f), ("embed", "mlp"), pd)
-        self.w_up = _param(rngs, _fan_in_init(d), (d, f), ("embed", "mlp"), pd)
+        self.fused = cfg.fused_projections
+        if self.fused:  # [:, 0] gate, [:, 1] up: one matmul, one input-gradient all-reduce under TP
+            self.w_gate_up = _param(rngs, _fan_in_init(d), (d, 2, f), ("embed", None, "mlp"), pd)
+        else:
+            self.w_gate = _param(rngs, _fan_in_init(d), (d, f), ("embed", "mlp"), pd)
+            self.w_up = _param(rngs, _fan_in_init(d), (d, f), ("embed", "mlp"), pd)
         self.w_down = _param(rngs, _fan_in_init(f), (f, d), ("mlp", "embed"), pd)
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(self.dtype))
-        up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(self.dtype))
+        if self.fused:
+            gate_up = jnp.einsum("btd,dcf->btcf", x, self.w_gate_up[...].astype(self.dtype))
+            gate_up = constrain(gate_up, ("batch", "seq", None, "act_mlp"))
+            gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
+        else:
+            gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(self.dtype))
+            up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(self.dtype))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
         return jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(self.dtype))
 
@@ -194,8 +225,34 @@ class Llama(nnx.Module):
         return {"norm": self.final_norm.scale[...], "head": head}
 
     def head_loss(self, head: dict[str, jax.Array], y: jax.Array, targets: dict[str, jax.Array]) -> jax.Array:
-        """Summed cross-entropy of the final activations ``y`` under ``targets``."""
-        return _cross_entropy_sum(self._logits(head, y), targets)
+        """Summed cross-entropy of the final activations ``y`` under ``targets``.
+
+        With ``model.loss_chunk`` = c > 0 the sequence is cut into chunks of c tokens (the
+        last one shorter when c does not divide it) and a scan takes each chunk's loss under
+        ``jax.checkpoint``: only one chunk's [batch, c, vocab] logits are alive at a time, in
+        the forward and (recomputed) in the backward pass.
+        """
+
+        def chunk_loss(head: dict[str, jax.Array], y: jax.Array, targets: dict[str, jax.Array]) -> jax.Array:
+            return _cross_entropy_sum(self._logits(head, y), targets)
+
+        chunk, seq = self.cfg.loss_chunk, y.shape[1]
+        if chunk <= 0 or chunk >= seq:
+            return chunk_loss(head, y, targets)
+        chunk_loss = jax.checkpoint(chunk_loss, prevent_cse=False)
+        n, whole = seq // chunk, seq // chunk * chunk
+
+        def chunks(x: jax.Array) -> jax.Array:  # [B, n c, ...] -> [n, B, c, ...]
+            return jnp.moveaxis(x[:, :whole].reshape(x.shape[0], n, chunk, *x.shape[2:]), 1, 0)
+
+        def step(total: jax.Array, xs) -> tuple[jax.Array, None]:
+            y_c, targets_c = xs
+            return total + chunk_loss(head, constrain(y_c, ("batch", "seq", "act_embed")), targets_c), None
+
+        total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (chunks(y), jax.tree.map(chunks, targets)))
+        if whole < seq:
+            total = total + chunk_loss(head, y[:, whole:], jax.tree.map(lambda x: x[:, whole:], targets))
+        return total
 
     @staticmethod
     def loss_targets(batch: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array]:
