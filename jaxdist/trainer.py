@@ -60,7 +60,7 @@ class Trainer:
             residual_shardings = grad_reduce.per_device_shardings(self.param_shardings, mesh)
             abstract_residual = self._residual_shapes(abstract_params, self.reduce_devices)
         if config.model.dtype == "float16":
-            abstract_scale = jax.eval_shape(loss_scale.initial, config.train.loss_scale)
+            abstract_scale = jax.eval_shape(lambda: loss_scale.initial(config.train.loss_scale))
             scale_shardings = jax.tree.map(lambda _: layout.replicated(), abstract_scale)
         self.state_shardings = TrainState(
             step=layout.replicated(),
@@ -93,14 +93,23 @@ class Trainer:
 
         def init() -> TrainState:
             params = nnx.state(self.task.make_model(nnx.Rngs(params=seed)))
-            residual = scale = None
-            if self._abstract.residual is not None:
-                residual = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._abstract.residual)
-            if self._abstract.loss_scale is not None:
-                scale = loss_scale.initial(self.config.train.loss_scale)
-            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), residual, scale)
+            extras = self._extras()
+            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), extras.residual, extras.loss_scale)
 
         return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def _extras(self) -> TrainState:
+        """Fresh residuals (zeros) and loss scale; the rest of the state left empty."""
+        residual = scale = None
+        if self._abstract.residual is not None:
+            residual = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._abstract.residual)
+        if self._abstract.loss_scale is not None:
+            scale = loss_scale.initial(self.config.train.loss_scale)
+        return TrainState(None, None, None, residual, scale)
+
+    def init_extras(self) -> TrainState:
+        shardings = TrainState(None, None, None, self.state_shardings.residual, self.state_shardings.loss_scale)
+        return jax.jit(self._extras, out_shardings=shardings)()
 
     # -- gradient compression's residuals --------------------------------------------
 
@@ -132,22 +141,49 @@ class Trainer:
 
     def restore_target(self, saved_tree: Any) -> Any:
         """The abstract state to restore a checkpoint into: this run's, except that residuals
-        keep the device count they were saved with (``adapt_restored`` re-spreads them)."""
+        keep the device count they were saved with, and parts of the state the checkpoint
+        predates (residuals, the loss scale: compression or fp16 switched on) are left out;
+        ``adapt_restored`` then re-spreads or initialises them."""
         target = self.abstract_state()
+        has = (lambda key: bool(saved_tree.get(key))) if hasattr(saved_tree, "keys") else (lambda key: True)
+        for key in ("residual", "loss_scale"):
+            if getattr(target, key) is not None and not has(key):
+                target = dataclasses.replace(target, **{key: None})
+        if target.loss_scale is None and hasattr(saved_tree, "keys") and saved_tree.get("loss_scale"):
+            scale = jax.eval_shape(lambda: loss_scale.initial("dynamic"))  # read, then dropped by adapt_restored
+            target = dataclasses.replace(
+                target, loss_scale=jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.layout.replicated()), scale)
+            )
         saved = _saved_residual_devices(saved_tree)
-        if target.residual is None or saved in (None, self.reduce_devices):
+        if saved is None or (target.residual is not None and saved == self.reduce_devices):
             return target
-        unsharded = jax.tree.map(lambda s: NamedSharding(self.layout.mesh, PartitionSpec(None, *s.spec[1:])), self.state_shardings.residual)
+        # Another device count, or a run without compression: read them as saved (kept
+        # whole on every device only when the device count changed), then adapt or drop.
+        shardings = grad_reduce.per_device_shardings(self.param_shardings, self.layout.mesh)
+        if saved != self.reduce_devices:
+            shardings = jax.tree.map(lambda s: NamedSharding(self.layout.mesh, PartitionSpec(None, *s.spec[1:])), shardings)
         residual = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            self._residual_shapes(self._abstract.params, saved),
-            unsharded,
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self._residual_shapes(self._abstract.params, saved), shardings
         )
         return dataclasses.replace(target, residual=residual)
 
     def adapt_restored(self, state: TrainState, log: Callable[[str], None]) -> TrainState:
         """Residuals saved on another device count: what all devices still owed the model
-        (their sum) is kept and spread evenly over this run's devices."""
+        (their sum) is kept and spread evenly over this run's devices. Residuals or a loss
+        scale the checkpoint does not have start fresh, saying so."""
+        fresh = self.init_extras()
+        if state.residual is not None and fresh.residual is None:
+            log("jaxdist: warning: the checkpoint's error-feedback residuals are not used by this run (no compression); dropped")
+            state = dataclasses.replace(state, residual=None)
+        if state.loss_scale is not None and fresh.loss_scale is None:
+            log("jaxdist: the checkpoint's loss scale is not used by this run (not float16)")
+            state = dataclasses.replace(state, loss_scale=None)
+        if state.residual is None and fresh.residual is not None:
+            log("jaxdist: the checkpoint has no error-feedback residuals (saved without compression); they start at zero")
+            state = dataclasses.replace(state, residual=fresh.residual)
+        if state.loss_scale is None and fresh.loss_scale is not None:
+            log(f"jaxdist: the checkpoint has no loss scale (saved without float16); it starts at {float(fresh.loss_scale.scale):g}")
+            state = dataclasses.replace(state, loss_scale=fresh.loss_scale)
         if state.residual is None:
             return state
         saved = jax.tree.leaves(state.residual)[0].shape[0]
@@ -237,11 +273,8 @@ class Trainer:
     def loss_and_grads(self, params: Any, batch: Batch) -> tuple[jax.Array, Any]:
         """Mean loss and its gradients (what one train step would apply, with zero
         residuals), for checks."""
-        residual = None
-        if self._abstract.residual is not None:
-            residual = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._abstract.residual)
         with activation_layout(self.layout):
-            loss_sum, weight, grads, _ = self._reduced_grads(params, batch, residual, None)
+            loss_sum, weight, grads, _ = self._reduced_grads(params, batch, self._extras().residual, None)
         return loss_sum / weight, jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
 
     @property
@@ -333,7 +366,7 @@ def _hosts_along_axes(mesh) -> dict[str, int]:
 
 def _saved_residual_devices(saved_tree: Any) -> int | None:
     """The leading (device) dimension of a checkpoint's residuals, if it has any."""
-    residual = saved_tree.get("residual") if isinstance(saved_tree, dict) else None
+    residual = saved_tree.get("residual") if hasattr(saved_tree, "get") else None  # Orbax's tree metadata is dict-like
     shapes = [getattr(x, "shape", None) for x in jax.tree.leaves(residual)] if residual else []
     shapes = [s for s in shapes if s]
     return shapes[0][0] if shapes else None

@@ -36,6 +36,9 @@ def causal_attention(
     non-decreasing along each row. Returns [B, T, H, D] in q's dtype. ``max_segments`` is only
     used by ``cudnn`` with segment ids (see ``default_max_segments``).
     """
+    if implementation == "xla_fp32":  # float16 on CPU (see choose_implementation)
+        up = lambda x: x.astype(jnp.float32)  # noqa: E731
+        return causal_attention(up(q), up(k), up(v), segment_ids, implementation="xla").astype(q.dtype)
     if implementation == "xla":
         mask = None if segment_ids is None else document_causal_mask(segment_ids)
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=segment_ids is None, implementation="xla")
@@ -155,6 +158,8 @@ def choose_implementation(
     """
     if requested not in IMPLEMENTATIONS:
         raise ValueError(f"model.attention must be one of {', '.join(IMPLEMENTATIONS)}, got {requested!r}")
+    if platform == "cpu" and jnp.dtype(dtype) == jnp.float16 and requested in ("auto", "xla"):
+        return "xla_fp32", "attention: float16 on CPU: scores are computed in float32 (XLA's CPU dot has no f16 x f16 -> f32 form)"
     if requested != "auto":
         return requested, None
     if platform != "gpu":

@@ -242,16 +242,21 @@ def reduce_gradients(grads: Any, residual: Any, plan: ReducePlan, param_sharding
     def local(grads, residual=None):
         # One flat buffer for every leaf: a few large collectives rather than one per tensor.
         leaves, treedef = jax.tree.flatten(grads)
-        flat = lambda xs: jnp.concatenate([x.reshape(-1) for x in xs])  # noqa: E731
-        total, new_residual = _reduce_flat(flat(leaves), None if residual is None else flat(jax.tree.leaves(residual)), plan)
         offsets = np.cumsum([0] + [x.size for x in leaves])
-        unflat = (
-            lambda v, shape_of: jax.tree.unflatten(  # noqa: E731
-                treedef, [v[a:b].reshape(shape_of(x)) for a, b, x in zip(offsets[:-1], offsets[1:], leaves, strict=True)]
-            )
-        )
-        totals = unflat(total, lambda x: x.shape[1:])
-        return totals if residual is None else (totals, unflat(new_residual, lambda x: x.shape))
+
+        def flat(xs):
+            return jnp.concatenate([x.reshape(-1) for x in xs])
+
+        def unflat(v, drop_device_axis: bool):
+            pieces = [
+                v[a:b].reshape(x.shape[1:] if drop_device_axis else x.shape)
+                for a, b, x in zip(offsets[:-1], offsets[1:], leaves, strict=True)
+            ]
+            return jax.tree.unflatten(treedef, pieces)
+
+        total, new_residual = _reduce_flat(flat(leaves), None if residual is None else flat(jax.tree.leaves(residual)), plan)
+        totals = unflat(total, drop_device_axis=True)
+        return totals if residual is None else (totals, unflat(new_residual, drop_device_axis=False))
 
     if residual is None:
         totals = jax.shard_map(local, mesh=mesh, in_specs=(device_specs,), out_specs=summed_specs, check_vma=False)(grads)
