@@ -108,7 +108,7 @@ def test_random_sigkills_lose_nothing(tmp_path, processes):
 
 
 def test_supervisor_restarts_a_killed_run(tmp_path, processes):
-    steps = 400  # long enough that the kill lands mid-run even on a loaded machine
+    steps = 120  # the kill lands at the first checkpoint (step 2 or soon after): mid-run even on a loaded machine
     sup = _start(tmp_path, steps, "--max-restarts", "2", "--restart-delay", "0.1")
     processes.append(sup)
     _wait_for(lambda: checkpoint_steps(tmp_path / "checkpoints") or sup.poll() is not None)

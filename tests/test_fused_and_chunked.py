@@ -71,7 +71,7 @@ def _outputs(model: Llama, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
     return logits, value, nnx.to_pure_dict(grads)
 
 
-@pytest.mark.parametrize("n_kv_heads", [4, 2])
+@pytest.mark.parametrize("n_kv_heads", [2])  # 4 query heads per kv head: a wrong grouping cannot pass
 def test_fused_projections_match_separate_ones(n_kv_heads):
     kw = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=n_kv_heads, dtype="float32")
     separate = Llama(ModelConfig(**kw, fused_projections=False), rngs=nnx.Rngs(0))
@@ -121,7 +121,7 @@ def whole_sequence():
     return _trainer_grads("data=1")[1:]
 
 
-@pytest.mark.parametrize("chunk", [8, 12], ids=["divides", "remainder"])
+@pytest.mark.parametrize("chunk", [12], ids=["remainder"])  # two whole chunks in the scan, then an 8-token tail
 def test_chunked_loss_matches_whole_sequence_on_a_tensor_mesh(chunk, whole_sequence):
     trainer, loss, grads = _trainer_grads("data=2,tensor=2", f"model.loss_chunk={chunk}")
     assert "tensor" in trainer.param_shardings["head"].get_value().spec  # the head's vocab axis is split
