@@ -140,22 +140,18 @@ class Trainer:
         return lines
 
     def restore_target(self, saved_tree: Any) -> Any:
-        """The abstract state to restore a checkpoint into: this run's, except that residuals
-        keep the device count they were saved with, and parts of the state the checkpoint
-        predates (residuals, the loss scale: compression or fp16 switched on) are left out;
-        ``adapt_restored`` then re-spreads or initialises them."""
+        """The abstract state to restore a checkpoint into: this run's, except that the
+        residuals and the loss scale are read as the checkpoint has them (or not at all);
+        ``adapt_restored`` then re-spreads, initialises or drops them for this run."""
         target = self.abstract_state()
-        has = (lambda key: bool(saved_tree.get(key))) if hasattr(saved_tree, "keys") else (lambda key: True)
-        for key in ("residual", "loss_scale"):
-            if getattr(target, key) is not None and not has(key):
-                target = dataclasses.replace(target, **{key: None})
-        if target.loss_scale is None and hasattr(saved_tree, "keys") and saved_tree.get("loss_scale"):
-            scale = jax.eval_shape(lambda: loss_scale.initial("dynamic"))  # read, then dropped by adapt_restored
-            target = dataclasses.replace(
-                target, loss_scale=jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.layout.replicated()), scale)
-            )
+        if hasattr(saved_tree, "keys"):  # the loss scale is read when saved (adapt_restored keeps or drops it)
+            scale = jax.eval_shape(lambda: loss_scale.initial("dynamic"))
+            scale = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.layout.replicated()), scale)
+            target = dataclasses.replace(target, loss_scale=scale if saved_tree.get("loss_scale") else None)
         saved = _saved_residual_devices(saved_tree)
-        if saved is None or (target.residual is not None and saved == self.reduce_devices):
+        if saved is None:
+            return dataclasses.replace(target, residual=None)
+        if target.residual is not None and saved == self.reduce_devices:
             return target
         # Another device count, or a run without compression: read them as saved (kept
         # whole on every device only when the device count changed), then adapt or drop.
@@ -171,17 +167,19 @@ class Trainer:
         """Residuals saved on another device count: what all devices still owed the model
         (their sum) is kept and spread evenly over this run's devices. Residuals or a loss
         scale the checkpoint does not have start fresh, saying so."""
-        fresh = self.init_extras()
-        if state.residual is not None and fresh.residual is None:
+        wants_residual, wants_scale = self._abstract.residual is not None, self._abstract.loss_scale is not None
+        if (state.residual is None and wants_residual) or (state.loss_scale is None and wants_scale):
+            fresh = self.init_extras()  # only when the checkpoint lacks them: zeros cost a gradient's memory
+        if state.residual is not None and not wants_residual:
             log("jaxdist: warning: the checkpoint's error-feedback residuals are not used by this run (no compression); dropped")
             state = dataclasses.replace(state, residual=None)
-        if state.loss_scale is not None and fresh.loss_scale is None:
+        if state.loss_scale is not None and not wants_scale:
             log("jaxdist: the checkpoint's loss scale is not used by this run (not float16)")
             state = dataclasses.replace(state, loss_scale=None)
-        if state.residual is None and fresh.residual is not None:
+        if state.residual is None and wants_residual:
             log("jaxdist: the checkpoint has no error-feedback residuals (saved without compression); they start at zero")
             state = dataclasses.replace(state, residual=fresh.residual)
-        if state.loss_scale is None and fresh.loss_scale is not None:
+        if state.loss_scale is None and wants_scale:
             log(f"jaxdist: the checkpoint has no loss scale (saved without float16); it starts at {float(fresh.loss_scale.scale):g}")
             state = dataclasses.replace(state, loss_scale=fresh.loss_scale)
         if state.residual is None:
