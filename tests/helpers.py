@@ -5,10 +5,12 @@ from __future__ import annotations
 import functools
 
 import jax
+from flax import nnx
 
 from jaxdist.config import load_config
+from jaxdist.data.pipeline import make_iterator
 from jaxdist.mesh import mesh_device_count, parse_mesh
-from jaxdist.run import run
+from jaxdist.run import build_trainer, resolve_vocab, run
 
 # A tiny decoder whose heads split 4 ways (tensor=4) and whose batch splits 8 ways.
 TINY = (
@@ -29,3 +31,15 @@ def train_losses(mesh: str, overrides: tuple[str, ...] = (), steps: int = 5) -> 
     sizes = parse_mesh(mesh)
     devices = jax.devices()[: mesh_device_count(sizes)]
     return tuple(run(config, sizes, None, devices=devices, progress=False).losses)
+
+
+def first_batch_grads(mesh: str, *overrides: str):
+    """(trainer, mean loss, gradients as a plain dict) of the first data batch at init."""
+    config = load_config(None, [*TINY, *overrides])
+    resolve_vocab(config)
+    sizes = parse_mesh(mesh)
+    trainer = build_trainer(config, sizes, jax.devices()[: mesh_device_count(sizes)])
+    state = trainer.init_state(0)
+    batch = next(make_iterator(config, trainer.layout))
+    loss, grads = jax.jit(trainer.loss_and_grads)(state.params, batch)
+    return trainer, float(loss), jax.device_get(nnx.to_pure_dict(grads))

@@ -12,12 +12,11 @@ from flax import nnx
 
 from jaxdist.analyze import analyze, collective_ops, compile_train_step, parse_hlo
 from jaxdist.config import ModelConfig, load_config
-from jaxdist.data.pipeline import make_iterator
-from jaxdist.mesh import mesh_device_count, parse_mesh
+from jaxdist.mesh import parse_mesh
 from jaxdist.models.llama import Llama, count_params
-from jaxdist.run import build_trainer, resolve_vocab
+from jaxdist.run import resolve_vocab
 
-from helpers import TINY
+from helpers import TINY, first_batch_grads
 
 
 def _relative_close(got, want, tol: float = 1e-5) -> None:
@@ -104,26 +103,15 @@ def test_fused_projections_match_separate_ones(n_kv_heads):
 # -- chunked vs whole-sequence cross-entropy -----------------------------------------------
 
 
-def _trainer_grads(mesh: str, *overrides: str):
-    config = load_config(None, [*TINY, *overrides])
-    resolve_vocab(config)
-    sizes = parse_mesh(mesh)
-    trainer = build_trainer(config, sizes, jax.devices()[: mesh_device_count(sizes)])
-    state = trainer.init_state(0)
-    batch = next(make_iterator(config, trainer.layout))
-    loss, grads = jax.jit(trainer.loss_and_grads)(state.params, batch)
-    return trainer, float(loss), jax.device_get(nnx.to_pure_dict(grads))
-
-
 @pytest.fixture(scope="module")
 def whole_sequence():
     """The unchunked loss and gradients on one device (seq_len 32)."""
-    return _trainer_grads("data=1")[1:]
+    return first_batch_grads("data=1")[1:]
 
 
 @pytest.mark.parametrize("chunk", [12], ids=["remainder"])  # two whole chunks in the scan, then an 8-token tail
 def test_chunked_loss_matches_whole_sequence_on_a_tensor_mesh(chunk, whole_sequence):
-    trainer, loss, grads = _trainer_grads("data=2,tensor=2", f"model.loss_chunk={chunk}")
+    trainer, loss, grads = first_batch_grads("data=2,tensor=2", f"model.loss_chunk={chunk}")
     assert "tensor" in trainer.param_shardings["head"].get_value().spec  # the head's vocab axis is split
     ref_loss, ref_grads = whole_sequence
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
@@ -134,7 +122,7 @@ def test_chunked_loss_matches_whole_sequence_on_a_tensor_mesh(chunk, whole_seque
 def test_chunked_loss_under_the_one_f_one_b_pipeline(whole_sequence):
     """The pipeline's last stage calls ``model.head_loss`` inside ``shard_map`` (1F1B takes its gradient there)."""
     overrides = ("model.loss_chunk=12", "parallel.schedule=1f1b", "parallel.pipeline_microbatches=2")
-    _, loss, grads = _trainer_grads("data=2,pipe=2", *overrides)
+    _, loss, grads = first_batch_grads("data=2,pipe=2", *overrides)
     ref_loss, ref_grads = whole_sequence
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):

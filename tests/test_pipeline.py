@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 
 from jaxdist.config import load_config
-from jaxdist.data.pipeline import make_iterator
 from jaxdist.errors import MeshError
-from jaxdist.mesh import mesh_device_count, parse_mesh
-from jaxdist.run import build_trainer, resolve_vocab
+from jaxdist.mesh import parse_mesh
+from jaxdist.run import resolve_vocab
 
-from helpers import TINY, train_losses
+from helpers import TINY, first_batch_grads, train_losses
 
 pytestmark = pytest.mark.heavy
 
@@ -34,14 +33,8 @@ def test_losses_match_the_plain_model(mesh, schedule):
 
 
 def _grads(mesh: str, *overrides: str):
-    config = load_config(None, [*TINY, *EIGHT_LAYERS, *overrides])
-    resolve_vocab(config)
-    sizes = parse_mesh(mesh)
-    trainer = build_trainer(config, sizes, jax.devices()[: mesh_device_count(sizes)])
-    state = trainer.init_state(0)
-    batch = next(make_iterator(config, trainer.layout))
-    loss, grads = jax.jit(trainer.loss_and_grads)(state.params, batch)
-    return float(loss), jax.tree.leaves(jax.device_get(grads))
+    _, loss, grads = first_batch_grads(mesh, *EIGHT_LAYERS, *overrides)
+    return loss, jax.tree.leaves(grads)
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
