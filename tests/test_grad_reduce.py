@@ -55,7 +55,7 @@ def _flat(tree) -> np.ndarray:
     return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
 
 
-def test_gradients_match_float32_within_the_compression_error():
+def test_gradients_match_float32_within_the_compression_error(capsys):
     """FSDP x TP: one step's gradients against GSPMD's fp32 reduction; topk with fraction 1
     keeps every entry, so it must be exact. (Plain DP is the convergence test's layout.)"""
     mesh, grads = "data=2,fsdp=2,tensor=2", {}
@@ -66,6 +66,8 @@ def test_gradients_match_float32_within_the_compression_error():
     reference = _flat(grads["float32"])
     error = {mode: np.linalg.norm(_flat(g) - reference) / np.linalg.norm(reference) for mode, g in grads.items()}
     assert error["topk"] < 1e-6, error
+    # the weaker FSDP path (parameters gathered once per step) is said in one line
+    assert "parallel.grad_reduce=int8 with fsdp: parameters are gathered once per step" in capsys.readouterr().err
     assert 0 < error["int8"] < 0.03, error
 
 
