@@ -118,6 +118,12 @@ class ParallelConfig:
     grad_topk_fraction: float = 0.01  # topk: the fraction of entries each device sends
     error_feedback: bool | None = None  # keep what compression dropped for the next step; None: on for int8 and topk
     compress_axes: str = "all"  # all | dcn (compress only across hosts; fp32 inside a host)
+    diloco_inner_steps: int = 0  # DiLoCo: H local steps per replica between outer steps (0: off; needs a replica axis > 1)
+    diloco_outer_lr: float = 0.7  # the outer step's learning rate on the replica-averaged parameter delta
+    diloco_outer_momentum: float = 0.9  # its Nesterov momentum (0: plain SGD)
+    diloco_reduce: str = "float32"  # what the delta crosses the replica axis as: float32 | bfloat16 | int8
+    replica_link_latency_ms: float = 0.0  # simulated slow link between replicas (experiments): per collective
+    replica_link_gbps: float = 0.0  # its bandwidth in Gbit/s (0: not simulated)
 
 
 @dataclasses.dataclass
@@ -316,6 +322,17 @@ def validate(config: Config) -> None:
     )
     _require(0 < p.grad_topk_fraction <= 1, f"parallel.grad_topk_fraction must be in (0, 1], got {p.grad_topk_fraction}")
     _require(p.compress_axes in ("all", "dcn"), f"parallel.compress_axes must be all or dcn, got {p.compress_axes!r}")
+    _require(p.diloco_inner_steps >= 0, f"parallel.diloco_inner_steps must be >= 0 (0: off), got {p.diloco_inner_steps}")
+    _require(p.diloco_outer_lr > 0, f"parallel.diloco_outer_lr must be positive, got {p.diloco_outer_lr}")
+    _require(0 <= p.diloco_outer_momentum < 1, f"parallel.diloco_outer_momentum must be in [0, 1), got {p.diloco_outer_momentum}")
+    _require(
+        p.diloco_reduce in ("float32", "bfloat16", "int8"),
+        f"parallel.diloco_reduce must be float32, bfloat16 or int8, got {p.diloco_reduce!r}",
+    )
+    _require(
+        p.replica_link_latency_ms >= 0 and p.replica_link_gbps >= 0,
+        "parallel.replica_link_latency_ms and parallel.replica_link_gbps must be >= 0",
+    )
     strategy_parts = set(config.parallel.strategy.split("+"))
     _require(
         strategy_parts <= {"auto", "dp", "fsdp", "zero1", "tp"} and len(strategy_parts & {"auto", "dp", "fsdp", "zero1"}) <= 1,

@@ -14,17 +14,23 @@ import sys
 
 from jaxdist.errors import MeshError
 
-# Mesh axes, outermost first: data and pipe cross hosts, tensor stays innermost (NVLink).
-MESH_AXES = ("data", "pipe", "fsdp", "tensor")
+# Mesh axes, outermost first: replica (DiLoCo's islands), data and pipe cross hosts,
+# tensor stays innermost (NVLink).
+MESH_AXES = ("replica", "data", "pipe", "fsdp", "tensor")
 # What a positional spec means, by its number of factors.
 POSITIONAL_AXES = {1: ("data",), 2: ("data", "tensor"), 3: ("data", "tensor", "pipe")}
-BATCH_AXES = ("data", "fsdp")  # the batch is split over both
+BATCH_AXES = ("replica", "data", "fsdp")  # the global batch is split over all three
+REMAINING = -1  # an axis size meaning "the devices that remain"
 
 MeshSizes = dict[str, int]
 
 
 def parse_mesh(spec: str) -> MeshSizes | None:
-    """``'8x4'`` -> data 8, tensor 4; ``'data=2,fsdp=4'`` -> named; ``'auto'`` -> None."""
+    """``'8x4'`` -> data 8, tensor 4; ``'data=2,fsdp=4'`` -> named; ``'auto'`` -> None.
+
+    One named axis may be ``-1`` (``data=-1,tensor=2``): ``resolve_mesh`` sizes it to the
+    devices that remain once the device count is known.
+    """
     spec = spec.strip()
     if spec == "auto":
         return None
@@ -35,7 +41,7 @@ def parse_mesh(spec: str) -> MeshSizes | None:
                 f"mesh {spec!r}: a positional mesh is N (data), AxB (data x tensor) or AxBxC (data x tensor x pipe); name other axes, e.g. data=2,fsdp=2,tensor=2"
             )
         sizes = dict(zip(POSITIONAL_AXES[len(factors)], factors, strict=True))
-    elif re.fullmatch(r"[a-z_]+=\d+(,[a-z_]+=\d+)*", spec):
+    elif re.fullmatch(r"[a-z_]+=-?\d+(,[a-z_]+=-?\d+)*", spec):
         sizes = {}
         for item in spec.split(","):
             name, value = item.split("=")
@@ -46,13 +52,29 @@ def parse_mesh(spec: str) -> MeshSizes | None:
             sizes[name] = int(value)
     else:
         raise MeshError(f"malformed mesh {spec!r}: use AxB (data x tensor), name=size,... ({', '.join(MESH_AXES)}) or auto")
-    if any(v < 1 for v in sizes.values()):
-        raise MeshError(f"mesh {spec!r}: axis sizes must be >= 1")
+    if any(v < 1 and v != REMAINING for v in sizes.values()):
+        raise MeshError(f"mesh {spec!r}: axis sizes must be >= 1, or -1 for the devices that remain")
+    if list(sizes.values()).count(REMAINING) > 1:
+        raise MeshError(f"mesh {spec!r}: only one axis may be -1")
     return {axis: sizes.get(axis, 1) for axis in MESH_AXES}
 
 
+def has_remaining_axis(sizes: MeshSizes | None) -> bool:
+    return sizes is not None and REMAINING in sizes.values()
+
+
+def resolve_mesh(sizes: MeshSizes, n_devices: int) -> MeshSizes:
+    """Size the ``-1`` axis (if any) so that the mesh uses all ``n_devices``."""
+    if not has_remaining_axis(sizes):
+        return sizes
+    fixed = math.prod(v for v in sizes.values() if v != REMAINING)
+    if n_devices % fixed:
+        raise MeshError(f"mesh {format_mesh(sizes)}: the other axes ({fixed} devices) do not divide the {n_devices} devices")
+    return {a: (n_devices // fixed if v == REMAINING else v) for a, v in sizes.items()}
+
+
 def format_mesh(sizes: MeshSizes) -> str:
-    named = [f"{a}={s}" for a, s in sizes.items() if s > 1]
+    named = [f"{a}={s}" for a, s in sizes.items() if s != 1]
     return ",".join(named) or "data=1"
 
 
@@ -79,7 +101,7 @@ def _module_exists(name: str) -> bool:
         return False
 
 
-def _forced_host_device_count() -> int | None:
+def forced_host_device_count() -> int | None:
     match = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
     return int(match.group(1)) if match else None
 
@@ -91,7 +113,7 @@ def ensure_fake_cpu_devices(n: int) -> None:
     """
     if n <= 1 or gpu_plugin_installed() or "jax" in sys.modules and _backend_started():
         return
-    forced = _forced_host_device_count()
+    forced = forced_host_device_count()
     if forced is not None and forced >= n:
         return
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))

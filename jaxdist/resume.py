@@ -18,16 +18,17 @@ def adapt_microbatches_for_resume(config: Config, run_dir: Path | None, resume: 
     """Elastic restart keeps the global batch: when the new mesh cannot split it into the
     configured microbatches, use the largest count that fits (pure Python, before JAX)."""
     from jaxdist.checkpoint import checkpoint_steps
+    from jaxdist.validate import batch_shards
 
     sizes, t = parse_mesh(config.parallel.mesh), config.train
     if sizes is None or run_dir is None or resume == "never" or not checkpoint_steps(run_dir / "checkpoints"):
         return
-    shards = sizes["data"] * sizes["fsdp"]
+    shards = batch_shards(sizes)
     if t.global_batch % shards or t.global_batch % (shards * t.microbatches) == 0:
         return
     fitting = max(m for m in range(1, t.microbatches + 1) if t.global_batch % (shards * m) == 0)
     print(
-        f"jaxdist: resuming on data x fsdp = {shards}: train.microbatches {t.microbatches} -> {fitting} keeps the global batch {t.global_batch}",
+        f"jaxdist: resuming on replica x data x fsdp = {shards}: train.microbatches {t.microbatches} -> {fitting} keeps the global batch {t.global_batch}",
         file=sys.stderr,
     )
     t.microbatches = fitting

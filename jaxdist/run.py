@@ -8,13 +8,25 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import sys
 import time
 from pathlib import Path
 
 from jaxdist.config import Config
+from jaxdist.distributed import ENV_PROCESS_ID
 from jaxdist.errors import JaxdistError
-from jaxdist.mesh import MeshSizes, ensure_fake_cpu_devices, gpu_plugin_installed, mesh_device_count, parse_mesh
+from jaxdist.mesh import (
+    MeshSizes,
+    ensure_fake_cpu_devices,
+    forced_host_device_count,
+    format_mesh,
+    gpu_plugin_installed,
+    has_remaining_axis,
+    mesh_device_count,
+    parse_mesh,
+    resolve_mesh,
+)
 from jaxdist.validate import check_config_on_mesh
 
 DEFAULT_FAKE_DEVICES = 8  # `--mesh auto` without an accelerator
@@ -24,9 +36,16 @@ def prepare_devices(config: Config, num_processes: int = 1) -> MeshSizes | None:
     """Validate the mesh against the config; on CPU ask for enough fake devices (split
     over the processes), on GPU set the communication-overlap XLA flags.
 
-    Runs before JAX starts its backend. Returns the mesh sizes (None for ``auto``).
+    Runs before JAX starts its backend. Returns the mesh sizes (None for ``auto``; on GPU
+    a ``-1`` axis stays unresolved until ``settle_remaining_axis`` sees the devices).
     """
+    settle_remaining_axis(config, num_processes)
     sizes = parse_mesh(config.parallel.mesh)
+    if has_remaining_axis(sizes):  # GPU: sized and checked once the backend has started
+        from jaxdist.xla_flags import apply_gpu_defaults
+
+        apply_gpu_defaults()
+        return sizes
     if config.parallel.dcn_mesh:
         parse_mesh(config.parallel.dcn_mesh)  # reject a malformed spec before JAX starts
     if sizes is not None:
@@ -45,6 +64,23 @@ def prepare_devices(config: Config, num_processes: int = 1) -> MeshSizes | None:
     else:
         ensure_fake_cpu_devices(DEFAULT_FAKE_DEVICES)
     return sizes
+
+
+def settle_remaining_axis(config: Config, num_processes: int = 1, n_devices: int | None = None) -> None:
+    """Size a ``-1`` mesh axis and write the concrete mesh into the config (so the saved
+    config.yaml says what ran). On CPU the device count is the fake devices per process x
+    processes, known before JAX starts; on GPU it waits for ``n_devices``."""
+    sizes = parse_mesh(config.parallel.mesh)
+    if not has_remaining_axis(sizes):
+        return
+    if n_devices is None:
+        if gpu_plugin_installed():
+            return
+        n_devices = (forced_host_device_count() or DEFAULT_FAKE_DEVICES) * num_processes
+    resolved = resolve_mesh(sizes, n_devices)
+    if os.environ.get(ENV_PROCESS_ID, "0") == "0":
+        print(f"jaxdist: mesh {config.parallel.mesh} on {n_devices} devices is {format_mesh(resolved)}", file=sys.stderr)
+    config.parallel.mesh = format_mesh(resolved)
 
 
 def resolve_vocab(config: Config) -> None:
@@ -164,7 +200,7 @@ def run(
         )
         first = next(batches)
         compile_start = time.perf_counter()
-        step_fn = trainer.train_step.lower(state, first).compile()
+        step_fn = trainer.compile_step(state, first, logger)
         logger.message(f"jaxdist: train step compiled in {time.perf_counter() - compile_start:.1f}s")
         hooks = LoopHooks(
             eval_batches=lambda: eval_batches(config, layout),

@@ -169,7 +169,8 @@ class Layout:
         return rules_for(self.strategy, optimizer_state=True)
 
     def batch_sharding(self, ndim: int) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+        # replica first: DiLoCo's replica r reads the r-th contiguous slice of the global batch
+        return NamedSharding(self.mesh, PartitionSpec(("replica", "data", "fsdp"), *([None] * (ndim - 1))))
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())

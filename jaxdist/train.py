@@ -46,7 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.profile_steps is not None:
             args.overrides.append(f"train.profile_steps={args.profile_steps}")
         config = config_from_args(args)
-        from jaxdist.run import default_run_dir, prepare_devices, run
+        from jaxdist.mesh import has_remaining_axis, parse_mesh
+        from jaxdist.run import default_run_dir, prepare_devices, run, settle_remaining_axis
+        from jaxdist.validate import check_config_on_mesh
 
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
         if args.max_restarts > 0 and not os.environ.get(SUPERVISED_ENV):
@@ -57,9 +59,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from jaxdist.resume import adapt_microbatches_for_resume
 
         group = process_group_from(args)
+        num_processes = group.num_processes if group and group.num_processes else 1
+        settle_remaining_axis(config, num_processes)
         adapt_microbatches_for_resume(config, run_dir, args.resume)
-        sizes = prepare_devices(config, group.num_processes if group and group.num_processes else 1)
+        sizes = prepare_devices(config, num_processes)
         initialize(group)
+        if has_remaining_axis(sizes):  # GPU: the device count is known now
+            import jax
+
+            settle_remaining_axis(config, num_processes, jax.device_count())
+            adapt_microbatches_for_resume(config, run_dir, args.resume)
+            sizes = parse_mesh(config.parallel.mesh)
+            check_config_on_mesh(config, sizes)
         interactive = sys.stderr.isatty()
         result = run(config, sizes, run_dir, resume=args.resume, progress=interactive, print_lines=not interactive)
     except (JaxdistError, NonFiniteLoss, CheckpointError) as e:

@@ -22,7 +22,7 @@ from jaxdist.errors import NonFiniteLoss
 from jaxdist.metrics import MetricsLogger
 from jaxdist.models import Batch, Task
 from jaxdist.optim import lr_schedule, make_optimizer
-from jaxdist.parallel import grad_reduce
+from jaxdist.parallel import diloco, grad_reduce
 from jaxdist.parallel.microbatch import split_microbatches
 from jaxdist.sharding import Layout, activation_layout, tree_shardings
 from jaxdist.tracing import StepTracer
@@ -36,6 +36,11 @@ class TrainState:
     opt_state: Any  # optax state; Adam's moments mirror ``params``
     residual: Any = None  # error feedback: per device, what gradient compression dropped ([devices, *param])
     loss_scale: Any = None  # model.dtype=float16: jaxdist.loss_scale.LossScale
+    outer: Any = None  # DiLoCo: jaxdist.parallel.diloco.OuterState (params and opt_state are then per replica)
+
+
+# DiLoCo's inner step maps over the replica dimension of everything but the step and the outer state.
+_PER_REPLICA = TrainState(step=None, params=0, opt_state=0, residual=0, loss_scale=0, outer=None)
 
 
 class Trainer:
@@ -69,12 +74,15 @@ class Trainer:
             residual=residual_shardings,
             loss_scale=scale_shardings,
         )
+        self._abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt, abstract_residual, abstract_scale)
+        self.inner_steps = config.parallel.diloco_inner_steps  # DiLoCo's H; 0: every step is synchronous
+        if self.inner_steps:
+            self._per_replica_state(abstract_params, replicated)
         if jax.process_index() == 0:
             for line in (*replicated.values(), *self._reduction_notes()):
                 print(line, file=sys.stderr)
-        self._abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt, abstract_residual, abstract_scale)
         self.train_step = jax.jit(
-            self._train_step,
+            self._diloco_inner_step if self.inner_steps else self._train_step,
             in_shardings=(self.state_shardings, None),
             out_shardings=(self.state_shardings, layout.replicated()),
             donate_argnums=0,
@@ -83,7 +91,38 @@ class Trainer:
         # Checked before each save: a finite loss does not prove the update it caused was finite.
         self.params_finite = jax.jit(
             lambda params: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)])),
-            in_shardings=(self.param_shardings,),
+            in_shardings=(self.state_shardings.params,),
+        )
+
+    def _per_replica_state(self, abstract_params: Any, replicated: dict) -> None:
+        """DiLoCo: params, optimizer state and loss scale gain a leading replica dimension
+        (sharded over the replica axis); the outer parameters and momentum are added."""
+        mesh, replicas = self.layout.mesh, self.layout.mesh.shape[diloco.AXIS]
+        self.outer_tx = diloco.outer_optimizer(self.config.parallel)
+        abstract_momentum = jax.eval_shape(self.outer_tx.init, abstract_params)
+        per_replica = lambda tree: None if tree is None else diloco.stacked_shapes(tree, replicas)  # noqa: E731
+        stacked = lambda tree: None if tree is None else diloco.stacked_shardings(tree, mesh)  # noqa: E731
+        a, s = self._abstract, self.state_shardings
+        self._abstract = TrainState(
+            a.step,
+            per_replica(a.params),
+            per_replica(a.opt_state),
+            None,
+            per_replica(a.loss_scale),
+            diloco.OuterState(abstract_params, abstract_momentum),
+        )
+        self.state_shardings = TrainState(
+            s.step,
+            stacked(s.params),
+            stacked(s.opt_state),
+            None,
+            stacked(s.loss_scale),
+            diloco.OuterState(
+                self.param_shardings, tree_shardings(abstract_momentum, self.layout.param_rules, mesh, replicated=replicated)
+            ),
+        )
+        self.outer_step = jax.jit(
+            self._diloco_outer_step, in_shardings=(self.state_shardings,), out_shardings=self.state_shardings, donate_argnums=0
         )
 
     # -- state ---------------------------------------------------------------------
@@ -94,6 +133,12 @@ class Trainer:
         def init() -> TrainState:
             params = nnx.state(self.task.make_model(nnx.Rngs(params=seed)))
             extras = self._extras()
+            if self.inner_steps:  # every replica starts from the same parameters
+                replicas = self.layout.mesh.shape[diloco.AXIS]
+                outer = diloco.OuterState(params, self.outer_tx.init(params))
+                opt_state = diloco.stack(self.tx.init(params), replicas)
+                scale = None if extras.loss_scale is None else diloco.stack(extras.loss_scale, replicas)
+                return TrainState(jnp.zeros((), jnp.int32), diloco.stack(params, replicas), opt_state, None, scale, outer)
             return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), extras.residual, extras.loss_scale)
 
         return jax.jit(init, out_shardings=self.state_shardings)()
@@ -279,7 +324,8 @@ class Trainer:
     def _accumulate_locally(self) -> bool:
         """Replicated parameters (DP, ZeRO-1), no pipeline: accumulate each device's own
         gradients and reduce across the batch axes once per step, like DDP's no_sync."""
-        return self.layout.strategy.zero in ("dp", "zero1") and self.layout.mesh.shape.get("pipe", 1) == 1
+        # (Not under DiLoCo's vmap: the shard_map over data/fsdp cannot take the replica dimension.)
+        return self.layout.strategy.zero in ("dp", "zero1") and self.layout.mesh.shape.get("pipe", 1) == 1 and not self.inner_steps
 
     def _summed_grads_reduced_once(self, params: Any, batch: Batch, grad_fn: Callable) -> tuple[jax.Array, jax.Array, Any]:
         batch_axes = ("data", "fsdp")
@@ -332,6 +378,52 @@ class Trainer:
     @property
     def _targets_per_step(self) -> float:
         return float(self.task.tokens_per_example * self.config.train.global_batch)
+
+    # -- DiLoCo ----------------------------------------------------------------------
+
+    def _diloco_inner_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        """Every replica takes one ordinary step on its slice of the batch; nothing crosses
+        the replica axis (vmap with ``spmd_axis_name`` keeps each replica on its devices)."""
+        replicas = self.layout.mesh.shape[diloco.AXIS]
+        rows = diloco.split_batch(batch, replicas, self.layout.mesh)
+        inner = dataclasses.replace(state, outer=None)
+        step = jax.vmap(self._train_step, in_axes=(_PER_REPLICA, 0), out_axes=(_PER_REPLICA, 0), spmd_axis_name=diloco.AXIS)
+        new, metrics = step(inner, rows)
+        return dataclasses.replace(new, outer=state.outer), diloco.average_metrics(metrics)
+
+    def _diloco_outer_step(self, state: TrainState) -> TrainState:
+        params, outer, _ = diloco.outer_update(
+            state.params, state.outer, self.outer_tx, self.config.parallel, self.param_shardings, self.layout.mesh
+        )
+        return dataclasses.replace(state, params=params, outer=outer)
+
+    def synchronized_params(self, state: TrainState) -> Any:
+        """The parameters of the model being trained: DiLoCo's outer ones, else the params."""
+        return state.outer.params if self.inner_steps else state.params
+
+    def compile_step(self, state: TrainState, batch: Batch, logger=None) -> Callable:
+        """The step the loop calls: the compiled train step, plus (DiLoCo) the outer step
+        after every H-th, plus the simulated replica link's delay when one is set."""
+        compiled = self.train_step.lower(state, batch).compile()
+        mesh, parallel = self.layout.mesh, self.config.parallel
+        link = diloco.SlowLink.from_config(parallel, diloco.AXIS if self.inner_steps else "data")
+        say = (logger.message if logger is not None else print) if jax.process_index() == 0 else (lambda _: None)
+        if not self.inner_steps:
+            if link is None:
+                return compiled
+            delay, count, sent = link.delay_s(compiled, mesh)
+            say(
+                f"jaxdist: simulated link on the data axis: {count} collectives, {sent / 2**20:.2f} MiB per device per step -> +{delay * 1e3:.1f} ms per step"
+            )
+            return diloco.LinkedStep(compiled, delay)
+        outer = self.outer_step.lower(state).compile()
+        delay = 0.0
+        if link is not None:
+            delay, count, sent = link.delay_s(outer, mesh)
+            say(
+                f"jaxdist: simulated replica link: {count} collectives, {sent / 2**20:.2f} MiB per device per outer step -> +{delay * 1e3:.1f} ms every {self.inner_steps} steps"
+            )
+        return diloco.DiLoCoStep(compiled, outer, self.inner_steps, int(jax.device_get(state.step)), delay)
 
     def _eval_step(self, params: Any, batch: Batch) -> jax.Array:
         with activation_layout(self.layout):
@@ -510,5 +602,6 @@ def _last_saved(checkpointer) -> str:
 
 
 def evaluate(trainer: Trainer, state: TrainState, batches: Iterator[Batch]) -> float:
-    totals = sum(np.asarray(jax.device_get(trainer.eval_step(state.params, b)), np.float64) for b in batches)
+    params = trainer.synchronized_params(state)
+    totals = sum(np.asarray(jax.device_get(trainer.eval_step(params, b)), np.float64) for b in batches)
     return float(totals[0] / totals[1])

@@ -33,6 +33,7 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
         _check_llama(config, sizes)
     else:
         _check_resnet(config, sizes)
+    _check_diloco(config, sizes)
     if sizes["pipe"] > 1:
         _check_pipeline(config, sizes)
         if config.parallel.grad_reduce != "float32":
@@ -40,13 +41,35 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
     return warnings
 
 
+def batch_shards(sizes: MeshSizes) -> int:
+    """How many ways the global batch is split: replica x data x fsdp."""
+    return sizes.get("replica", 1) * sizes["data"] * sizes["fsdp"]
+
+
 def _check_batch(config: Config, sizes: MeshSizes) -> None:
     t = config.train
-    shards = sizes["data"] * sizes["fsdp"]
+    shards = batch_shards(sizes)
     if t.global_batch % (shards * t.microbatches):
         raise MeshError(
-            f"train.global_batch ({t.global_batch}) must be divisible by data x fsdp ({shards}) x train.microbatches ({t.microbatches})"
+            f"train.global_batch ({t.global_batch}) must be divisible by replica x data x fsdp ({shards}) x train.microbatches ({t.microbatches})"
         )
+
+
+def _check_diloco(config: Config, sizes: MeshSizes) -> None:
+    p = config.parallel
+    if sizes.get("replica", 1) > 1 and p.diloco_inner_steps == 0:
+        raise ConfigError(
+            "the replica mesh axis is for DiLoCo: set parallel.diloco_inner_steps=H (> 0), or name the axis data for plain data parallelism"
+        )
+    if p.diloco_inner_steps == 0:
+        return
+    if p.grad_reduce != "float32":
+        raise ConfigError(
+            f"parallel.grad_reduce={p.grad_reduce} with DiLoCo: inner steps reduce inside a replica in float32; "
+            "compress the outer average with parallel.diloco_reduce"
+        )
+    if sizes["pipe"] > 1:
+        raise ConfigError("DiLoCo (parallel.diloco_inner_steps > 0) does not support a pipe axis yet")
 
 
 def _check_strategy(config: Config, sizes: MeshSizes, warnings: list[str]) -> None:

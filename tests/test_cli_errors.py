@@ -7,7 +7,7 @@ import pytest
 
 from jaxdist.config import load_config
 from jaxdist.errors import ConfigError, MeshError
-from jaxdist.mesh import parse_mesh
+from jaxdist.mesh import format_mesh, parse_mesh, resolve_mesh
 from jaxdist.train import main
 
 BAD_INPUTS = {
@@ -85,15 +85,35 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize(
     ("spec", "sizes"),
     [
-        ("8x4", {"data": 8, "pipe": 1, "fsdp": 1, "tensor": 4}),
-        ("8", {"data": 8, "pipe": 1, "fsdp": 1, "tensor": 1}),
-        ("data=2,fsdp=2,tensor=2", {"data": 2, "pipe": 1, "fsdp": 2, "tensor": 2}),
-        ("fsdp=4", {"data": 1, "pipe": 1, "fsdp": 4, "tensor": 1}),
+        ("8x4", {"replica": 1, "data": 8, "pipe": 1, "fsdp": 1, "tensor": 4}),
+        ("8", {"replica": 1, "data": 8, "pipe": 1, "fsdp": 1, "tensor": 1}),
+        ("data=2,fsdp=2,tensor=2", {"replica": 1, "data": 2, "pipe": 1, "fsdp": 2, "tensor": 2}),
+        ("fsdp=4", {"replica": 1, "data": 1, "pipe": 1, "fsdp": 4, "tensor": 1}),
+        ("replica=2,data=-1", {"replica": 2, "data": -1, "pipe": 1, "fsdp": 1, "tensor": 1}),
     ],
 )
 def test_mesh_specs(spec, sizes):
     assert parse_mesh(spec) == sizes
     assert parse_mesh("auto") is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "devices", "resolved"),
+    [("data=-1,tensor=2", 8, "data=4,tensor=2"), ("replica=2,fsdp=-1", 4, "replica=2,fsdp=2"), ("data=-1", 3, "data=3")],
+)
+def test_remaining_axis_takes_the_devices_left(spec, devices, resolved):
+    assert format_mesh(resolve_mesh(parse_mesh(spec), devices)) == resolved
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [("data=-1,fsdp=-1", "only one axis may be -1"), ("data=-2", "-1 for the devices that remain"), ("tensor=0", ">= 1")],
+)
+def test_bad_remaining_axis(spec, match):
+    with pytest.raises(MeshError, match=match):
+        parse_mesh(spec)
+    with pytest.raises(MeshError, match="do not divide the 6 devices"):
+        resolve_mesh(parse_mesh("data=-1,tensor=4"), 6)
 
 
 def test_duplicate_axis_is_an_error():
@@ -109,7 +129,7 @@ def test_errors_come_before_jax_starts(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == "jaxdist: error: mesh 'foo=2': unknown axis 'foo' (axes: data, pipe, fsdp, tensor)"
+    assert proc.stderr.strip() == "jaxdist: error: mesh 'foo=2': unknown axis 'foo' (axes: replica, data, pipe, fsdp, tensor)"
 
 
 @pytest.mark.parametrize("tool", ["train", "analyze"])

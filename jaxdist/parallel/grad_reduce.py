@@ -243,10 +243,13 @@ def per_device_gradients(grad_fn: Callable, params: Any, batch: Any, mesh, micro
     )(params, batch)
 
 
-def reduce_gradients(grads: Any, residual: Any, plan: ReducePlan, param_shardings: Any, mesh) -> tuple[Any, Any]:
+def reduce_gradients(grads: Any, residual: Any, plan: ReducePlan, param_shardings: Any, mesh, device_specs: Any = None) -> tuple[Any, Any]:
     """Per-device gradients [n, ...] -> (their sum, replicated over the batch axes and then
-    laid out like the parameters; the new residuals, or None without error feedback)."""
-    device_specs = jax.tree.map(lambda s: s.spec, per_device_shardings(param_shardings, mesh))
+    laid out like the parameters; the new residuals, or None without error feedback).
+    ``device_specs``: the stacked inputs' specs when their leading axis is not the batch
+    axes' (DiLoCo's replica deltas)."""
+    if device_specs is None:
+        device_specs = jax.tree.map(lambda s: s.spec, per_device_shardings(param_shardings, mesh))
     summed_specs = jax.tree.map(lambda s: PartitionSpec(*s[1:]), device_specs)
 
     def local(grads, residual=None):

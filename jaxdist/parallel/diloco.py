@@ -1,0 +1,164 @@
+"""DiLoCo: replicas train apart for H steps, then one outer step on their averaged delta.
+
+The ``replica`` mesh axis is outermost (across regions); inside each replica any data /
+fsdp / tensor layout runs the usual train step. The inner parameters and optimizer
+state carry a leading replica dimension sharded over ``replica``, and the inner step is
+the ordinary step under ``jax.vmap(..., spmd_axis_name="replica")``, so each replica's
+computation stays on its own devices and nothing crosses the replica axis.
+
+Every H steps a separate program (the outer step) averages the pseudo-gradient
+``outer - inner_r`` over replicas (fp32, or bf16 / int8 through the compressed
+reduction of ``grad_reduce``), applies it to the outer parameters with Nesterov SGD
+(DiLoCo's outer optimizer), and resets every replica's inner parameters to the result.
+Inner optimizer states are kept across rounds, as in the paper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxdist.parallel import grad_reduce
+
+AXIS = "replica"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class OuterState:
+    params: Any  # the synchronised (outer) parameters, replicated over the replica axis
+    momentum: Any  # the outer optimizer's state
+
+
+def outer_optimizer(parallel_cfg) -> optax.GradientTransformation:
+    momentum = parallel_cfg.diloco_outer_momentum
+    return optax.sgd(parallel_cfg.diloco_outer_lr, momentum=momentum or None, nesterov=momentum > 0)
+
+
+def stacked_shapes(tree: Any, replicas: int) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((replicas, *a.shape), a.dtype), tree)
+
+
+def stacked_shardings(shardings: Any, mesh) -> Any:
+    """A leading replica dimension, sharded over the replica axis, before each sharding."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(AXIS, *s.spec)), shardings)
+
+
+def stack(tree: Any, replicas: int) -> Any:
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), tree)
+
+
+def split_batch(batch: Any, replicas: int, mesh) -> Any:
+    """[B, ...] -> [R, B/R, ...]: replica r trains on rows r*B/R ... (r+1)*B/R - 1 (its own
+    slice: the batch is sharded over replica first, so this moves nothing)."""
+
+    def split(x):
+        x = x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
+        spec = PartitionSpec(AXIS, ("data", "fsdp"), *([None] * (x.ndim - 2)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(split, batch)
+
+
+def average_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per-replica step metrics -> one value each (``skipped``: any replica skipped)."""
+    return {k: (jnp.any(v) if k == "skipped" else jnp.mean(v)) for k, v in metrics.items()}
+
+
+def average_delta(stacked_inner: Any, outer: Any, parallel_cfg, param_shardings: Any, mesh) -> Any:
+    """The replica average of ``outer - inner_r`` in fp32, crossing the replica axis as
+    ``parallel.diloco_reduce`` says."""
+    replicas = mesh.shape[AXIS]
+    deltas = jax.tree.map(lambda o, i: o.astype(jnp.float32)[None] - i.astype(jnp.float32), outer, stacked_inner)
+    if parallel_cfg.diloco_reduce == "float32":
+        mean = jax.tree.map(lambda d: jnp.mean(d, axis=0), deltas)
+        return jax.lax.with_sharding_constraint(mean, param_shardings)
+    plan = grad_reduce.ReducePlan(parallel_cfg.diloco_reduce, (AXIS,), (), 0.0, error_feedback=False)
+    device_specs = jax.tree.map(lambda s: s.spec, stacked_shardings(param_shardings, mesh))
+    total, _ = grad_reduce.reduce_gradients(deltas, None, plan, param_shardings, mesh, device_specs=device_specs)
+    return jax.tree.map(lambda t: t / replicas, total)
+
+
+def outer_update(stacked_inner: Any, outer: OuterState, tx: optax.GradientTransformation, parallel_cfg, param_shardings, mesh):
+    """(new stacked inner parameters: every replica restarts from the new outer ones, new
+    outer state, the norm of the averaged delta)."""
+    delta = average_delta(stacked_inner, outer.params, parallel_cfg, param_shardings, mesh)
+    updates, momentum = tx.update(delta, outer.momentum, outer.params)
+    params = optax.apply_updates(outer.params, updates)
+    inner = jax.tree.map(lambda p, i: jnp.broadcast_to(p.astype(i.dtype), i.shape), params, stacked_inner)
+    inner = jax.lax.with_sharding_constraint(inner, stacked_shardings(param_shardings, mesh))
+    return inner, OuterState(params, momentum), optax.tree.norm(delta)
+
+
+@dataclasses.dataclass
+class SlowLink:
+    """A simulated link between replicas (experiments): after a program whose collectives
+    cross it, every process sleeps ``latency x collectives + bytes / bandwidth``.
+
+    ``bytes`` and ``collectives`` are the compiled program's, counted over the collectives
+    whose device groups span ``axis`` (``jaxdist.wire``); a ring over the link pays one
+    latency per collective, not per hop. This models the cost, it does not shape traffic.
+    """
+
+    latency_s: float
+    bytes_per_s: float
+    axis: str
+
+    @classmethod
+    def from_config(cls, parallel_cfg, axis: str) -> SlowLink | None:
+        if parallel_cfg.replica_link_latency_ms == 0 and parallel_cfg.replica_link_gbps == 0:
+            return None
+        bandwidth = parallel_cfg.replica_link_gbps * 1e9 / 8 if parallel_cfg.replica_link_gbps else float("inf")
+        return cls(parallel_cfg.replica_link_latency_ms / 1e3, bandwidth, axis)
+
+    def delay_s(self, compiled, mesh) -> tuple[float, int, int]:
+        """(seconds one run of ``compiled`` spends on the link, its collectives over the
+        link, the bytes each device sends over it)."""
+        from jaxdist.analyze import collective_ops, parse_hlo
+
+        mesh_shape = {a: int(n) for a, n in mesh.shape.items()}
+        ops = [op for op in collective_ops(parse_hlo(compiled.as_text()), mesh_shape) if op.axes and self.axis in op.axes]
+        count = sum(op.executions for op in ops)
+        sent = sum((op.wire_bytes or 0) * op.executions for op in ops)
+        return self.latency_s * count + sent / self.bytes_per_s, count, sent
+
+
+class LinkedStep:
+    """A compiled step followed by the simulated link's delay (when it crosses the link)."""
+
+    def __init__(self, step: Callable, delay_s: float):
+        self.step, self.delay_s = step, delay_s
+
+    def __call__(self, state, batch):
+        state, metrics = self.step(state, batch)
+        if self.delay_s:
+            jax.block_until_ready(state)
+            time.sleep(self.delay_s)
+        return state, metrics
+
+
+class DiLoCoStep:
+    """The host side of a DiLoCo round: the inner step every step, the outer step (and
+    the link's delay) after every H-th; the round position follows the global step, so a
+    run resumed mid-round finishes that round exactly as it would have."""
+
+    def __init__(self, inner: Callable, outer: Callable, inner_steps: int, start_step: int, link_delay_s: float = 0.0):
+        self.inner, self.outer, self.inner_steps = inner, outer, inner_steps
+        self.step, self.link_delay_s = start_step, link_delay_s
+
+    def __call__(self, state, batch):
+        state, metrics = self.inner(state, batch)
+        self.step += 1
+        if self.step % self.inner_steps == 0:
+            state = self.outer(state)
+            if self.link_delay_s:
+                jax.block_until_ready(state)
+                time.sleep(self.link_delay_s)
+        return state, metrics
