@@ -97,12 +97,13 @@ def table(results: dict, args: argparse.Namespace, info: dict) -> str:
     return "\n".join(lines)
 
 
-def write_readme(text: str) -> None:
+def write_readme(text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Put ``text`` between the markers in experiments/README.md (appended the first time)."""
     readme = README.read_text()
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in readme:
-        head, rest = readme.split(BEGIN, 1)
-        readme = head + block + rest.split(END, 1)[1]
+    block = f"{begin}\n{text}\n{end}"
+    if begin in readme:
+        head, rest = readme.split(begin, 1)
+        readme = head + block + rest.split(end, 1)[1]
     else:
         readme += f"\n{block}\n"
     README.write_text(readme)

@@ -392,7 +392,9 @@ def _xla_flops(compiled: Any) -> float | None:
 def _param_bytes(trainer: Any) -> int:
     import jax
 
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_state().params))
+    state = trainer.abstract_state()
+    params = state.outer.params if getattr(state, "outer", None) is not None else state.params  # DiLoCo: one model, not R
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
 def _notes(report: dict[str, Any], config: Config, unknown_loops: int) -> list[str]:
@@ -435,6 +437,7 @@ def build_report(trainer: Any, compiled: Any) -> dict[str, Any]:
     from jaxdist.models import compute_dtype
 
     config, mesh = trainer.config, trainer.layout.mesh
+    compiled = getattr(compiled, "compiled", compiled)  # a step wrapper (DiLoCo, simulated link): its train step
     module = parse_hlo(compiled.as_text())
     platform = mesh.devices.flat[0].platform
     mesh_shape = {axis: int(size) for axis, size in mesh.shape.items()}
@@ -466,8 +469,32 @@ def build_report(trainer: Any, compiled: Any) -> dict[str, Any]:
             "ticks": spec.ticks,
             "bubble": spec.bubble,
         }
+    if getattr(trainer, "inner_steps", 0):
+        report["diloco"] = _diloco_section(trainer, ops, mesh_shape)
     report["notes"] = _notes(report, config, loops_without_trip_count(module))
     return report
+
+
+def _diloco_section(trainer: Any, inner_ops: Sequence[CollectiveOp], mesh_shape: dict[str, int]) -> dict[str, Any]:
+    """DiLoCo's traffic: the inner step's collectives (above) never span the replica axis;
+    the outer step's, run once per H steps, do. Per-step figures amortise them over H."""
+    outer = trainer.outer_step.lower(trainer.abstract_state()).compile()
+    outer_ops = collective_ops(parse_hlo(outer.as_text()), mesh_shape)
+    h = trainer.inner_steps
+
+    def across(ops):
+        return [op for op in ops if op.axes and "replica" in op.axes]
+
+    outer_bytes = sum(op.executions * (op.wire_bytes or 0) for op in across(outer_ops))
+    return {
+        "inner_steps": h,
+        "outer_reduce": trainer.config.parallel.diloco_reduce,
+        "inner_cross_replica_collectives": sum(op.executions for op in across(inner_ops)),
+        "outer_collectives": collective_stats(outer_ops),
+        "outer_collectives_by_axes": collectives_by_axes(outer_ops),
+        "outer_cross_replica_wire_bytes": outer_bytes,
+        "cross_replica_wire_bytes_per_step": outer_bytes / h,
+    }
 
 
 def _pipeline_of(trainer: Any):

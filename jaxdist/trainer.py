@@ -81,10 +81,12 @@ class Trainer:
         if jax.process_index() == 0:
             for line in (*replicated.values(), *self._reduction_notes()):
                 print(line, file=sys.stderr)
+        # DiLoCo's metrics stay per replica: averaging them in the step would cross the replica axis every step.
+        metric_sharding = NamedSharding(mesh, PartitionSpec(diloco.AXIS)) if self.inner_steps else layout.replicated()
         self.train_step = jax.jit(
             self._diloco_inner_step if self.inner_steps else self._train_step,
             in_shardings=(self.state_shardings, None),
-            out_shardings=(self.state_shardings, layout.replicated()),
+            out_shardings=(self.state_shardings, metric_sharding),
             donate_argnums=0,
         )
         self.eval_step = jax.jit(self._eval_step, in_shardings=(self.param_shardings, None), out_shardings=layout.replicated())
@@ -389,13 +391,24 @@ class Trainer:
         inner = dataclasses.replace(state, outer=None)
         step = jax.vmap(self._train_step, in_axes=(_PER_REPLICA, 0), out_axes=(_PER_REPLICA, 0), spmd_axis_name=diloco.AXIS)
         new, metrics = step(inner, rows)
-        return dataclasses.replace(new, outer=state.outer), diloco.average_metrics(metrics)
+        return dataclasses.replace(new, outer=state.outer), metrics
 
     def _diloco_outer_step(self, state: TrainState) -> TrainState:
         params, outer, _ = diloco.outer_update(
             state.params, state.outer, self.outer_tx, self.config.parallel, self.param_shardings, self.layout.mesh
         )
         return dataclasses.replace(state, params=params, outer=outer)
+
+    def fetch_metrics(self, pending: list[dict[str, jax.Array]]) -> list[dict[str, Any]]:
+        """The metrics of the steps since the last log point, on the host. DiLoCo's are per
+        replica: gathered here (at log points only) and averaged."""
+        if not self.inner_steps:
+            return jax.device_get(pending)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            pending = multihost_utils.process_allgather(pending, tiled=True)
+        return [diloco.average_metrics(m) for m in jax.device_get(pending)]
 
     def synchronized_params(self, state: TrainState) -> Any:
         """The parameters of the model being trained: DiLoCo's outer ones, else the params."""
@@ -537,7 +550,7 @@ def train_loop(
             if step % cfg.log_every == 0 or last or eval_now or save_now:
                 # Log point: wait for the devices, check and write this window's metrics.
                 with tracer.phase("log"):
-                    fetched = jax.device_get(pending)
+                    fetched = trainer.fetch_metrics(pending)
                     pending.clear()
                     step_time = (time.perf_counter() - window_start) / len(fetched)
                     for offset, m in enumerate(fetched):

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -67,9 +68,9 @@ def split_batch(batch: Any, replicas: int, mesh) -> Any:
     return jax.tree.map(split, batch)
 
 
-def average_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Per-replica step metrics -> one value each (``skipped``: any replica skipped)."""
-    return {k: (jnp.any(v) if k == "skipped" else jnp.mean(v)) for k, v in metrics.items()}
+def average_metrics(metrics: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-replica step metrics (on the host) -> one value each (``skipped``: any replica skipped)."""
+    return {k: (np.any(v) if k == "skipped" else np.mean(v)) for k, v in metrics.items()}
 
 
 def average_delta(stacked_inner: Any, outer: Any, parallel_cfg, param_shardings: Any, mesh) -> Any:
@@ -130,17 +131,23 @@ class SlowLink:
         return self.latency_s * count + sent / self.bytes_per_s, count, sent
 
 
+def wait_for_link(state: Any, seconds: float) -> None:
+    """The simulated link: the collectives finish, then the link's extra time passes."""
+    jax.block_until_ready(state)
+    time.sleep(seconds)
+
+
 class LinkedStep:
     """A compiled step followed by the simulated link's delay (when it crosses the link)."""
 
     def __init__(self, step: Callable, delay_s: float):
         self.step, self.delay_s = step, delay_s
+        self.compiled = step  # what the analysis reads (``as_text``)
 
     def __call__(self, state, batch):
         state, metrics = self.step(state, batch)
         if self.delay_s:
-            jax.block_until_ready(state)
-            time.sleep(self.delay_s)
+            wait_for_link(state, self.delay_s)
         return state, metrics
 
 
@@ -152,6 +159,7 @@ class DiLoCoStep:
     def __init__(self, inner: Callable, outer: Callable, inner_steps: int, start_step: int, link_delay_s: float = 0.0):
         self.inner, self.outer, self.inner_steps = inner, outer, inner_steps
         self.step, self.link_delay_s = start_step, link_delay_s
+        self.compiled = inner  # what the analysis reads; it compiles the outer step itself
 
     def __call__(self, state, batch):
         state, metrics = self.inner(state, batch)
@@ -159,6 +167,5 @@ class DiLoCoStep:
         if self.step % self.inner_steps == 0:
             state = self.outer(state)
             if self.link_delay_s:
-                jax.block_until_ready(state)
-                time.sleep(self.link_delay_s)
+                wait_for_link(state, self.link_delay_s)
         return state, metrics

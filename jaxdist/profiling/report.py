@@ -356,11 +356,14 @@ def predicted(analysis: dict[str, Any], measured: dict[str, float], step_s: floa
     for entry in (analysis.get("collectives") or {}).values():
         if isinstance(entry, dict):
             comm_bytes += float(entry.get("wire_bytes") if entry.get("wire_bytes") is not None else entry.get("bytes") or 0)
+    diloco = analysis.get("diloco") or {}
+    cross_replica = _number(diloco.get("cross_replica_wire_bytes_per_step")) or 0.0
+    comm_bytes += cross_replica  # DiLoCo's outer step, amortised over its H inner steps
     comm_s = comm_bytes / bandwidth
     measured_compute = measured["compute"] + measured["communication_overlapped"]
     measured_comm = measured["communication_exposed"] + measured["communication_overlapped"]
     step_pred = (compute_s or 0.0) + comm_s
-    return {
+    out = {
         "available": True,
         "peak_flops_per_device": peak,
         "flops_per_device": flops,
@@ -380,6 +383,10 @@ def predicted(analysis: dict[str, Any], measured: dict[str, float], step_s: floa
         "step_ratio": _ratio(step_s, step_pred),
         "mfu": model_flops / step_s / peak if peak and model_flops and step_s > 0 else None,
     }
+    if diloco:
+        out["cross_replica_bytes_per_step"] = cross_replica
+        out["diloco_inner_steps"] = diloco.get("inner_steps")
+    return out
 
 
 def _number(value: Any) -> float | None:
