@@ -547,6 +547,15 @@ def format_report(report: dict[str, Any]) -> str:
             "",
             f"pipeline        {p['schedule']}: S={p['stages']} M={p['microbatches']} V={p['virtual_stages']}, {p['ticks']} ticks, bubble {p['bubble']:.1%}",
         ]
+    if "diloco" in report:
+        d = report["diloco"]
+        lines += [
+            "",
+            f"diloco          H={d['inner_steps']}: the step above crosses replica "
+            f"{d['inner_cross_replica_collectives'] or 'never'}{' times' if d['inner_cross_replica_collectives'] else ''}; the outer step sends "
+            f"{_human_bytes(d['outer_cross_replica_wire_bytes'])} ({d['outer_reduce']}) across it every {d['inner_steps']} steps "
+            f"= {_human_bytes(d['cross_replica_wire_bytes_per_step'])} per step",
+        ]
     lines += ["", *(f"note: {n}" for n in report["notes"])]
     return "\n".join(lines)
 

@@ -73,15 +73,17 @@ def test_only_the_outer_step_crosses_the_replica_axis(reduce):
 
 @pytest.mark.heavy
 def test_two_replicas_every_20_steps_train_like_ddp():
-    """The issue's check: tiny, 600 steps, 2 replicas, H=20: final loss within 5% of DDP's,
-    with 1/20 of DDP's gradient all-reduce bytes crossing between the replicas."""
-    common = ("train.lr=3e-3", "train.warmup_steps=20", "train.log_every=50")
-    ddp = _run("data=2", *common, steps=600)
-    dl = _run("replica=2", *common, "parallel.diloco_inner_steps=20", steps=600)
-    final_ddp, final_dl = np.mean(ddp.losses[-2:]), np.mean(dl.losses[-2:])
-    assert final_dl < final_ddp * 1.05, (final_dl, final_ddp)
+    """The issue's check: tiny, 600 steps, 2 replicas, H=20: held-out loss within 5% of
+    DDP's, with 1/20 of DDP's gradient all-reduce bytes crossing between the replicas.
+    Outer momentum 0.5 rather than the paper's 0.9 (tuned for H=500): 30 rounds are
+    too few for heavy momentum (0.9 ends 11% behind DDP here)."""
+    common = ("train.lr=3e-3", "train.warmup_steps=20", "train.log_every=100", "train.eval_every=600", "train.eval_batches=8")
+    outer = ("parallel.diloco_inner_steps=20", "parallel.diloco_outer_lr=0.7", "parallel.diloco_outer_momentum=0.5")
+    ddp = _run("data=2", *common, steps=600).eval_losses[600]
+    dl = _run("replica=2", *common, *outer, steps=600).eval_losses[600]
+    assert dl < ddp * 1.05, (dl, ddp)
     ddp_bytes = _report("data=2")["collectives_by_axes"]["data"]["wire_bytes"]
-    dl_bytes = _report("replica=2", "parallel.diloco_inner_steps=20")["diloco"]["cross_replica_wire_bytes_per_step"]
+    dl_bytes = _report("replica=2", *outer)["diloco"]["cross_replica_wire_bytes_per_step"]
     assert dl_bytes / ddp_bytes == pytest.approx(1 / 20, rel=0.1)
 
 
