@@ -3,6 +3,11 @@ parallelism; the inner program never crosses the replica axis and the outer one 
 once per H steps; 2 replicas x H=20 train about as well as DDP with 1/20 of the
 cross-replica bytes; a run resumed mid-round continues exactly."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -102,3 +107,19 @@ def test_resume_mid_round_is_exact(tmp_path, monkeypatch):
     assert resumed.losses == whole.losses[5:]
     for a, b in ((resumed.state.outer, whole.state.outer), (resumed.state.params, whole.state.params)):
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+
+
+@pytest.mark.heavy
+def test_two_processes_train_like_one(tmp_path):
+    """replica=2 across 2 processes (each replica on its own host, as across regions):
+    the same losses as in one process; metrics are gathered across processes at log points."""
+    overrides = [*TINY, "train.steps=4", "parallel.diloco_inner_steps=2"]
+    reference = _run("replica=2,data=2", "train.steps=4", "parallel.diloco_inner_steps=2", steps=4).losses
+    cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", "2", "--devices-per-proc", "2", "--"]
+    cmd += ["--mesh", "replica=2,data=2", "--run-dir", str(tmp_path / "run"), *overrides, "checkpoint.every_steps=0"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines if "loss" in x]
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
