@@ -24,7 +24,7 @@ FINAL_EXIT_CODES = {EXIT_OK, EXIT_BAD_INPUT, NonFiniteLoss.exit_code, EXIT_PREEM
 MAX_DELAY_S = 300.0
 
 
-def _child_argv(argv: list[str], run_dir: Path) -> list[str]:
+def child_argv(argv: list[str], run_dir: Path) -> list[str]:
     """The same arguments without the supervisor's own, with --run-dir and --resume auto."""
     out, skip = [], False
     for i, arg in enumerate(argv):
@@ -40,14 +40,14 @@ def _child_argv(argv: list[str], run_dir: Path) -> list[str]:
 
 
 def supervise(argv: list[str], run_dir: Path, max_restarts: int, delay: float) -> int:
-    child_argv = _child_argv(argv, run_dir)
+    args = child_argv(argv, run_dir)
     user_resume = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--resume"), None)
     if user_resume is not None:  # honour --resume on the first start only
-        child_argv[-1] = user_resume
+        args[-1] = user_resume
     env = {**os.environ, SUPERVISED_ENV: "1"}
     restarts = 0
     while True:
-        child = subprocess.Popen([sys.executable, "-m", "jaxdist.train", *child_argv], env=env)
+        child = subprocess.Popen([sys.executable, "-m", "jaxdist.train", *args], env=env)
         forwarded: list[int] = []
 
         def forward(signum, frame, child=child, forwarded=forwarded):  # noqa: ARG001
@@ -73,4 +73,4 @@ def supervise(argv: list[str], run_dir: Path, max_restarts: int, delay: float) -
             flush=True,
         )
         time.sleep(wait)
-        child_argv[-1] = "auto"
+        args[-1] = "auto"

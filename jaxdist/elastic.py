@@ -1,0 +1,134 @@
+"""Membership decisions of the elastic launcher, in pure Python (no JAX).
+
+Which process counts a run can use (its mesh, global batch and model fit that many
+devices, exactly as ``jaxdist.train`` will check), what the ``--nproc-file`` says, where
+the run would resume, and the ``RUN_DIR/elastic.jsonl`` record of every change.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from jaxdist.checkpoint import checkpoint_steps
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+from jaxdist.mesh import format_mesh, mesh_device_count, parse_mesh, resolve_mesh, split_across_hosts
+from jaxdist.validate import batch_shards, check_config_on_mesh
+
+
+def mesh_for(config: Config, nproc: int, devices_per_proc: int) -> dict[str, int]:
+    """The mesh ``nproc`` processes would build; raises ``JaxdistError`` if it does not fit."""
+    sizes = parse_mesh(config.parallel.mesh)
+    if sizes is None:
+        raise JaxdistError("--mesh auto cannot be sized ahead: give an elastic run a mesh, e.g. --mesh data=-1")
+    n_devices = nproc * devices_per_proc
+    sizes = resolve_mesh(sizes, n_devices)
+    if mesh_device_count(sizes) != n_devices:  # every process must own part of the mesh
+        raise JaxdistError(f"mesh {format_mesh(sizes)} uses {mesh_device_count(sizes)} devices, not {n_devices}")
+    if nproc > 1:
+        dcn = parse_mesh(config.parallel.dcn_mesh) if config.parallel.dcn_mesh else None
+        split_across_hosts(sizes, nproc, dcn)
+    return sizes
+
+
+def fitting_microbatches(global_batch: int, shards: int, configured: int) -> int | None:
+    """What a resume on ``shards`` batch shards runs (jaxdist.resume keeps the global
+    batch, lowering the microbatches to the largest count that divides it)."""
+    return next((m for m in range(configured, 0, -1) if global_batch % (shards * m) == 0), None)
+
+
+def check_fits(config: Config, nproc: int, devices_per_proc: int, resuming: bool) -> None:
+    """Raise ``JaxdistError`` (one line) unless ``nproc`` processes can run ``config``.
+
+    ``resuming``: the run restarts from a checkpoint, so the microbatches adapt to the mesh.
+    ``model.vocab_size=0`` is not resolved here (that reads the tokenizer); it becomes a
+    multiple of 128, which the tensor check in ``jaxdist.train`` then sees.
+    """
+    sizes = mesh_for(config, nproc, devices_per_proc)
+    if resuming:
+        t = config.train
+        shards = batch_shards(sizes)
+        fitting = fitting_microbatches(t.global_batch, shards, t.microbatches)
+        if fitting is None:
+            raise JaxdistError(f"train.global_batch ({t.global_batch}) does not split over replica x data x fsdp ({shards})")
+        config = copy.deepcopy(config)
+        config.train.microbatches = fitting
+    check_config_on_mesh(config, sizes)
+
+
+def fit_problem(config: Config, nproc: int, devices_per_proc: int, resuming: bool) -> str | None:
+    """Why ``nproc`` processes cannot run ``config``; None when they can."""
+    try:
+        check_fits(config, nproc, devices_per_proc, resuming)
+    except JaxdistError as e:
+        return str(e)
+    return None
+
+
+def largest_usable(config: Config, devices_per_proc: int, low: int, high: int, resuming: bool) -> int | None:
+    """The largest count in [low, high] the run can use, or None."""
+    return next((n for n in range(high, low - 1, -1) if fit_problem(config, n, devices_per_proc, resuming) is None), None)
+
+
+def latest_step(run_dir: Path) -> int | None:
+    steps = checkpoint_steps(run_dir / "checkpoints")
+    return steps[-1] if steps else None
+
+
+@dataclasses.dataclass
+class NprocFile:
+    """The ``--nproc-file``: one integer, the processes available now, written by a
+    scheduler or a person. ``changed()`` reports a new value once per rewrite (a rewrite
+    of the same number counts: it says "that many again")."""
+
+    path: Path
+    _seen: object = "never read"  # the file's (mtime, size, inode) when last read; None: missing
+    _warned: str | None = None
+
+    def read(self) -> int | None:
+        """The value, or None (with one warning per distinct problem) if unusable."""
+        try:
+            text = self.path.read_text().strip()
+            value = int(text)
+            if value < 1:
+                raise ValueError
+        except OSError as e:
+            return self._warn(f"cannot read --nproc-file {self.path} ({e.strerror})")
+        except ValueError:
+            return self._warn(f"--nproc-file {self.path} holds {text[:40]!r}, not a positive integer")
+        self._warned = None
+        return value
+
+    def changed(self) -> int | None:
+        """The value if the file was rewritten since the last call (or is new), else None."""
+        try:
+            stat = self.path.stat()
+            signature = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        except OSError:
+            signature = None
+        if signature == self._seen:
+            return None
+        self._seen = signature
+        return self.read()
+
+    def _warn(self, message: str) -> None:
+        if message != self._warned:
+            print(f"jaxdist.launch: warning: {message}; keeping the current process count", file=sys.stderr, flush=True)
+            self._warned = message
+        return None
+
+
+def record(run_dir: Path, **fields) -> None:
+    """Append one membership change to ``RUN_DIR/elastic.jsonl``."""
+    line = json.dumps({"time": round(time.time(), 3), **fields})
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "elastic.jsonl", "a") as out:
+            out.write(line + "\n")
+    except OSError as e:
+        raise JaxdistError(f"cannot write run directory {run_dir}: {e.strerror}") from None

@@ -1,0 +1,266 @@
+"""The elastic launcher: which process counts a run can use (pure Python), bad input
+(one line, exit 2, nothing started), a run that loses a process and shrinks 4 -> 2 then
+grows back to 4 through --nproc-file with every step's loss unchanged, and a failure
+that leaves fewer than --min-nproc. Every process started here is cleaned up."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import psutil
+import pytest
+
+import jaxdist.launch as launch
+from jaxdist.checkpoint import checkpoint_steps
+from jaxdist.config import load_config
+from jaxdist.elastic import NprocFile, fit_problem, largest_usable
+from jaxdist.mesh import parse_mesh
+from jaxdist.preemption import EXIT_PREEMPTED
+from jaxdist.run import run
+
+from helpers import TINY
+
+pytestmark = pytest.mark.heavy
+
+MESH = "data=-1,tensor=2"  # 2 devices per process: data = nproc; 3 does not divide the batch of 8
+STEPS = 20
+OVERRIDES = (*TINY, "train.global_batch=8", f"train.steps={STEPS}", "checkpoint.every_steps=4")
+
+
+def _config(mesh: str = MESH, *extra: str):
+    return load_config(None, [*OVERRIDES, f"parallel.mesh={mesh}", *extra])
+
+
+# --- which counts fit (no processes) ---
+
+
+def test_largest_usable_count_skips_one_the_batch_cannot_split():
+    config = _config()
+    assert largest_usable(config, 2, 2, 3, resuming=False) == 2  # data=3 does not divide 8
+    assert largest_usable(config, 2, 1, 4, resuming=False) == 4
+    assert largest_usable(config, 2, 3, 3, resuming=False) is None  # min not reachable
+    assert "divisible by replica x data x fsdp (3)" in fit_problem(config, 3, 2, resuming=False)
+
+
+def test_a_mesh_without_a_remaining_axis_fits_only_its_own_size():
+    config = _config("data=2,tensor=2")
+    assert [n for n in range(1, 5) if fit_problem(config, n, 2, resuming=False) is None] == [2]
+    assert largest_usable(config, 2, 3, 4, resuming=False) is None
+    assert "uses 4 devices, not 6" in fit_problem(config, 3, 2, resuming=False)
+
+
+def test_microbatches_adapt_only_when_resuming():
+    config = _config("data=-1", "train.microbatches=4")  # 1 device per process
+    assert fit_problem(config, 4, 1, resuming=False) is not None  # 8 / (4 x 4) does not divide
+    assert fit_problem(config, 4, 1, resuming=True) is None  # resume lowers the microbatches to 2
+    assert fit_problem(config, 16, 1, resuming=True) is not None  # but never below one example per shard
+
+
+def test_nproc_file_reports_each_rewrite_and_warns_once(tmp_path, capsys):
+    path = tmp_path / "nproc"
+    path.write_text("4\n")
+    watched = NprocFile(path)
+    assert watched.changed() == 4
+    assert watched.changed() is None  # not rewritten
+    path.write_text("4\n")
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # a rewrite of the same value counts
+    assert watched.changed() == 4
+    path.write_text("three")
+    assert watched.changed() is None and watched.changed() is None
+    path.write_text("0")
+    assert watched.changed() is None
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert len(warnings) == 2 and "holds 'three', not a positive integer" in warnings[0], warnings
+    assert NprocFile(tmp_path / "missing").changed() is None
+    assert "cannot read --nproc-file" in capsys.readouterr().err
+
+
+def _planned(tmp_path, *flags: str) -> launch.Elastic:
+    argv = ["--nproc", "4", "--min-nproc", "2", "--devices-per-proc", "2", *flags, "--", "--mesh", MESH, *OVERRIDES]
+    return launch.Elastic(launch.elastic_plan(launch.parse_args([*argv, "--run-dir", str(tmp_path / "run")])))
+
+
+def test_each_failure_loses_a_slot_until_min_or_the_restarts_run_out(tmp_path, capsys):
+    killed = launch.Ended("failure", 137, rank=3, raw_code=-signal.SIGKILL)
+    elastic = _planned(tmp_path)
+    assert elastic._next_count(killed, 4) == 2  # 3 cannot split the batch
+    assert elastic._next_count(killed, 2) is None
+    assert capsys.readouterr().err.strip() == (
+        "jaxdist.launch: error: 1 process left, --min-nproc 2 cannot be met; "
+        "the run stopped before its first checkpoint: rerun to start it again"
+    )
+    elastic = _planned(tmp_path, "--max-restarts", "0")
+    assert elastic._next_count(killed, 4) is None
+    assert "rank 3 was killed by SIGKILL and --max-restarts 0 are used up" in capsys.readouterr().err
+
+
+def test_a_save_for_the_file_picks_the_largest_usable_count(tmp_path):
+    elastic = _planned(tmp_path, "--nproc-file", str(tmp_path / "nproc"))
+    saved = launch.Ended("saved", EXIT_PREEMPTED, raw_code=EXIT_PREEMPTED)
+    elastic.capacity = 3
+    assert elastic._next_count(saved, 4) == 2 and elastic.restarts == 0  # asked for: not a restart
+    elastic.capacity = 1
+    assert elastic._next_count(saved, 2) is None
+
+
+# --- bad input: one line, exit 2, nothing started (in-process; starting a process fails the test) ---
+
+BAD = {
+    "min above nproc": (["--nproc", "4", "--min-nproc", "5", "--devices-per-proc", "2"], "--min-nproc must be from 1 to --nproc (4)"),
+    "min zero": (["--nproc", "4", "--min-nproc", "0", "--devices-per-proc", "2"], "--min-nproc must be from 1"),
+    "file without min": (["--nproc", "4", "--nproc-file", "F", "--devices-per-proc", "2"], "need --min-nproc"),
+    "no devices per proc": (["--nproc", "4", "--min-nproc", "2"], "needs --devices-per-proc"),
+    "negative restarts": (
+        ["--nproc", "4", "--min-nproc", "2", "--devices-per-proc", "2", "--max-restarts", "-1"],
+        "--max-restarts must be",
+    ),
+    "first count does not fit": (["--nproc", "3", "--min-nproc", "2", "--devices-per-proc", "2"], "--nproc 3 cannot run this training"),
+    "auto mesh": (["--nproc", "2", "--min-nproc", "1", "--devices-per-proc", "2", "--", "--mesh", "auto"], "--mesh auto cannot be sized"),
+    "bad train args": (["--nproc", "2", "--min-nproc", "1", "--devices-per-proc", "2", "--", "model.n_layer=2"], "unknown config key"),
+}
+
+
+@pytest.fixture
+def no_processes(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the launcher started a process")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", refuse)
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys, no_processes):
+    flags, message = BAD[case]
+    train = flags[flags.index("--") + 1 :] if "--" in flags else []
+    flags = flags[: flags.index("--")] if "--" in flags else flags
+    argv = [*flags, "--", "--mesh", MESH, *OVERRIDES, "--run-dir", str(tmp_path / "run"), *train]
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_file_below_min_at_launch_starts_nothing(tmp_path, capsys, no_processes):
+    (tmp_path / "nproc").write_text("1")
+    argv = ["--nproc", "4", "--min-nproc", "2", "--devices-per-proc", "2", "--nproc-file", str(tmp_path / "nproc")]
+    assert launch.main([*argv, "--", "--mesh", MESH, *OVERRIDES, "--run-dir", str(tmp_path / "run")]) == EXIT_PREEMPTED
+    assert "--nproc-file says 1 process, --min-nproc 2 cannot be met; nothing started" in capsys.readouterr().err
+
+
+# --- real runs on loopback ---
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """One XLA cache for the runs below: the 2-process program compiles once."""
+    return tmp_path_factory.mktemp("xla_cache")
+
+
+@pytest.fixture
+def launched():
+    started: list[subprocess.Popen] = []
+
+    def start(run_dir: Path, nproc: int, *flags: str, cache: Path) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", str(nproc), "--devices-per-proc", "2", *flags]
+        cmd += ["--", "--mesh", MESH, "--run-dir", str(run_dir), *OVERRIDES, f"train.compile_cache={cache}"]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float, what: str) -> float:
+    """Seconds until ``predicate()``; fails if the launcher exits first or time runs out."""
+    start = time.monotonic()
+    while not predicate():
+        assert proc.poll() is None, f"the launcher exited ({proc.returncode}) before: {what}"
+        assert time.monotonic() - start < timeout, f"not within {timeout}s: {what}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def _kill_rank(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    trainers = psutil.Process(launcher.pid).children()
+    (victim,) = [p for p in trainers if p.environ().get("JAXDIST_PROCESS_ID") == str(rank)]
+    victim.kill()
+    return victim
+
+
+def _log(run_dir: Path) -> str:
+    return (run_dir.parent / f"{run_dir.name}.log").read_text()
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+
+
+def _changes(run_dir: Path) -> list[dict]:
+    path = run_dir / "elastic.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_failure_below_min_stops_at_the_last_checkpoint(tmp_path, launched, compile_cache):
+    run_dir = tmp_path / "run"
+    proc = launched(run_dir, 2, "--min-nproc", "2", cache=compile_cache)
+    _wait_for(lambda: checkpoint_steps(run_dir / "checkpoints"), proc, 240, "the first checkpoint")
+    _kill_rank(proc, 1)
+    killed_at = time.monotonic()
+    proc.wait(timeout=30)
+    took = time.monotonic() - killed_at
+    out = _log(run_dir)
+    assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]
+    assert took < 30
+    step = checkpoint_steps(run_dir / "checkpoints")[-1]  # nothing was deleted
+    line = f"jaxdist.launch: error: 1 process left, --min-nproc 2 cannot be met; the run stopped at its last checkpoint (step {step}): rerun to resume"
+    assert line in out.splitlines(), out[-3000:]
+    assert [c["reason"] for c in _changes(run_dir)] == ["start"]
+
+
+def test_shrinks_on_a_failure_and_grows_back_with_the_same_losses(tmp_path, launched, compile_cache):
+    run_dir, nproc_file = tmp_path / "run", tmp_path / "nproc"
+    nproc_file.write_text("4\n")
+    proc = launched(run_dir, 4, "--min-nproc", "2", "--nproc-file", str(nproc_file), cache=compile_cache)
+    _wait_for(lambda: checkpoint_steps(run_dir / "checkpoints"), proc, 240, "the first checkpoint")
+    _kill_rank(proc, 3)
+    _wait_for(lambda: len(_changes(run_dir)) == 2, proc, 60, "the relaunch with 2 processes")
+    logged = len(_metrics(run_dir))
+    _wait_for(lambda: len(_metrics(run_dir)) > logged, proc, 120, "a step by 2 processes")
+    nproc_file.write_text("4\n")  # the same value again: a rewrite means "4 are available now"
+    proc.wait(timeout=240)
+    out = _log(run_dir)
+    assert proc.returncode == 0, out[-3000:]
+
+    start, failure, grow = _changes(run_dir)
+    assert (start["reason"], start["from"], start["to"]) == ("start", None, 4)
+    assert (failure["reason"], failure["from"], failure["to"], failure["failed_rank"]) == ("failure", 4, 2, 3), failure
+    assert failure["exit_code"] == -signal.SIGKILL and failure["mesh"] == "data=2,tensor=2"
+    assert (grow["reason"], grow["from"], grow["to"], grow["exit_code"]) == ("grow", 2, 4, EXIT_PREEMPTED), grow
+    assert 4 <= failure["step"] < grow["step"] < STEPS
+    assert f"jaxdist.launch: elastic: 4 -> 2 processes, resuming at step {failure['step']}" in out
+    assert f"jaxdist.launch: elastic: 2 -> 4 processes, resuming at step {grow['step']}" in out
+    assert f"resumed from step {grow['step']}" in out and f"done at step {STEPS}" in out
+
+    # Every logged step (re-run steps twice) has the uninterrupted run's loss.
+    reference = run(
+        load_config(None, list(OVERRIDES)), parse_mesh("data=4,tensor=2"), None, devices=jax.devices()[:8], progress=False
+    ).losses
+    logged = [(m["step"], m["loss"]) for m in _metrics(run_dir) if "loss" in m]
+    assert {s for s, _ in logged} == set(range(1, STEPS + 1))
+    np.testing.assert_allclose([loss for _, loss in logged], [reference[s - 1] for s, _ in logged], rtol=1e-4)
