@@ -63,7 +63,10 @@ def run_case(name: str, args: argparse.Namespace, runner: Runner) -> dict | None
     shutil.rmtree(run_dir, ignore_errors=True)
     link = [f"parallel.replica_link_latency_ms={args.latency_ms}", f"parallel.replica_link_gbps={args.gbps}"]
     train = ["--mesh", mesh, "--steps", str(args.steps), "--run-dir", str(run_dir), f"train.log_every={args.log_every}"]
-    cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", "4", "--devices-per-proc", "1", "--", *train, *MODEL, *link, *extra]
+    outer = (
+        [f"parallel.diloco_outer_lr={args.outer_lr}", f"parallel.diloco_outer_momentum={args.outer_momentum}"] if "replica" in mesh else []
+    )
+    cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", "4", "--devices-per-proc", "1", "--", *train, *MODEL, *link, *extra, *outer]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     log = args.out / f"{name}.log"
     rc, line = runner.run(cmd, env, log)
@@ -110,8 +113,9 @@ def time_to(result: dict, target: float) -> float | None:
 def table(results: dict, args: argparse.Namespace, info: dict, target: float) -> str:
     lines = [
         f"{host_line(info)}; 4 processes x 1 CPU device (2 regions x 2), link {args.latency_ms:g} ms / {args.gbps:g} Gbit/s "
-        f"(simulated), {args.steps} steps; target loss {target:.3f} (DDP's final + 5%); "
-        f"`python experiments/cross_region.py --steps {args.steps} --latency-ms {args.latency_ms:g} --gbps {args.gbps:g}`",
+        f"(simulated), {args.steps} steps; DiLoCo outer lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}; "
+        f"target loss {target:.3f} (DDP's final + 5%); `python experiments/cross_region.py --steps {args.steps} "
+        f"--latency-ms {args.latency_ms:g} --gbps {args.gbps:g} --outer-lr {args.outer_lr:g} --outer-momentum {args.outer_momentum:g}`",
         "",
         "| case | link bytes / step | vs DDP | link time / step | step time (median) | wall time to target | vs DDP | final loss |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -155,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-ms", type=float, default=50.0)
     p.add_argument("--gbps", type=float, default=1.0)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--outer-lr", type=float, default=0.7, help="parallel.diloco_outer_lr")
+    p.add_argument("--outer-momentum", type=float, default=0.5, help="parallel.diloco_outer_momentum (the paper's 0.9 suits H=500)")
     p.add_argument("--cases", default=",".join(CASES), help="comma list of " + ",".join(CASES))
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", type=Path, default=None, help="run directories and logs (default: a temporary folder)")
