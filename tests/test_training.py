@@ -204,6 +204,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.heavy
 def test_compilation_cache_is_reused_by_the_next_start(tmp_path):
     """A restarted run finds its programs in the persistent cache: ``auto`` keeps it in the
     run directory, and a second start pointed at it adds no entry (every program was a hit)."""
