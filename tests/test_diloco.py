@@ -103,7 +103,7 @@ def _uninterrupted() -> tuple:
     paid: list[float] = []
     real, diloco.wait_for_link = diloco.wait_for_link, lambda state, seconds: paid.append(seconds)
     try:
-        return _run("replica=2,data=2", *ROUND, *LINK, steps=8), paid
+        return _run("replica=2", *ROUND, *LINK, steps=8), paid
     finally:
         diloco.wait_for_link = real
 
@@ -114,8 +114,8 @@ def test_resume_mid_round_is_exact(tmp_path):
     replica link: its delay is paid after each outer step only."""
     whole, paid = _uninterrupted()
     assert len(paid) == 2 and paid[0] == paid[1] > 0.04  # outer steps at 3 and 6; latency + bytes / bandwidth
-    _run("replica=2,data=2", *ROUND, steps=5, run_dir=tmp_path / "run")
-    resumed = _run("replica=2,data=2", *ROUND, steps=8, run_dir=tmp_path / "run")
+    _run("replica=2", *ROUND, steps=5, run_dir=tmp_path / "run")
+    resumed = _run("replica=2", *ROUND, steps=8, run_dir=tmp_path / "run")
     assert resumed.losses == whole.losses[5:]
     for a, b in ((resumed.state.outer, whole.state.outer), (resumed.state.params, whole.state.params)):
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
@@ -126,8 +126,8 @@ def test_two_processes_train_like_one(tmp_path):
     """replica=2 across 2 processes (each replica on its own host, as across regions):
     the same losses as in one process; metrics are gathered across processes at log points."""
     whole, _ = _uninterrupted()
-    cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", "2", "--devices-per-proc", "2", "--"]
-    cmd += ["--mesh", "replica=2,data=2", "--run-dir", str(tmp_path / "run"), *TINY, "train.steps=8", *ROUND, *LINK]
+    cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", "2", "--devices-per-proc", "1", "--"]
+    cmd += ["--mesh", "replica=2", "--run-dir", str(tmp_path / "run"), *TINY, "train.steps=8", *ROUND, *LINK]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
