@@ -97,6 +97,17 @@ def table(results: dict, args: argparse.Namespace, info: dict) -> str:
     return "\n".join(lines)
 
 
+def start_bench(args: argparse.Namespace, prefix: str):
+    """``args.out`` made (a temporary folder when not given: keep the returned handle
+    alive), the host printed; returns (the temporary folder or None, the host info)."""
+    temp = tempfile.TemporaryDirectory(prefix=prefix) if args.out is None else None
+    args.out = Path(temp.name) if temp else args.out
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = hardware_info("cpu")
+    print(f"host: {host_line(info)}; threads: {info['threads']['jaxdist proc']}", flush=True)
+    return temp, info
+
+
 def write_readme(text: str, begin: str = BEGIN, end: str = END) -> None:
     """Put ``text`` between the markers in experiments/README.md (appended the first time)."""
     readme = README.read_text()
@@ -125,11 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < PROFILE_WINDOW[1] + WARMUP:
         p.error(f"--steps must be at least {PROFILE_WINDOW[1] + WARMUP}")
     procs = [int(n) for n in args.procs.split(",")]
-    temp = tempfile.TemporaryDirectory(prefix="compression_bench_") if args.out is None else None
-    args.out = Path(temp.name) if temp else args.out
-    args.out.mkdir(parents=True, exist_ok=True)
-    info = hardware_info("cpu")
-    print(f"host: {host_line(info)}; threads: {info['threads']['jaxdist proc']}", flush=True)
+    temp, info = start_bench(args, "compression_bench_")
 
     runner, runs = Runner(args.timeout), {}
     for repeat in range(args.repeats):

@@ -32,14 +32,13 @@ import re
 import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from compression_bench import write_readme  # noqa: E402
-from scaling import Runner, hardware_info, host_line  # noqa: E402
+from compression_bench import start_bench, write_readme  # noqa: E402
+from scaling import Runner, host_line  # noqa: E402
 
 MODEL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.dtype=float32"]
 MODEL += ["train.seq_len=32", "train.global_batch=16", "data.source=stdlib", "checkpoint.every_steps=0", "train.compile_cache=off"]
@@ -169,11 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if unknown := [c for c in cases if c not in CASES]:
         p.error(f"unknown case(s) {', '.join(unknown)}")
-    temp = tempfile.TemporaryDirectory(prefix="cross_region_") if args.out is None else None
-    args.out = Path(temp.name) if temp else args.out
-    args.out.mkdir(parents=True, exist_ok=True)
-    info = hardware_info("cpu")
-    print(f"host: {host_line(info)}; threads: {info['threads']['jaxdist proc']}", flush=True)
+    temp, info = start_bench(args, "cross_region_")  # the temporary folder lives until main returns
     runner, results = Runner(args.timeout), {}
     for name in cases:
         r = run_case(name, args, runner)
