@@ -171,9 +171,14 @@ class Trainer:
 
     def _reduction_notes(self) -> list[str]:
         plan = self.reduce_plan
-        if plan is None:
-            return []
         lines = []
+        if self.inner_steps and self.microbatches > 1 and self.layout.strategy.zero in ("dp", "zero1"):
+            lines.append(
+                "jaxdist: DiLoCo with train.microbatches > 1: gradients are reduced inside each replica once per microbatch, "
+                "not once per step (the per-device accumulation cannot run under the replica vmap)"
+            )
+        if plan is None:
+            return lines
         if self.layout.strategy.zero == "fsdp":
             lines.append(
                 f"jaxdist: parallel.grad_reduce={plan.mode} with fsdp: parameters are gathered once per step and gradients all-reduced "

@@ -49,6 +49,17 @@ def test_one_inner_step_with_sgd_is_data_parallelism():
         jax.tree.map(lambda a, b, r=r: np.testing.assert_array_equal(a[r], b), replicas, outer)
 
 
+def test_microbatches_under_diloco_say_they_reduce_per_microbatch(capsys):
+    """The weaker path (GSPMD's reduction per microbatch, not DDP's once per step) is said
+    in one line; the run after it trains like the same run without microbatches."""
+    plain = _run("replica=2,data=2", "parallel.diloco_inner_steps=2", steps=3)
+    capsys.readouterr()
+    split = _run("replica=2,data=2", "parallel.diloco_inner_steps=2", "train.microbatches=2", steps=3)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "reduced inside each replica once per microbatch" in x]
+    assert len(lines) == 1, lines
+    np.testing.assert_allclose(split.losses, plain.losses, rtol=1e-5)
+
+
 def _report(mesh: str, *overrides: str) -> dict:
     config = load_config(None, [*TINY, *overrides])
     sizes = parse_mesh(mesh)
