@@ -23,6 +23,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 class ModelConfig:
     kind: str = "llama"  # llama | resnet
     vocab_size: int = 0  # 0: what the data's tokenizer needs, rounded up to a multiple of 128
+    valid_vocab: int = 0  # ids >= this are padding rows (an imported vocab padded to 128): logits -inf, never sampled; 0: all ids
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 8
@@ -30,6 +31,11 @@ class ModelConfig:
     head_dim: int = 0  # 0 -> d_model // n_heads
     mlp_dim: int = 0  # 0 -> SwiGLU width 8/3 * d_model rounded up to a multiple of 64
     rope_theta: float = 10000.0
+    # Llama 3's RoPE frequency scaling (rope_scaling.rope_type "llama3" in Hugging Face configs); factor 0: off
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
@@ -214,21 +220,26 @@ def resolve_config_path(name_or_path: str) -> Path:
 
 def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- YAML preset or file <- ``key=value`` overrides, then validated."""
+    if not name_or_path:
+        return config_from_dict({}, overrides)
+    path = resolve_config_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: expected a mapping at the top level")
+    return config_from_dict({"name": path.stem, **data}, overrides)
+
+
+def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- a mapping (a preset's, or a checkpoint's saved config) <- overrides, validated."""
     config = Config()
-    if name_or_path:
-        path = resolve_config_path(name_or_path)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config {path}: invalid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config {path}: expected a mapping at the top level")
-        config.name = path.stem
-        for key, value in data.items():
-            if key == "name":
-                config.name = str(value)
-            else:
-                _apply(config, key, value)
+    for key, value in data.items():
+        if key == "name":
+            config.name = str(value)
+        else:
+            _apply(config, key, value)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -274,6 +285,15 @@ def validate(config: Config) -> None:
     _require(m.remat in ("none", "full", "save_matmuls"), f"model.remat must be none, full or save_matmuls, got {m.remat!r}")
     _require(m.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0: the whole sequence), got {m.loss_chunk}")
     _require(m.vocab_size >= 0, f"model.vocab_size must be >= 0 (0: from the tokenizer), got {m.vocab_size}")
+    _require(
+        m.valid_vocab == 0 or (m.valid_vocab > 0 and (m.vocab_size == 0 or m.valid_vocab <= m.vocab_size)),
+        f"model.valid_vocab must be 0 (all ids) or in 1..model.vocab_size ({m.vocab_size}), got {m.valid_vocab}",
+    )
+    if m.rope_scaling_factor:
+        _require(
+            m.rope_scaling_factor >= 1 and m.rope_high_freq_factor > m.rope_low_freq_factor > 0 and m.rope_original_max_len > 0,
+            "model.rope_scaling_factor needs factor >= 1, rope_high_freq_factor > rope_low_freq_factor > 0 and rope_original_max_len > 0",
+        )
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads"):
         _require(getattr(m, name) > 0, f"model.{name} must be positive, got {getattr(m, name)}")
     _require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")

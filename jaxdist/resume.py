@@ -93,6 +93,29 @@ def _config_changes(step_dir: Path, config: Config, limit: int = 4) -> str:
     return f" (config changed since: {', '.join(changed[:limit])}{more})"
 
 
+def weights_resume(resume: str, init_from: str | None, log) -> tuple[str, str | None]:
+    """``--resume PATH`` naming a weights-only checkpoint (a converted model) starts from
+    its weights, as ``--init-from PATH`` would; (resume, init_from) to use."""
+    from jaxdist.weights import find_checkpoint, is_weights_only
+
+    if resume in ("auto", "never") or resume.isdigit() or not is_weights_only(find_checkpoint(resume)):
+        return resume, init_from
+    if init_from:
+        raise JaxdistError(f"--resume {resume} holds weights only; give it as --init-from, not with another --init-from {init_from}")
+    log(f"jaxdist: --resume {resume} holds weights only: starting from them at step 0 with a fresh optimizer (as --init-from)")
+    return "auto", resume
+
+
+def initial_weights(trainer, init_from: str, log):
+    """The parameters ``--init-from`` names, read into this run's shardings."""
+    from jaxdist.weights import find_checkpoint, restore_params
+
+    step_dir = find_checkpoint(init_from)
+    params = restore_params(step_dir, trainer.abstract_params())
+    log(f"jaxdist: weights from {step_dir}; optimizer state fresh, starting at step 0")
+    return params
+
+
 def continue_data(batches, restored, config: Config, layout, log):
     """Put the data stream where the checkpoint left it: from the data state saved by
     this process layout, else -- saying so -- by step (batch k is a function of k alone)."""

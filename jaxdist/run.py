@@ -148,11 +148,13 @@ def run(
     progress: bool = True,
     resume: str = "auto",
     print_lines: bool = False,
+    init_from: str | None = None,
 ):
     """Train ``config`` on a mesh until ``train.steps``; returns the loop's result.
 
     With a run directory: checkpoints under it, resumes per ``resume``, and saves and
-    raises ``Preempted`` on SIGTERM / SIGINT.
+    raises ``Preempted`` on SIGTERM / SIGINT. ``init_from``: a checkpoint whose weights
+    start the run (fresh optimizer, step 0) when the run has no checkpoint of its own.
     """
     import jax
 
@@ -161,9 +163,10 @@ def run(
     from jaxdist.mesh import format_mesh
     from jaxdist.metrics import MetricsLogger, peak_flops_per_device
     from jaxdist.preemption import PreemptionWatcher
-    from jaxdist.resume import continue_data, restore_checkpoint
+    from jaxdist.resume import continue_data, initial_weights, restore_checkpoint, weights_resume
     from jaxdist.trainer import LoopHooks, train_loop
 
+    resume, init_from = weights_resume(resume, init_from, warn)
     trainer = build_trainer(config, mesh_sizes, devices)
     task, layout, mesh = trainer.task, trainer.layout, trainer.layout.mesh
     devices = list(mesh.devices.flat)
@@ -187,8 +190,12 @@ def run(
         if run_dir is not None and is_main:  # after the resume check: a rejected config does not overwrite the saved one
             write_config(run_dir, config)
         if restored is None:
-            state = trainer.init_state(t.seed)
+            state = trainer.init_state(t.seed, initial_weights(trainer, init_from, logger.message) if init_from else None)
         else:
+            if init_from:
+                logger.message(
+                    f"jaxdist: --init-from {init_from} is not used: the run resumes from its own checkpoint step {restored.step}"
+                )
             state = restored.state
             batches = continue_data(batches, restored, config, layout, warn)
             saved_mesh = restored.config.get("parallel", {}).get("mesh", "?")

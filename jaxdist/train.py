@@ -2,7 +2,7 @@
 
     python -m jaxdist.train [--config NAME_OR_PATH] [--mesh SPEC] [--steps N]
                             [--run-dir DIR] [--log-every N] [--seed S]
-                            [--resume auto|never|STEP|PATH] [--max-restarts N] [key.sub=value ...]
+                            [--resume auto|never|STEP|PATH] [--init-from CKPT] [--max-restarts N] [key.sub=value ...]
 
 Flags and ``key=value`` overrides mix in any order. Exit codes: 0 done, 2 bad input,
 3 non-finite loss, 4 a checkpoint could not be written, 75 preempted (state saved: run
@@ -30,6 +30,7 @@ def build_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.Argument
     parser.add_argument("--process-id", type=int, default=None, help="this process's rank")
     parser.add_argument("--dist-timeout", type=int, default=300, help="seconds to wait for all processes to join")
     parser.add_argument("--resume", default="auto", help="auto (latest checkpoint in the run dir, if any) | never | STEP | PATH")
+    parser.add_argument("--init-from", default=None, metavar="CKPT", help="start from this checkpoint's weights (fresh optimizer, step 0)")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart a crashed run from its latest checkpoint up to N times")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds before the first restart; doubles each time")
     parser.add_argument("--profile-steps", default=None, metavar="A:B", help="trace steps A..B into RUN_DIR/profile (train.profile_steps)")
@@ -72,7 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sizes = parse_mesh(config.parallel.mesh)
             check_config_on_mesh(config, sizes)
         interactive = sys.stderr.isatty()
-        result = run(config, sizes, run_dir, resume=args.resume, progress=interactive, print_lines=not interactive)
+        result = run(
+            config, sizes, run_dir, resume=args.resume, progress=interactive, print_lines=not interactive, init_from=args.init_from
+        )
     except (JaxdistError, NonFiniteLoss, CheckpointError) as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", EXIT_BAD_INPUT)

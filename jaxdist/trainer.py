@@ -51,6 +51,7 @@ class Trainer:
         self.microbatches = config.train.microbatches
         abstract_model = nnx.eval_shape(lambda: task.make_model(nnx.Rngs(0)))
         self.graphdef, abstract_params = nnx.split(abstract_model)
+        self._abstract_params = abstract_params
         self.tx = make_optimizer(config.train)
         self.schedule = lr_schedule(config.train)
         abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
@@ -129,11 +130,13 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------
 
-    def init_state(self, seed: int) -> TrainState:
-        """Initialise parameters and optimizer state inside ``jit``, straight into their shardings."""
+    def init_state(self, seed: int, params: Any = None) -> TrainState:
+        """A fresh state inside ``jit``, straight into its shardings: parameters initialised
+        from ``seed``, or the given ``params`` (``--init-from``) with a fresh optimizer."""
 
-        def init() -> TrainState:
-            params = nnx.state(self.task.make_model(nnx.Rngs(params=seed)))
+        def init(params) -> TrainState:
+            if params is None:
+                params = nnx.state(self.task.make_model(nnx.Rngs(params=seed)))
             extras = self._extras()
             if self.inner_steps:  # every replica starts from the same parameters
                 replicas = self.layout.mesh.shape[diloco.AXIS]
@@ -143,7 +146,14 @@ class Trainer:
                 return TrainState(jnp.zeros((), jnp.int32), diloco.stack(params, replicas), opt_state, None, scale, outer)
             return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), extras.residual, extras.loss_scale)
 
-        return jax.jit(init, out_shardings=self.state_shardings)()
+        if params is None:
+            return jax.jit(lambda: init(None), out_shardings=self.state_shardings)()
+        return jax.jit(init, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings)(params)
+
+    def abstract_params(self) -> Any:
+        """The model's parameters as they are outside DiLoCo's replica stacking: shapes,
+        dtypes and shardings (what ``--init-from`` reads a checkpoint into)."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self._abstract_params, self.param_shardings)
 
     def _extras(self) -> TrainState:
         """Fresh residuals (zeros) and loss scale; the rest of the state left empty."""

@@ -39,6 +39,13 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         raise NotImplementedError
 
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """Ids of a prompt, with the special tokens the tokenizer adds to one (e.g. a BOS)."""
+        return self.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Ids for each text, in order (libraries with a batch API use their threads)."""
         return [self.encode(t) for t in texts]
@@ -73,6 +80,9 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(IDS_DTYPE)
 
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
     def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         encoded = [t.encode("utf-8") for t in texts]
         lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
@@ -100,6 +110,12 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=IDS_DTYPE)
 
+    def encode_prompt(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text).ids, dtype=IDS_DTYPE)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # _fast: no offsets (tokenizers >= 0.20)
         encodings = encode(list(texts), add_special_tokens=False)
@@ -125,6 +141,13 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._sp.encode(text, out_type=int), dtype=IDS_DTYPE)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        bos = [self._sp.bos_id()] if self._sp.bos_id() >= 0 else []
+        return np.asarray(bos + self._sp.encode(text, out_type=int), dtype=IDS_DTYPE)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(ids, dtype=IDS_DTYPE) for ids in self._sp.encode(list(texts), out_type=int)]

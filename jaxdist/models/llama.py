@@ -14,10 +14,12 @@ backward pass, so the [batch, seq, vocab] fp32 logits never exist at once.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -47,11 +49,31 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding on [batch, seq, heads, head_dim] by absolute token positions [batch, seq]."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions[..., None].astype(jnp.float32) * freqs  # [b, t, half]
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """The head_dim/2 rotary frequencies theta^(-2i/head_dim), float32, with Llama 3's
+    scaling when ``model.rope_scaling_factor`` is set: wavelengths longer than
+    original_max_len / low_freq_factor are stretched by the factor, shorter than
+    original_max_len / high_freq_factor kept, and the band between interpolated."""
+    dim = cfg.resolved_head_dim
+    freqs = (1.0 / cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))).astype(np.float32)
+    factor = cfg.rope_scaling_factor
+    if not factor:
+        return freqs
+    low, high, original = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
+    wavelength = 2 * np.pi / freqs
+    ramp = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)  # 0: long waves (stretched), 1: short (kept)
+    return ((1 - ramp) * freqs / factor + ramp * freqs).astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, freqs) -> jax.Array:
+    """Rotary embedding on [batch, seq, heads, head_dim] by absolute token positions [batch, seq].
+
+    The one place the RoPE layout is decided: dimension i is paired with i + head_dim/2
+    ("rotate half"), the convention of Hugging Face's Llama, so its q_proj / k_proj load
+    as they are (``jaxdist.hf_llama``). Meta's original checkpoints pair 2i with 2i+1
+    (interleaved); Hugging Face's conversion script permutes their rows into this order.
+    """
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(freqs, jnp.float32)  # [b, t, half]
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -73,11 +95,13 @@ class Attention(nnx.Module):
             self.wk = _param(rngs, _fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
             self.wv = _param(rngs, _fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
         self.wo = _param(rngs, _fan_in_init(h * hd), (h, hd, d), ("heads", "head_dim", "embed"), pd)
-        self.rope_theta = cfg.rope_theta
+        self.rope_freqs = tuple(rope_frequencies(cfg).tolist())  # static: a numpy attribute would become NNX state
         self.dtype = dtype
         self.implementation = implementation
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache: tuple | None = None):
+        """Attention output [batch, seq, d_model]; with a ``cache`` (generation, see
+        ``cached_attention``) also the cache with this call's keys and values written."""
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731 - cast fp32 master weights to compute dtype
         if self.fused:
             qkv = constrain(jnp.einsum("btd,dkgh->btkgh", x, w(self.wqkv)), ("batch", "seq", "act_kv_heads", None, None))
@@ -89,10 +113,46 @@ class Attention(nnx.Module):
             q = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wq)), ("batch", "seq", "act_heads", None))
             k = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wk)), ("batch", "seq", "act_kv_heads", None))
             v = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wv)), ("batch", "seq", "act_kv_heads", None))
-        q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
-        out = causal_attention(q, k, v, segment_ids, implementation=self.implementation)
+        q, k = rope(q, positions, self.rope_freqs), rope(k, positions, self.rope_freqs)
+        if cache is None:
+            out = causal_attention(q, k, v, segment_ids, implementation=self.implementation)
+        else:
+            out, cache = cached_attention(q, k, v, cache)
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        return jnp.einsum("bthk,hkd->btd", out, w(self.wo))
+        out = jnp.einsum("bthk,hkd->btd", out, w(self.wo))
+        return out if cache is None else (out, cache)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of every layer, [layers, batch, max_len, kv_heads, head_dim], for
+    generation. The first ``index`` positions are filled; all rows are at the same position."""
+
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array  # int32 scalar: where the next token's key goes
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
+        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: tuple) -> tuple[jax.Array, tuple]:
+    """Attention of ``q`` [b, t, h, hd] at positions index..index+t-1 over one layer of the
+    cache, after writing this call's ``k``, ``v`` there. ``cache`` is (all layers' keys,
+    values, layer, index); only the t new positions are written, so a donated cache is
+    updated in place."""
+    keys, values, layer, index = cache
+    t, max_len = q.shape[1], keys.shape[2]
+    keys = jax.lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), (layer, 0, index, 0, 0))
+    values = jax.lax.dynamic_update_slice(values, v[None].astype(values.dtype), (layer, 0, index, 0, 0))
+    layer_keys = constrain(keys[layer].astype(q.dtype), ("batch", None, "act_kv_heads", None))
+    layer_values = constrain(values[layer].astype(q.dtype), ("batch", None, "act_kv_heads", None))
+    visible = jnp.arange(max_len)[None, :] <= (index + jnp.arange(t))[:, None]  # causal; nothing past the filled part
+    out = jax.nn.dot_product_attention(q, layer_keys, layer_values, mask=visible[None, None], implementation="xla")
+    return out, (keys, values, layer, index)
 
 
 class MLP(nnx.Module):
@@ -130,10 +190,15 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache: tuple | None = None):
+        if cache is None:
+            x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        else:
+            attended, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+            x = x + attended
         x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", "seq", "act_embed"))
+        x = constrain(x, ("batch", "seq", "act_embed"))
+        return x if cache is None else (x, cache)
 
 
 _REMAT_POLICIES = {
@@ -169,6 +234,26 @@ class Llama(nnx.Module):
         targets, weight = self.loss_targets(batch)
         x, aux = self.embed_tokens(batch)
         return self.head_loss(self.head_params(), self.run_layers(*self.layer_stack(), x, aux), targets), weight
+
+    def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Logits [batch, t, vocab] of ``tokens`` [batch, t] placed at positions
+        ``cache.index``.., attending to the cached keys and values before them; returns the
+        cache with these tokens' keys and values added (prefill: t = prompt length; then
+        one token per call)."""
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(cache.index + jnp.arange(t), (b, t))
+        x, _ = self.embed_tokens({"inputs": tokens, "positions": positions})
+        graphdef, stacked = self.layer_stack()
+
+        def layer(carry, xs):
+            h, keys, values = carry
+            params, i = xs
+            h, (keys, values, _, _) = nnx.merge(graphdef, params)(h, positions, None, (keys, values, i, cache.index))
+            return (h, keys, values), None
+
+        depth = jax.tree.leaves(stacked)[0].shape[0]
+        (x, keys, values), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (stacked, jnp.arange(depth)))
+        return self._logits(self.head_params(), x), KVCache(keys, values, cache.index + t)
 
     # -- the parts -------------------------------------------------------------------
 
@@ -264,8 +349,11 @@ class Llama(nnx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
         x = (normed * head["norm"].astype(jnp.float32)).astype(self.dtype)
-        logits = jnp.einsum("btd,dv->btv", x, head["head"].astype(self.dtype))
-        return constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab"))
+        logits = jnp.einsum("btd,dv->btv", x, head["head"].astype(self.dtype)).astype(jnp.float32)
+        valid = self.cfg.valid_vocab
+        if valid and valid < logits.shape[-1]:  # padding rows of an imported vocab: never predicted, never sampled
+            logits = jnp.where(jnp.arange(logits.shape[-1]) < valid, logits, -jnp.inf)
+        return constrain(logits, ("batch", "seq", "act_vocab"))
 
 
 def _cross_entropy_sum(logits: jax.Array, targets: dict[str, jax.Array]) -> jax.Array:

@@ -1,0 +1,329 @@
+"""``python -m jaxdist.convert``: Hugging Face Llama checkpoints in and out.
+
+    python -m jaxdist.convert from-hf HF_DIR OUT     # -> OUT/config.yaml, OUT/checkpoints/0 (weights)
+    python -m jaxdist.convert to-hf CKPT_OR_RUN_DIR OUT [--dtype auto|float32|bfloat16|float16]
+
+``from-hf`` reads ``config.json`` and the ``*.safetensors`` shards (through their index)
+one tensor at a time and writes each parameter straight into its shards (FSDP over the
+local devices), in the source dtype: converting needs about one layer-stacked tensor of
+host memory beyond the output. The tokenizer and the source config are kept in
+``OUT/hf_source`` (the config points ``data.tokenizer`` there), so ``to-hf`` of a run
+fine-tuned from OUT writes them back. Nothing is downloaded. Every check happens before
+OUT is created; a failure while writing removes what was written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, OneLineArgumentParser
+
+SOURCE_DIR = "hf_source"  # OUT/hf_source: the tokenizer files and config.json of the imported model
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+INDEX = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 2 * 2**30
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise JaxdistError(f"{path}: no such file") from None
+    except (OSError, ValueError) as e:
+        raise JaxdistError(f"{path}: unreadable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise JaxdistError(f"{path}: expected a JSON object")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# from-hf
+
+
+class SafetensorsReader:
+    """The tensors of a Hugging Face directory (one file, or shards listed by the index),
+    read one at a time, with a progress bar."""
+
+    def __init__(self, hf_dir: Path, needed: list[str], progress: bool = True):
+        from tqdm import tqdm
+
+        self.files = self._locate(hf_dir, needed)
+        self._open: dict[Path, object] = {}
+        self.bar = tqdm(total=len(needed), desc="from-hf", unit="tensor", disable=not progress, file=sys.stderr)
+
+    @staticmethod
+    def _locate(hf_dir: Path, needed: list[str]) -> dict[str, Path]:
+        from safetensors import safe_open
+
+        index = hf_dir / INDEX
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise JaxdistError(f"{index}: no weight_map")
+            files = {name: hf_dir / file for name, file in weight_map.items()}
+        else:
+            single = sorted(hf_dir.glob("*.safetensors"))
+            if not single:
+                raise JaxdistError(f"{hf_dir}: no *.safetensors files (and no {INDEX})")
+            if len(single) > 1:
+                raise JaxdistError(f"{hf_dir}: {len(single)} safetensors files but no {INDEX} to say which tensor is where")
+            with safe_open(single[0], framework="numpy") as f:
+                files = dict.fromkeys(f.keys(), single[0])
+        missing_files = sorted({p.name for p in files.values() if not p.is_file()})
+        if missing_files:
+            raise JaxdistError(f"{hf_dir}: missing shard(s) {', '.join(missing_files[:3])} listed in {INDEX}")
+        missing = [n for n in needed if n not in files]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise JaxdistError(f"{hf_dir}: tensors missing from the checkpoint: {', '.join(missing[:3])}{more}")
+        return files
+
+    def __call__(self, name: str):
+        from safetensors import safe_open
+
+        path = self.files[name]
+        if path not in self._open:
+            try:
+                self._open[path] = safe_open(path, framework="numpy").__enter__()
+            except Exception as e:  # noqa: BLE001 - a corrupt shard is one line
+                raise JaxdistError(f"{path}: unreadable safetensors file ({e})") from None
+        tensor = self._open[path].get_tensor(name)
+        self.bar.update(1)
+        return tensor
+
+    def close(self) -> None:
+        self.bar.close()
+        for handle in self._open.values():
+            handle.__exit__(None, None, None)
+
+
+def _source_tokenizer(hf_dir: Path) -> str | None:
+    """The tokenizer file to keep (checked to load), or None when the directory has none."""
+    from jaxdist.data.tokenizers import load_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (hf_dir / name).is_file():
+            load_tokenizer(hf_dir / name)  # an unreadable or unknown tokenizer fails here, before OUT exists
+            return name
+    config = hf_dir / "tokenizer_config.json"
+    if config.is_file():
+        kind = _read_json(config).get("tokenizer_class", "?")
+        raise JaxdistError(f"{hf_dir}: tokenizer {kind} has no tokenizer.json or tokenizer.model that jaxdist can read")
+    return None
+
+
+def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Path:
+    """Convert; returns the step directory written."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxdist.config import Config
+    from jaxdist.hf_llama import from_hf as hf_params
+    from jaxdist.hf_llama import hf_tensor_names, model_config_from_hf
+    from jaxdist.mesh import build_mesh, parse_mesh
+    from jaxdist.models.llama import Llama, count_params
+    from jaxdist.sharding import resolve_strategy, rules_for, tree_shardings
+    from jaxdist.weights import save_weights
+
+    if not hf_dir.is_dir():
+        raise JaxdistError(f"{hf_dir}: not a directory")
+    if out.exists() and any(out.iterdir()):
+        raise JaxdistError(f"{out} already exists and is not empty; choose a new output directory")
+    model = model_config_from_hf(_read_json(hf_dir / "config.json"), str(hf_dir / "config.json"))
+    tokenizer = _source_tokenizer(hf_dir)
+    reader = SafetensorsReader(hf_dir, hf_tensor_names(model), progress)
+
+    config = Config(name=hf_dir.name or "hf")
+    config.model = model
+    if tokenizer:
+        config.data.tokenizer = str((out / SOURCE_DIR / tokenizer).absolute())
+    else:
+        log(f"jaxdist: {hf_dir} has no tokenizer: the converted model takes token ids (generate --prompt-ids, data.source=tokens)")
+    devices = jax.devices()
+    sizes = parse_mesh(f"fsdp={len(devices)}")
+    mesh = build_mesh(sizes, devices)
+    abstract = nnx.split(nnx.eval_shape(lambda: Llama(model, rngs=nnx.Rngs(0))))[1]
+    shardings = dict(nnx.to_flat_state(tree_shardings(abstract, rules_for(resolve_strategy("fsdp", sizes)), mesh)))
+    flat = dict(nnx.to_flat_state(abstract))
+    created = not out.exists()
+    try:
+        for path, array in hf_params(model, reader):
+            want = flat[path]
+            if array.shape != want.shape:
+                raise JaxdistError(f"{hf_dir}: {'/'.join(path)} assembles to {array.shape}, the config says {want.shape}")
+            sharding = shardings[path].get_value()
+            value = jax.make_array_from_callback(array.shape, sharding, lambda index, a=array: np.asarray(a[index]))
+            flat[path] = want.replace(value)
+        reader.close()
+        out.mkdir(parents=True, exist_ok=True)
+        if tokenizer or (hf_dir / "config.json").is_file():
+            (out / SOURCE_DIR).mkdir()
+            for name in (*TOKENIZER_FILES, "config.json"):
+                if (hf_dir / name).is_file():
+                    shutil.copy2(hf_dir / name, out / SOURCE_DIR / name)
+        step_dir = save_weights(out, nnx.from_flat_state(flat), config)
+    except BaseException:
+        reader.close()
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    vocab = f"vocab {model.valid_vocab or model.vocab_size}" + (f" (padded to {model.vocab_size})" if model.valid_vocab else "")
+    log(f"jaxdist: converted {hf_dir} -> {step_dir}: {count_params(model) / 1e6:.1f}M params, {vocab}; config {out / 'config.yaml'}")
+    return step_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# to-hf
+
+
+def _source_files(config, step_dir: Path) -> Path | None:
+    """The imported model's ``hf_source`` directory: beside a converted checkpoint, or for a
+    run fine-tuned from one, where its tokenizer path points."""
+    beside = step_dir.parent.parent / SOURCE_DIR
+    if beside.is_dir():
+        return beside
+    folder = Path(config.data.tokenizer).parent if config.data.tokenizer else None
+    return folder if folder is not None and folder.name == SOURCE_DIR and folder.is_dir() else None
+
+
+def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto", log=print) -> Path:
+    """Export the checkpoint's parameters as a Hugging Face Llama directory."""
+    import jax
+    import ml_dtypes
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from safetensors.numpy import save_file
+
+    from jaxdist.hf_llama import hf_config
+    from jaxdist.hf_llama import to_hf as hf_tensors
+    from jaxdist.weights import checkpoint_config, find_checkpoint, param_tree_key
+
+    step_dir = find_checkpoint(checkpoint)
+    config = checkpoint_config(step_dir)
+    if config.model.kind != "llama":
+        raise JaxdistError(f"checkpoint {step_dir}: model.kind {config.model.kind!r} is not a Llama")
+    if out.exists() and any(out.iterdir()):
+        raise JaxdistError(f"{out} already exists and is not empty; choose a new output directory")
+    source = _source_files(config, step_dir)
+    source_config = _read_json(source / "config.json") if source and (source / "config.json").is_file() else {}
+    if dtype == "auto":
+        dtype = str(source_config.get("torch_dtype") or source_config.get("dtype") or "float32")
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(dtype)
+    if np_dtype is None:
+        raise JaxdistError(f"--dtype {dtype!r}: expected float32, bfloat16 or float16")
+
+    metadata = ocp.tree.to_flat_dict(ocp.StandardCheckpointer().metadata(step_dir / "state").item_metadata.tree)
+    prefix = param_tree_key(step_dir)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+
+    def param(path: tuple[str, ...]) -> np.ndarray:  # one stored array, read alone onto the host
+        key = (*prefix, *path, "value")
+        meta = metadata[key]
+        target: dict = jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=device)
+        for part in reversed(key):
+            target = {part: target}
+        restored = ocp.PyTreeCheckpointer().restore(
+            step_dir / "state",
+            args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+            ),
+        )
+        for part in key:
+            restored = restored[part]
+        return np.asarray(restored)
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        shards, current, size, weight_map = [], {}, 0, {}
+
+        def flush() -> None:
+            nonlocal current, size
+            if current:
+                name = f"part-{len(shards) + 1}.safetensors"
+                save_file(current, out / name, metadata={"format": "pt"})
+                shards.append((name, list(current)))
+                current, size = {}, 0
+
+        for name, tensor in hf_tensors(config.model, param):
+            tensor = np.ascontiguousarray(tensor.astype(np_dtype))
+            if size and size + tensor.nbytes > MAX_SHARD_BYTES:
+                flush()
+            current[name], size = tensor, size + tensor.nbytes
+        flush()
+        total_bytes = sum((out / f).stat().st_size for f, _ in shards)
+        for i, (old, names) in enumerate(shards, 1):
+            new = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            (out / old).rename(out / new)
+            weight_map.update(dict.fromkeys(names, new))
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2))
+        extra = {k: v for k, v in source_config.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")}
+        m = config.model
+        longest = max(config.train.seq_len, int(m.rope_original_max_len * m.rope_scaling_factor))  # what the rope scaling was made for
+        hf = hf_config(m, dtype=dtype, max_positions=longest, extra=extra)
+        (out / "config.json").write_text(json.dumps(hf, indent=2))
+        copied = []
+        if source is not None:
+            for name in TOKENIZER_FILES:
+                if (source / name).is_file():
+                    shutil.copy2(source / name, out / name)
+                    copied.append(name)
+        elif config.data.tokenizer and Path(config.data.tokenizer).suffix == ".json" and Path(config.data.tokenizer).is_file():
+            shutil.copy2(config.data.tokenizer, out / "tokenizer.json")
+            copied.append("tokenizer.json")
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    tokenizer = f"tokenizer files: {', '.join(copied)}" if copied else "no tokenizer files (the run had none)"
+    log(f"jaxdist: exported {step_dir} -> {out}: {len(weight_map)} tensors in {len(shards)} file(s), {dtype}; {tokenizer}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = OneLineArgumentParser(prog="python -m jaxdist.convert", description="Convert Llama checkpoints to and from Hugging Face.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineArgumentParser)
+    source = commands.add_parser("from-hf", help="a Hugging Face Llama directory -> a jaxdist weights checkpoint")
+    source.add_argument("hf_dir", type=Path)
+    source.add_argument("out", type=Path)
+    target = commands.add_parser("to-hf", help="a jaxdist checkpoint or run directory -> a Hugging Face directory")
+    target.add_argument("checkpoint", type=Path)
+    target.add_argument("out", type=Path)
+    target.add_argument("--dtype", default="auto", choices=DTYPES, help="tensor dtype (auto: the imported model's, else float32)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    try:
+        args = build_arg_parser().parse_args(argv)
+        if args.command == "from-hf":
+            from_hf(args.hf_dir, args.out, progress=sys.stderr.isatty(), log=log)
+        else:
+            to_hf(args.checkpoint, args.out, dtype=args.dtype, log=log)
+    except JaxdistError as e:
+        print(f"jaxdist: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Weights alone: the parameters of any checkpoint, and checkpoints that hold nothing else.
+
+``jaxdist.convert from-hf`` writes a *weights checkpoint*: an ordinary checkpoint
+directory (``OUT/checkpoints/0``) whose state holds only ``step`` and ``params``, plus
+the config that describes the model. ``--init-from``, ``--resume PATH``, ``generate``,
+``eval`` and ``to-hf`` read the parameters of it or of any training checkpoint (for
+DiLoCo, the outer parameters), straight into the shardings they are given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from jaxdist.checkpoint import checkpoint_steps, saved_config
+from jaxdist.config import Config, config_from_dict
+from jaxdist.errors import JaxdistError
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The step directory ``path`` names: a step directory itself, a checkpoints
+    directory or a run directory (their newest step)."""
+    path = Path(path)
+    if path.name.isdigit() and (path / "state").is_dir():
+        return path
+    for directory in (path / "checkpoints", path):
+        steps = checkpoint_steps(directory)
+        if steps:
+            return directory / str(steps[-1])
+    if not path.exists():
+        raise JaxdistError(f"checkpoint {path}: no such file or directory")
+    raise JaxdistError(f"checkpoint {path}: not a checkpoint, a checkpoints directory or a run directory with checkpoints")
+
+
+def checkpoint_config(step_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config a checkpoint was saved with, with ``key=value`` overrides on top."""
+    saved = saved_config(step_dir)
+    if saved is None:
+        raise JaxdistError(f"checkpoint {step_dir}: its config ({step_dir / 'config'}) is missing or unreadable")
+    return config_from_dict(saved, overrides)
+
+
+def _state_tree(step_dir: Path) -> dict:
+    import orbax.checkpoint as ocp
+
+    try:
+        return ocp.StandardCheckpointer().metadata(step_dir / "state").item_metadata.tree
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is one line
+        raise JaxdistError(
+            f"checkpoint {step_dir}: cannot read its state ({(str(e).splitlines() or [type(e).__name__])[0][:200]})"
+        ) from None
+
+
+def is_weights_only(step_dir: Path) -> bool:
+    """Whether a checkpoint holds parameters without optimizer state (a converted model)."""
+    return "opt_state" not in _state_tree(step_dir)
+
+
+def param_tree_key(step_dir: Path) -> tuple[str, ...]:
+    """Where a checkpoint's model parameters are in its state: ``params``, or for DiLoCo
+    (whose ``params`` are per replica) the outer parameters."""
+    tree = _state_tree(step_dir)
+    return ("outer", "params") if isinstance(tree.get("outer"), dict) and "params" in tree["outer"] else ("params",)
+
+
+def restore_params(step_dir: Path, abstract_params: Any) -> Any:
+    """The parameters of a checkpoint, read into the shapes, dtypes (cast) and shardings of
+    ``abstract_params`` (an ``nnx.State`` of ``jax.ShapeDtypeStruct``); the rest of its
+    state is not read. A DiLoCo checkpoint gives its outer (synchronised) parameters."""
+    import orbax.checkpoint as ocp
+
+    from jaxdist.checkpoint import state_differences
+
+    tree, key = _state_tree(step_dir), param_tree_key(step_dir)
+
+    def nested(leaf: Any) -> dict:
+        for part in reversed(key):
+            leaf = {part: leaf}
+        return leaf
+
+    saved = tree
+    for part in key:
+        saved = saved.get(part, {})
+    target, saved = nested(abstract_params), nested(saved)
+    differences = state_differences(saved, target)
+    if differences:
+        raise JaxdistError(f"checkpoint {step_dir}: its parameters do not fit this model: {'; '.join(differences)}")
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(
+            step_dir / "state", args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+        )
+    except Exception as e:  # noqa: BLE001 - damaged files are one line, nothing is changed
+        raise JaxdistError(
+            f"checkpoint {step_dir}: cannot read its parameters ({(str(e).splitlines() or [type(e).__name__])[0][:200]})"
+        ) from None
+    for part in key:
+        restored = restored[part]
+    return restored
+
+
+def save_weights(run_dir: Path, params: Any, config: Config, step: int = 0) -> Path:
+    """Write ``params`` as a weights checkpoint ``RUN_DIR/checkpoints/STEP`` with its
+    config (and ``RUN_DIR/config.yaml``); returns the step directory."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    import yaml
+
+    directory = (Path(run_dir) / "checkpoints").absolute()
+    handlers = {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(directory, item_handlers=handlers) as manager:
+        state = {"step": jnp.asarray(step, jnp.int32), "params": params}
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())))
+        manager.wait_until_finished()
+    (Path(run_dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    return directory / str(step)
