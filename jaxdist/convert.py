@@ -210,7 +210,7 @@ def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto", log=print) -> Pat
 
     from jaxdist.hf_llama import hf_config
     from jaxdist.hf_llama import to_hf as hf_tensors
-    from jaxdist.weights import checkpoint_config, find_checkpoint, param_tree_key
+    from jaxdist.weights import checkpoint_config, find_checkpoint, param_tree_key, read_arrays, state_tree
 
     step_dir = find_checkpoint(checkpoint)
     config = checkpoint_config(step_dir)
@@ -226,7 +226,7 @@ def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto", log=print) -> Pat
     if np_dtype is None:
         raise JaxdistError(f"--dtype {dtype!r}: expected float32, bfloat16 or float16")
 
-    metadata = ocp.tree.to_flat_dict(ocp.StandardCheckpointer().metadata(step_dir / "state").item_metadata.tree)
+    metadata = ocp.tree.to_flat_dict(state_tree(step_dir))
     prefix = param_tree_key(step_dir)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
 
@@ -236,12 +236,7 @@ def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto", log=print) -> Pat
         target: dict = jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=device)
         for part in reversed(key):
             target = {part: target}
-        restored = ocp.PyTreeCheckpointer().restore(
-            step_dir / "state",
-            args=ocp.args.PyTreeRestore(
-                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-            ),
-        )
+        restored = read_arrays(step_dir, target)
         for part in key:
             restored = restored[part]
         return np.asarray(restored)

@@ -175,6 +175,10 @@ def run(
         mode, _, _ = parse_resume(resume, run_dir / "checkpoints")
         if mode == "never" and checkpoint_steps(run_dir / "checkpoints"):
             raise JaxdistError(f"--resume never: {run_dir} already has checkpoints; choose another --run-dir")
+    if init_from and (run_dir is None or not checkpoint_steps(run_dir / "checkpoints")):
+        from jaxdist.weights import check_params_fit, find_checkpoint
+
+        check_params_fit(find_checkpoint(init_from), trainer.abstract_params())  # before anything is written
 
     is_main = jax.process_index() == 0
     checkpointer = None

@@ -40,11 +40,12 @@ def checkpoint_config(step_dir: Path, overrides: list[str] | tuple[str, ...] = (
     return config_from_dict(saved, overrides)
 
 
-def _state_tree(step_dir: Path) -> dict:
+def state_tree(step_dir: Path) -> dict:
+    """The stored state's tree of array metadata (shapes, dtypes), nothing read."""
     import orbax.checkpoint as ocp
 
     try:
-        return ocp.StandardCheckpointer().metadata(step_dir / "state").item_metadata.tree
+        return ocp.PyTreeCheckpointHandler().metadata(step_dir / "state").tree
     except Exception as e:  # noqa: BLE001 - any unreadable metadata is one line
         raise JaxdistError(
             f"checkpoint {step_dir}: cannot read its state ({(str(e).splitlines() or [type(e).__name__])[0][:200]})"
@@ -53,50 +54,67 @@ def _state_tree(step_dir: Path) -> dict:
 
 def is_weights_only(step_dir: Path) -> bool:
     """Whether a checkpoint holds parameters without optimizer state (a converted model)."""
-    return "opt_state" not in _state_tree(step_dir)
+    return "opt_state" not in state_tree(step_dir)
 
 
 def param_tree_key(step_dir: Path) -> tuple[str, ...]:
     """Where a checkpoint's model parameters are in its state: ``params``, or for DiLoCo
     (whose ``params`` are per replica) the outer parameters."""
-    tree = _state_tree(step_dir)
+    tree = state_tree(step_dir)
     return ("outer", "params") if isinstance(tree.get("outer"), dict) and "params" in tree["outer"] else ("params",)
 
 
-def restore_params(step_dir: Path, abstract_params: Any) -> Any:
-    """The parameters of a checkpoint, read into the shapes, dtypes (cast) and shardings of
-    ``abstract_params`` (an ``nnx.State`` of ``jax.ShapeDtypeStruct``); the rest of its
-    state is not read. A DiLoCo checkpoint gives its outer (synchronised) parameters."""
-    import orbax.checkpoint as ocp
-
+def _params_target(step_dir: Path, abstract_params: Any) -> dict:
+    """The partial-restore target for a checkpoint's parameters; raises when they do not fit."""
     from jaxdist.checkpoint import state_differences
 
-    tree, key = _state_tree(step_dir), param_tree_key(step_dir)
+    saved, key = state_tree(step_dir), param_tree_key(step_dir)
+    for part in key:
+        saved = saved.get(part, {})
 
     def nested(leaf: Any) -> dict:
         for part in reversed(key):
             leaf = {part: leaf}
         return leaf
 
-    saved = tree
-    for part in key:
-        saved = saved.get(part, {})
-    target, saved = nested(abstract_params), nested(saved)
-    differences = state_differences(saved, target)
+    target = nested(abstract_params)
+    differences = state_differences(nested(saved), target)
     if differences:
         raise JaxdistError(f"checkpoint {step_dir}: its parameters do not fit this model: {'; '.join(differences)}")
-    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    return target
+
+
+def check_params_fit(step_dir: Path, abstract_params: Any) -> None:
+    """Raise (one line) unless the checkpoint's parameters fit ``abstract_params``; reads metadata only."""
+    _params_target(step_dir, abstract_params)
+
+
+def restore_params(step_dir: Path, abstract_params: Any) -> Any:
+    """The parameters of a checkpoint, read into the shapes, dtypes (cast) and shardings of
+    ``abstract_params`` (an ``nnx.State`` of ``jax.ShapeDtypeStruct``); the rest of its
+    state is not read. A DiLoCo checkpoint gives its outer (synchronised) parameters."""
+
+    restored = read_arrays(step_dir, _params_target(step_dir, abstract_params))
+    for part in param_tree_key(step_dir):
+        restored = restored[part]
+    return restored
+
+
+def read_arrays(step_dir: Path, target: dict) -> dict:
+    """The arrays of a checkpoint's state that ``target`` (a nested dict of abstract arrays,
+    a subset of the stored tree) names, cast and sharded as it says."""
+    import orbax.checkpoint as ocp
+
+    handler = ocp.PyTreeCheckpointHandler()
     try:
-        restored = ocp.PyTreeCheckpointer().restore(
-            step_dir / "state", args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
-        )
+        args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)
+        return handler.restore(step_dir / "state", args=args)
     except Exception as e:  # noqa: BLE001 - damaged files are one line, nothing is changed
         raise JaxdistError(
             f"checkpoint {step_dir}: cannot read its parameters ({(str(e).splitlines() or [type(e).__name__])[0][:200]})"
         ) from None
-    for part in key:
-        restored = restored[part]
-    return restored
+    finally:
+        handler.close()
 
 
 def save_weights(run_dir: Path, params: Any, config: Config, step: int = 0) -> Path:

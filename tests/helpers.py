@@ -10,7 +10,9 @@ from flax import nnx
 from jaxdist.config import load_config
 from jaxdist.data.pipeline import make_iterator
 from jaxdist.mesh import mesh_device_count, parse_mesh
+from jaxdist.models.llama import Llama
 from jaxdist.run import build_trainer, resolve_vocab, run
+from jaxdist.weights import checkpoint_config, find_checkpoint, restore_params
 
 # A tiny decoder whose heads split 4 ways (tensor=4) and whose batch splits 8 ways.
 TINY = (
@@ -43,3 +45,13 @@ def first_batch_grads(mesh: str, *overrides: str):
     batch = next(make_iterator(config, trainer.layout))
     loss, grads = jax.jit(trainer.loss_and_grads)(state.params, batch)
     return trainer, float(loss), jax.device_get(nnx.to_pure_dict(grads))
+
+
+def load_model(out) -> Llama:
+    """The Llama of a checkpoint (run dir, converted model or step dir) on one device."""
+    step_dir = find_checkpoint(out)
+    cfg = checkpoint_config(step_dir).model
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    return nnx.merge(graphdef, restore_params(step_dir, abstract))

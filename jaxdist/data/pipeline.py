@@ -81,10 +81,10 @@ def split_corpus(corpus: Corpus, config: Config) -> tuple[PackedExamples, Packed
 
 
 def check_vocab(corpus: Corpus, config: Config) -> None:
-    if corpus.max_token_id >= config.model.vocab_size:
-        raise JaxdistError(
-            f"token id {corpus.max_token_id} in {corpus.name} >= model.vocab_size ({config.model.vocab_size}); the tokenizer needs {corpus.vocab_size}"
-        )
+    m = config.model
+    if corpus.max_token_id >= (m.valid_vocab or m.vocab_size):
+        which = f"model.valid_vocab ({m.valid_vocab}; ids above are padding)" if m.valid_vocab else f"model.vocab_size ({m.vocab_size})"
+        raise JaxdistError(f"token id {corpus.max_token_id} in {corpus.name} >= {which}; the tokenizer needs {corpus.vocab_size}")
 
 
 def example_source(config: Config, split: str) -> Any:
@@ -94,7 +94,7 @@ def example_source(config: Config, split: str) -> Any:
         if m.kind == "resnet":
             source = SyntheticImages(m.image_size, m.num_classes, seed=t.seed, split=split)
         else:
-            source = SyntheticTokens(m.vocab_size, t.seq_len, seed=t.seed, split=split)
+            source = SyntheticTokens(m.valid_vocab or m.vocab_size, t.seq_len, seed=t.seed, split=split)
         return SlowReads(source, config.data.synthetic_latency_ms / 1000) if config.data.synthetic_latency_ms else source
     if m.kind == "resnet":
         raise JaxdistError(f"model.kind=resnet trains on data.source=synthetic images, not {config.data.source!r}")

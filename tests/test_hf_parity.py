@@ -1,0 +1,93 @@
+"""Parity with ``transformers``' own PyTorch Llama (needs the ``hf`` extra: torch and
+transformers). CI installs neither; ``tests/test_hf.py`` runs the same checks there against
+``tests/hf_reference.py``, which the first test here holds to ``transformers``."""
+
+from __future__ import annotations
+
+import logging
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import hf_reference as ref  # noqa: E402
+
+from jaxdist import convert  # noqa: E402
+from jaxdist import generate as generate_cli  # noqa: E402
+
+from helpers import TINY, load_model  # noqa: E402
+
+VOCAB = 1000  # not a multiple of 128
+
+
+def build_hf_llama(directory, *, tied: bool):
+    torch.manual_seed(int(tied))
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,  # grouped-query attention
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        max_position_embeddings=2048,
+        initializer_range=0.15,  # far from uniform logits, so greedy choices are clear
+        rope_scaling=dict(ref.LLAMA3_SCALING),
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory, max_shard_size="200KB")  # several shards and an index
+    return model
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    model = build_hf_llama(root / "hf", tied=request.param == "tied")
+    assert convert.main(["from-hf", str(root / "hf"), str(root / "out")]) == 0
+    return model, root
+
+
+def test_logits_match_transformers_on_a_long_prompt(pair):
+    model, root = pair
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 400))
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    got = np.asarray(load_model(root / "out")(jnp.asarray(ids)))[..., :VOCAB]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(ref.logits(*ref.read_llama(root / "hf"), ids), want, atol=1e-4, rtol=0)  # the CI reference
+
+
+def test_greedy_tokens_match_transformers_generate(pair, capsys):
+    model, root = pair
+    prompt = [int(i) for i in np.random.default_rng(1).integers(0, VOCAB, 40)]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+    argv = ["--checkpoint", str(root / "out"), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "32", "--json"]
+    assert generate_cli.main(argv) == 0
+    import json
+
+    assert json.loads(capsys.readouterr().out)["ids"] == want[0, len(prompt) :].tolist()
+
+
+def test_a_jaxdist_trained_run_exports_to_transformers(tmp_path, caplog):
+    from jaxdist.config import load_config
+    from jaxdist.mesh import parse_mesh
+    from jaxdist.run import run
+
+    config = load_config(None, (*TINY, "train.steps=3", "checkpoint.every_steps=3", "model.rope_theta=50000"))
+    run(config, parse_mesh("data=2,tensor=2"), tmp_path / "run", progress=False)
+    assert convert.main(["to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and not info["mismatched_keys"]
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("transformers") and r.levelno >= logging.WARNING]
+    assert not warned, warned
+    ids = np.random.default_rng(2).integers(0, 257, (2, 200))
+    with torch.no_grad():
+        want = model.eval()(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(load_model(tmp_path / "run")(jnp.asarray(ids))), want, atol=1e-4, rtol=0)
