@@ -61,7 +61,6 @@ class SafetensorsReader:
         from tqdm import tqdm
 
         self.files = self._locate(hf_dir, needed)
-        self._open: dict[Path, object] = {}
         self.bar = tqdm(total=len(needed), desc="from-hf", unit="tensor", disable=not progress, file=sys.stderr)
 
     @staticmethod
@@ -95,19 +94,16 @@ class SafetensorsReader:
         from safetensors import safe_open
 
         path = self.files[name]
-        if path not in self._open:
-            try:
-                self._open[path] = safe_open(path, framework="numpy").__enter__()
-            except Exception as e:  # noqa: BLE001 - a corrupt shard is one line
-                raise JaxdistError(f"{path}: unreadable safetensors file ({e})") from None
-        tensor = self._open[path].get_tensor(name)
+        try:  # opened per tensor: an open file's memory-mapped pages would stay resident
+            with safe_open(path, framework="numpy") as f:
+                tensor = f.get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - a corrupt shard is one line
+            raise JaxdistError(f"{path}: unreadable safetensors file ({(str(e).splitlines() or [type(e).__name__])[0][:200]})") from None
         self.bar.update(1)
         return tensor
 
     def close(self) -> None:
         self.bar.close()
-        for handle in self._open.values():
-            handle.__exit__(None, None, None)
 
 
 def _source_tokenizer(hf_dir: Path) -> str | None:
@@ -125,10 +121,41 @@ def _source_tokenizer(hf_dir: Path) -> str | None:
     return None
 
 
+def _to_device(source, want, sharding, name: str, in_place: bool | None = None):
+    """One parameter on the devices, in ``sharding``. On GPUs a layer stack is filled in
+    place one layer at a time (a donated update): the host holds one layer, not the stack."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxdist.hf_llama import Stacked
+
+    if not isinstance(source, Stacked):
+        if source.shape != want.shape:
+            raise JaxdistError(f"{name} is {source.shape}, the config says {want.shape}")
+        return jax.make_array_from_callback(source.shape, sharding, lambda index: np.asarray(source[index]))
+    first = source.layer(0)
+    if (source.layers, *first.shape) != tuple(want.shape):
+        raise JaxdistError(f"{name} stacks to {(source.layers, *first.shape)}, the config says {want.shape}")
+    if in_place is None:
+        in_place = any(device.platform != "cpu" for device in sharding.device_set)
+    if not in_place:
+        # CPU "devices" are host memory, and XLA:CPU copies the whole stack on each update:
+        # one host stack, copied once, costs less there.
+        stack = np.empty(want.shape, first.dtype)
+        for i in range(source.layers):
+            stack[i] = first if i == 0 else source.layer(i)
+        return jax.make_array_from_callback(stack.shape, sharding, lambda index: stack[index])
+    stack = jax.jit(lambda: jnp.zeros(want.shape, first.dtype), out_shardings=sharding)()
+    put = jax.jit(lambda stack, layer, i: stack.at[i].set(layer), donate_argnums=0, out_shardings=sharding)
+    for i in range(source.layers):
+        stack = put(stack, first if i == 0 else source.layer(i), i)
+    return stack
+
+
 def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Path:
     """Convert; returns the step directory written."""
     import jax
-    import numpy as np
     from flax import nnx
 
     from jaxdist.config import Config
@@ -161,13 +188,8 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
     flat = dict(nnx.to_flat_state(abstract))
     created = not out.exists()
     try:
-        for path, array in hf_params(model, reader):
-            want = flat[path]
-            if array.shape != want.shape:
-                raise JaxdistError(f"{hf_dir}: {'/'.join(path)} assembles to {array.shape}, the config says {want.shape}")
-            sharding = shardings[path].get_value()
-            value = jax.make_array_from_callback(array.shape, sharding, lambda index, a=array: np.asarray(a[index]))
-            flat[path] = want.replace(value)
+        for path, source in hf_params(model, reader):
+            flat[path] = flat[path].replace(_to_device(source, flat[path], shardings[path].get_value(), f"{hf_dir}: {'/'.join(path)}"))
         reader.close()
         out.mkdir(parents=True, exist_ok=True)
         if tokenizer or (hf_dir / "config.json").is_file():

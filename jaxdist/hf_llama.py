@@ -18,6 +18,7 @@ Pure numpy; ``jaxdist.convert`` does the reading, sharding and writing. Layouts:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -150,19 +151,22 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
     return x if x.shape[0] == rows else np.concatenate([x, np.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)])
 
 
-def from_hf(cfg: ModelConfig, read: Callable[[str], np.ndarray]) -> Iterator[tuple[Path, np.ndarray]]:
-    """jaxdist's parameters one at a time, each assembled from the Hugging Face tensors
-    ``read(name)`` returns (in their own dtype); layer stacks hold one layer's tensors at a
-    time besides the stack being filled."""
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """A layer-stacked parameter, given one layer at a time (``layer(i)``), so that the
+    whole stack never has to exist on the host besides its destination."""
+
+    layers: int
+    layer: Callable[[int], np.ndarray]
+
+
+def from_hf(cfg: ModelConfig, read: Callable[[str], np.ndarray]) -> Iterator[tuple[Path, np.ndarray | Stacked]]:
+    """jaxdist's parameters one at a time, assembled from the Hugging Face tensors
+    ``read(name)`` returns (in their own dtype); the layer stacks as ``Stacked``."""
     d, h, kv, hd, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.n_layers
 
-    def stacked(one: Callable[[int], np.ndarray]) -> np.ndarray:
-        first = one(0)
-        out = np.empty((L, *first.shape), first.dtype)
-        out[0] = first
-        for i in range(1, L):
-            out[i] = one(i)
-        return out
+    def stacked(one: Callable[[int], np.ndarray]) -> Stacked:
+        return Stacked(L, one)
 
     def q(i: int) -> np.ndarray:
         return read(_layer(i, "self_attn.q_proj.weight")).T.reshape(d, h, hd)

@@ -125,7 +125,8 @@ def save_weights(run_dir: Path, params: Any, config: Config, step: int = 0) -> P
     import yaml
 
     directory = (Path(run_dir) / "checkpoints").absolute()
-    handlers = {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+    # At most ~1 GB of arrays in flight while writing: the host already holds the whole output.
+    handlers = {"state": ocp.StandardCheckpointHandler(save_concurrent_gb=1), "config": ocp.JsonCheckpointHandler()}
     with ocp.CheckpointManager(directory, item_handlers=handlers) as manager:
         state = {"step": jnp.asarray(step, jnp.int32), "params": params}
         manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())))

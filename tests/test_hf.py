@@ -142,6 +142,22 @@ def test_eval_scores_the_held_out_batches(converted, capsys):
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["gpu-path", "cpu-path"])
+def test_layer_stacks_fill_the_same_either_way(in_place):
+    """A layer stack lands in its shards the same whether filled layer by layer on the
+    devices (GPU) or assembled once on the host (CPU)."""
+    from jaxdist.convert import _to_device
+    from jaxdist.hf_llama import Stacked
+
+    layers = [np.random.default_rng(i).standard_normal((16, 4, 8)).astype(np.float32) for i in range(3)]
+    mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices()[:8])
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "a", None, "b"))
+    want = jax.ShapeDtypeStruct((3, 16, 4, 8), np.float32)
+    got = _to_device(Stacked(3, lambda i: layers[i]), want, sharding, "x", in_place=in_place)
+    assert got.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(got), np.stack(layers))
+
+
 def _broken(root: Path, how: str) -> Path:
     """A Hugging Face directory damaged in one way."""
     hf_dir = root / how
