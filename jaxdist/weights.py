@@ -20,7 +20,7 @@ from jaxdist.errors import JaxdistError
 def find_checkpoint(path: str | Path) -> Path:
     """The step directory ``path`` names: a step directory itself, a checkpoints
     directory or a run directory (their newest step)."""
-    path = Path(path)
+    path = Path(path).absolute()  # Orbax wants absolute paths
     if path.name.isdigit() and (path / "state").is_dir():
         return path
     for directory in (path / "checkpoints", path):

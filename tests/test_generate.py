@@ -58,6 +58,24 @@ def test_prompt_text_goes_through_the_tokenizer(checkpoint, capsys):
     assert got["text"] == " ".join(f"w{i - 3}" for i in got["ids"]) and len(got["ids"]) == 4
 
 
+def test_generation_stops_at_the_end_of_text_token(checkpoint, capsys, tmp_path):
+    """With a tokenizer whose end-of-text word is the id greedy decoding reaches third,
+    the output ends before it."""
+    _, out = checkpoint
+    base = ["--checkpoint", str(out), "--prompt-ids", "5,6,7", "--max-new-tokens", "8"]
+    ids = _generate(capsys, *base)["ids"]
+    stop = ids[3]
+    assert stop not in ids[:3] and stop != 2
+    words = ["<unk>", "<s>", "</s>", *(f"w{i}" for i in range(997))]
+    words[2], words[stop] = words[stop], words[2]  # "</s>" (the end-of-text word) now has id `stop`
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert _generate(capsys, *base, f"data.tokenizer={tmp_path / 'tokenizer.json'}")["ids"] == ids[:3]
+
+
 def test_sampling_is_seeded_and_top_p_keeps_the_nucleus(checkpoint, capsys):
     _, out = checkpoint
     base = ["--checkpoint", str(out), "--prompt-ids", "5,6,7", "--max-new-tokens", "16", "--temperature", "1.5"]

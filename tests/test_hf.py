@@ -11,6 +11,7 @@ from pathlib import Path
 
 import hf_reference as ref
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -94,6 +95,35 @@ def test_resume_from_a_weights_checkpoint_starts_from_its_weights(converted, tmp
     assert f"--resume {out} holds weights only: starting from them at step 0 with a fresh optimizer" in capsys.readouterr().err
 
 
+def test_to_hf_shards_and_casts(converted, tmp_path, monkeypatch):
+    hf_dir, out = converted["untied"]
+    monkeypatch.setattr(convert, "MAX_SHARD_BYTES", 100_000)
+    assert convert.main(["to-hf", str(out), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    files = set(json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(files) > 2 and files == {p.name for p in (tmp_path / "bf16").glob("*.safetensors")}
+    config, tensors = ref.read_llama(hf_dir)
+    back_config, back = ref.read_llama(tmp_path / "bf16")
+    assert back_config["torch_dtype"] == "bfloat16"
+    for name, tensor in tensors.items():
+        np.testing.assert_array_equal(back[name], tensor.astype(ml_dtypes.bfloat16), err_msg=name)
+
+
+def test_diloco_checkpoints_give_their_outer_weights(tmp_path):
+    """A DiLoCo state holds per-replica params and the outer (synchronised) ones: weights
+    readers take the outer."""
+    import orbax.checkpoint as ocp
+
+    from jaxdist.weights import restore_params
+
+    outer, replicas = np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros((2, 2, 3), np.float32)
+    state = {"step": np.int32(4), "params": {"w": {"value": replicas}}, "outer": {"params": {"w": {"value": outer}}, "opt_state": {}}}
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "7" / "state", state)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    got = restore_params(tmp_path / "7", {"w": {"value": jax.ShapeDtypeStruct((2, 3), np.float32, sharding=device)}})
+    np.testing.assert_array_equal(np.asarray(got["w"]["value"]), outer)
+
+
 def test_init_from_on_three_axes_starts_at_the_converted_loss(converted, tmp_path, capsys):
     """Fine-tuning on data=2,fsdp=2,tensor=2 from the converted weights: the first step's
     loss is the Hugging Face model's on that batch; the run then resumes as its own."""
@@ -165,6 +195,8 @@ def _broken(root: Path, how: str) -> Path:
     config = json.loads((hf_dir / "config.json").read_text())
     if how == "not llama":
         config["model_type"] = "mistral"
+    elif how == "biases":
+        config["attention_bias"] = True
     elif how == "yarn rope":
         config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     elif how == "missing shard":
@@ -184,6 +216,7 @@ def _broken(root: Path, how: str) -> Path:
 BAD_SOURCES = {
     "not llama": "model_type 'mistral' is not a Llama checkpoint",
     "yarn rope": "rope_scaling type 'yarn' is not supported",
+    "biases": "attention_bias is true: jaxdist's Llama has no biases",
     "missing shard": "missing shard(s) model-00002-of-00002.safetensors",
     "missing tensor": "tensors missing from the checkpoint: model.layers.0.mlp.up_proj.weight",
     "unreadable tokenizer": "invalid tokenizer file",
