@@ -27,6 +27,9 @@ _PALLAS_BLOCK = 128
 _PALLAS_MIN_DIM = 16
 
 
+SCOPE = "attention"  # the name scope of the score computation in HLO metadata (jaxdist.plan prices it)
+
+
 def causal_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *, implementation: str, max_segments: int | None = None
 ) -> jax.Array:
@@ -36,9 +39,14 @@ def causal_attention(
     non-decreasing along each row. Returns [B, T, H, D] in q's dtype. ``max_segments`` is only
     used by ``cudnn`` with segment ids (see ``default_max_segments``).
     """
+    with jax.named_scope(SCOPE):
+        return _causal_attention(q, k, v, segment_ids, implementation=implementation, max_segments=max_segments)
+
+
+def _causal_attention(q, k, v, segment_ids, *, implementation: str, max_segments: int | None) -> jax.Array:
     if implementation == "xla_fp32":  # float16 on CPU (see choose_implementation)
         up = lambda x: x.astype(jnp.float32)  # noqa: E731
-        return causal_attention(up(q), up(k), up(v), segment_ids, implementation="xla").astype(q.dtype)
+        return _causal_attention(up(q), up(k), up(v), segment_ids, implementation="xla", max_segments=None).astype(q.dtype)
     if implementation == "xla":
         mask = None if segment_ids is None else document_causal_mask(segment_ids)
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=segment_ids is None, implementation="xla")

@@ -1,0 +1,202 @@
+"""``python -m jaxdist.plan``: rank the layouts of a training job on N GPUs by predicted step time.
+
+    python -m jaxdist.plan --config llama3-8b --gpus 8 --hardware h100 [--gpus-per-node 8]
+        [--global-batch B] [--top K] [--time-budget S] [--max-compiles K] [--json] [key=value ...]
+
+Every (data, fsdp, tensor, pipe) x microbatches x remat layout jaxdist accepts is screened
+(memory must fit with 10% headroom; a rough time orders them), then the best are compiled
+against N fake CPU devices, best first, until ``--time-budget`` seconds or
+``--max-compiles`` compiles; each compiled step is priced by ``jaxdist.plan.cost`` on the
+hardware profile. Compiles are cached, so a rerun is fast. ``--json`` prints
+``{"candidates": [...]}`` best first, each with ``mesh``, ``microbatches``, ``remat``,
+``step_time_s``, ``tokens_per_sec_per_device``, ``mfu``, ``memory_per_device_bytes`` and
+``bound``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, OneLineArgumentParser
+
+GIB = 2**30
+
+
+def build_arg_parser():
+    parser = OneLineArgumentParser(prog="python -m jaxdist.plan", description="Rank training layouts by predicted step time.")
+    parser.add_argument("--config", default=None, help="preset or YAML (default: the built-in tiny model)")
+    parser.add_argument("--gpus", type=int, required=True, help="devices to plan for")
+    parser.add_argument("--hardware", required=True, help="h100 | h200 | a100 | h100-hbm2e | cpu-local")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's)")
+    parser.add_argument("--global-batch", type=int, default=None, help="train.global_batch (sequences per step)")
+    parser.add_argument("--top", type=int, default=5, help="candidates to print")
+    parser.add_argument("--time-budget", type=float, default=300.0, help="seconds of compiling, at most")
+    parser.add_argument("--max-compiles", type=int, default=12, help="layouts to compile, at most")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    return parser
+
+
+def plan(args, log=print) -> dict:
+    from jaxdist.config import load_config
+    from jaxdist.models.llama import count_params
+    from jaxdist.plan.hardware import load_hardware
+    from jaxdist.plan.search import HEADROOM, enumerate_candidates, estimated_memory, estimated_time
+
+    if args.gpus < 1:
+        raise JaxdistError(f"--gpus must be >= 1, got {args.gpus}")
+    overrides = list(args.overrides)
+    if args.global_batch is not None:
+        overrides.append(f"train.global_batch={args.global_batch}")
+    hardware = load_hardware(args.hardware, gpus_per_node=args.gpus_per_node)
+    overrides.append(f"model.dtype={'float32' if hardware.shared_host else 'bfloat16'}")  # what the device computes in
+    overrides.append("data.source=synthetic")  # a plan reads no data
+    config = load_config(args.config, overrides)
+    if config.model.kind != "llama":
+        raise JaxdistError("the planner prices language models (model.kind=llama)")
+    if config.model.vocab_size == 0:
+        config.model.vocab_size = 128 * 256  # the tokenizer decides at run time; a 32K vocab for planning
+    n_params = count_params(config.model)
+    per_node = min(hardware.gpus_per_node, args.gpus)
+    candidates = enumerate_candidates(config, args.gpus, per_node)
+    if not candidates:
+        raise JaxdistError(
+            f"no layout of {config.name} uses {args.gpus} GPUs: data x fsdp must divide the global batch "
+            f"({config.train.global_batch}), tensor the heads ({config.model.n_heads}/{config.model.n_kv_heads}) within a node "
+            f"({per_node}), pipe the layers ({config.model.n_layers})"
+        )
+    budget = HEADROOM * hardware.memory_bytes
+    screened = [(c, estimated_memory(config, c, n_params, hardware.fused_attention)) for c in candidates]
+    fitting = [(c, m) for c, m in screened if m <= budget]
+    if not fitting:
+        smallest, need = min(screened, key=lambda cm: cm[1])
+        raise JaxdistError(
+            f"{config.name} fits no layout on {args.gpus} x {hardware.name}: the smallest ({smallest.label()}) needs "
+            f"{need / GIB:.1f} GiB per device, {budget / GIB:.1f} GiB usable; use more GPUs or a smaller train.global_batch"
+        )
+    fitting.sort(key=lambda cm: estimated_time(config, cm[0], n_params, hardware.matmul_flops_per_s))
+    return _price(config, fitting, hardware, args, log)
+
+
+def _price(config, fitting, hardware, args, log) -> dict:
+    from tqdm import tqdm
+
+    from jaxdist.plan.cost import predict
+    from jaxdist.plan.hlo_cost import ProgramCost
+    from jaxdist.plan.search import HEADROOM, compile_summary, configured
+
+    start, priced, skipped = time.monotonic(), [], 0
+    todo = fitting[: args.max_compiles]
+    bar = tqdm(todo, desc="compiling layouts", unit="layout", file=sys.stderr, disable=not sys.stderr.isatty())
+    for candidate, estimate in bar:
+        if time.monotonic() - start > args.time_budget:
+            skipped += 1
+            continue
+        bar.set_postfix_str(candidate.label())
+        summary, cached = compile_summary(configured(config, candidate))
+        program = ProgramCost.from_dict(summary["program"])
+        p = predict(
+            program,
+            hardware,
+            summary["mesh"],
+            model_flops_per_step=summary["model_flops_per_step"],
+            tokens_per_step=summary["tokens_per_step"],
+            bubble=summary["bubble"],
+        )
+        states = summary["memory"]["arguments"]
+        if hardware.fused_attention:  # XLA:CPU's temp holds unfused attention scores: states + activation estimate
+            memory, source = (
+                states + max(estimate - _states_estimate(config, candidate, summary["params"]), 0.0),
+                "states compiled + activations estimated",
+            )
+        else:
+            memory, source = summary["memory"]["total"], "compiled"
+        priced.append(
+            {
+                "mesh": candidate.mesh_spec,
+                "microbatches": candidate.microbatches,
+                "remat": candidate.remat,
+                **p.to_dict(),
+                "memory_per_device_bytes": int(memory),
+                "memory_source": source,
+                "fits": memory <= HEADROOM * hardware.memory_bytes,
+                "cached": cached,
+            }
+        )
+    bar.close()
+    ranked = sorted((c for c in priced if c["fits"]), key=lambda c: c["step_time_s"])
+    return {
+        "config": config.name,
+        "gpus": args.gpus,
+        "hardware": hardware.key,
+        "hardware_name": hardware.name,
+        "gpus_per_node": min(hardware.gpus_per_node, args.gpus),
+        "global_batch": config.train.global_batch,
+        "seq_len": config.train.seq_len,
+        "layouts": {"valid": None, "fitting_estimate": len(fitting), "compiled": len(priced), "over_budget": skipped},
+        "candidates": ranked,
+        "did_not_fit": [c for c in priced if not c["fits"]],
+    }
+
+
+def _states_estimate(config, candidate, n_params: int) -> float:
+    from jaxdist.plan.search import STATE_BYTES_PER_PARAM
+
+    sizes = candidate.sizes
+    return STATE_BYTES_PER_PARAM * n_params / (sizes["fsdp"] * sizes["tensor"] * sizes["pipe"])
+
+
+def format_table(result: dict, top: int) -> str:
+    lines = [
+        f"{result['config']} on {result['gpus']} x {result['hardware_name']} ({result['gpus_per_node']} per node), "
+        f"global batch {result['global_batch']} x {result['seq_len']} tokens; "
+        f"{result['layouts']['compiled']} of {result['layouts']['fitting_estimate']} screened layouts compiled",
+        f"{'#':>2}  {'mesh':<34} {'mb':>3} {'remat':<13} {'step s':>8} {'tok/s/dev':>10} {'MFU':>6} {'mem GiB':>8}  bound",
+    ]
+    for i, c in enumerate(result["candidates"][:top], 1):
+        lines.append(
+            f"{i:>2}  {c['mesh']:<34} {c['microbatches']:>3} {c['remat']:<13} {c['step_time_s']:>8.3f} "
+            f"{c['tokens_per_sec_per_device']:>10,.0f} {c['mfu']:>6.1%} {c['memory_per_device_bytes'] / GIB:>8.1f}  {c['bound']}"
+        )
+    if not result["candidates"]:
+        lines.append("no compiled layout fits (see --json's did_not_fit)")
+    return "\n".join(lines)
+
+
+def fake_cpu_devices(n: int) -> None:
+    """N CPU devices to compile against, also on a GPU machine (before JAX starts; once
+    it has started, the compile says when there are too few)."""
+    import os
+    import re
+
+    from jaxdist.mesh import _backend_started
+
+    if "jax" in sys.modules and _backend_started():
+        return
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(n, 1)}".strip()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from jaxdist.cli import parse_args
+
+    try:
+        args = parse_args(build_arg_parser(), argv)
+        if args.gpus >= 1:
+            fake_cpu_devices(args.gpus)
+        result = plan(args, log=lambda m: print(m, file=sys.stderr))
+    except JaxdistError as e:
+        print(f"jaxdist: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_table(result, args.top))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Step time from a compiled program and a hardware profile.
+
+    compute    = matmul_flops / (peak x matmul_efficiency) + memory_bytes / (HBM x memory_efficiency)
+                 on a GPU: attention's FLOPs halved (causal flash skips masked blocks), its score
+                 traffic and XLA:CPU's f32 conversion copies left out (see hlo_cost)
+    collective = ring steps x link latency + wire bytes / (link bandwidth x link efficiency)
+                 on the link its groups cross: within a node, or across nodes when any mesh
+                 axis they span is split over nodes (data first, then fsdp, as jaxdist's
+                 hybrid mesh does)
+    exposed    = collectives on the critical path (tensor-parallel activations, pipeline
+                 sends, everything outside the layer loop)
+                 + max(0, the loop's other collectives - overlap x compute)
+    step       = compute + exposed
+
+A pipeline's bubble is already in the compiled program (every stage runs every tick); its
+share of the step is the schedule's bubble fraction. ``shared_host`` profiles (cpu-local)
+run all devices on one host's cores, so their compute adds up. Ring steps: all-reduce
+2(n-1), all-gather / reduce-scatter / all-to-all n-1, a permute 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxdist.analyze import CollectiveOp
+from jaxdist.plan.hardware import Hardware, Link
+from jaxdist.plan.hlo_cost import ProgramCost
+
+CAUSAL_SKIP = 0.5  # share of attention FLOPs a causal flash kernel skips (whole blocks above the diagonal)
+CRITICAL_AXES = ("tensor", "pipe")  # their collectives feed the next op: nothing to hide them behind
+
+
+def ring_steps(kind: str, n: int) -> int:
+    if n <= 1:
+        return 0
+    return {"all-reduce": 2 * (n - 1), "collective-permute": 1}.get(kind, n - 1)
+
+
+def collective_time(kind: str, wire_bytes: float, group_size: int, link: Link) -> float:
+    """One execution's time on ``link``."""
+    return ring_steps(kind, group_size) * link.latency + wire_bytes / (link.bandwidth * link.efficiency)
+
+
+def node_split(mesh_shape: dict[str, int], devices_per_node: int) -> dict[str, int]:
+    """How many nodes each mesh axis spans (jaxdist's hybrid mesh: data crosses first, then fsdp)."""
+    from jaxdist.mesh import MESH_AXES, split_across_hosts
+
+    devices = math.prod(mesh_shape.values())
+    nodes = max(1, devices // devices_per_node) if devices > devices_per_node else 1
+    sizes = {a: mesh_shape.get(a, 1) for a in MESH_AXES}
+    return split_across_hosts(sizes, nodes)[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    step_time_s: float
+    compute_s: float
+    matmul_s: float
+    memory_s: float
+    comm_s: float  # every collective, hidden or not
+    comm_exposed_s: float
+    bubble_s: float
+    bound: str  # compute | communication | bubble
+    mfu: float
+    tokens_per_sec_per_device: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def predict(
+    cost: ProgramCost,
+    hardware: Hardware,
+    mesh_shape: dict[str, int],
+    *,
+    model_flops_per_step: float,
+    tokens_per_step: float,
+    bubble: float = 0.0,
+) -> Prediction:
+    devices = math.prod(mesh_shape.values())
+    share = devices if hardware.shared_host else 1
+    flops = cost.matmul_flops
+    if hardware.fused_attention:  # a causal flash kernel skips the masked half of the scores
+        flops -= CAUSAL_SKIP * cost.attention_flops
+    matmul_s = share * flops / hardware.matmul_flops_per_s
+    memory = cost.memory_bytes
+    if not hardware.shared_host:  # a GPU: flash attention keeps the scores on chip; bf16 GEMMs need no f32 copies
+        memory -= (cost.score_bytes if hardware.fused_attention else 0.0) + cost.layout_bytes
+    memory_s = share * memory / (hardware.memory_bandwidth * hardware.memory_efficiency)
+    compute = matmul_s + memory_s
+    crossing = node_split(mesh_shape, hardware.gpus_per_node)
+    critical = hideable = 0.0
+    for op in cost.collectives:
+        t = op.executions * _op_time(op, hardware, crossing)
+        if cost.in_loop(op) and not set(op.axes or ()) & set(CRITICAL_AXES):
+            hideable += t
+        else:
+            critical += t
+    exposed = critical + max(0.0, hideable - hardware.overlap * compute)
+    step = compute + exposed
+    bubble_s = compute * bubble  # the ticks where a stage computes nothing useful
+    parts = {"compute": compute - bubble_s, "communication": exposed, "bubble": bubble_s}
+    return Prediction(
+        step_time_s=step,
+        compute_s=compute,
+        matmul_s=matmul_s,
+        memory_s=memory_s,
+        comm_s=critical + hideable,
+        comm_exposed_s=exposed,
+        bubble_s=bubble_s,
+        bound=max(parts, key=parts.get),
+        mfu=model_flops_per_step / (step * devices * hardware.peak_flops) if step else 0.0,
+        tokens_per_sec_per_device=tokens_per_step / (step * devices) if step else 0.0,
+    )
+
+
+def _op_time(op: CollectiveOp, hardware: Hardware, nodes_per_axis: dict[str, int]) -> float:
+    across = any(nodes_per_axis.get(axis, 1) > 1 for axis in op.axes or ())
+    link = hardware.inter_node if across else hardware.intra_node
+    return collective_time(op.kind, op.wire_bytes or 0, op.group_size or 1, link)

@@ -1,0 +1,118 @@
+"""Hardware profiles: the data files in ``jaxdist/plan/hardware/`` and ``cpu-local``.
+
+A profile says what one device sustains (matmul FLOP/s, memory bandwidth), the links a
+collective can cross (within a node, across nodes) and two scheduling facts (fused
+attention, how much of a loop's compute can hide its collectives). The GPU profiles are
+vendors' datasheet figures with the efficiency factors their files explain; ``cpu-local``
+is this host, measured on the spot (``jaxdist.plan.measure``): its "devices" are fake CPU
+devices or processes that share the host's cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from jaxdist.errors import JaxdistError
+
+PROFILE_DIR = Path(__file__).parent / "hardware"
+CPU_LOCAL = "cpu-local"
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s one device sends, each direction
+    latency: float  # seconds per step of a ring
+    efficiency: float = 1.0  # sustained / nominal bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    key: str
+    name: str
+    peak_flops: float  # per device, the MFU denominator
+    matmul_efficiency: float  # sustained matmul FLOP/s / peak
+    memory_bytes: float
+    memory_bandwidth: float
+    memory_efficiency: float
+    gpus_per_node: int
+    intra_node: Link
+    inter_node: Link
+    fused_attention: bool
+    overlap: float  # share of a loop's compute that can hide the loop's collectives
+    shared_host: bool = False  # cpu-local: the devices share one host's cores
+    sources: tuple[str, ...] = ()
+
+    @property
+    def matmul_flops_per_s(self) -> float:
+        return self.peak_flops * self.matmul_efficiency
+
+
+def profiles() -> list[str]:
+    return sorted([*(p.stem for p in PROFILE_DIR.glob("*.yaml")), CPU_LOCAL])
+
+
+def load_hardware(key: str, *, gpus_per_node: int | None = None) -> Hardware:
+    """The profile called ``key`` (``h100``, ``h200``, ``a100``, ``h100-hbm2e``, ``cpu-local``)."""
+    if key == CPU_LOCAL:
+        hardware = cpu_local()
+    else:
+        path = PROFILE_DIR / f"{key}.yaml"
+        if not path.is_file():
+            raise JaxdistError(f"unknown hardware {key!r} (profiles: {', '.join(profiles())})")
+        data = yaml.safe_load(path.read_text())
+
+        def numbers(d: dict) -> dict:  # YAML 1.1 reads "80.0e9" as a string
+            return {k: (float(v) if isinstance(v, str) and k not in ("name",) else v) for k, v in d.items()}
+
+        data = numbers({k: v for k, v in data.items() if k != "sources"}) | {"sources": data.get("sources", ())}
+        data["intra_node"], data["inter_node"] = Link(**numbers(data["intra_node"])), Link(**numbers(data["inter_node"]))
+        data["sources"] = tuple(data.get("sources", ()))
+        hardware = Hardware(key=key, **data)
+    if gpus_per_node is not None:
+        if gpus_per_node < 1:
+            raise JaxdistError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+        hardware = dataclasses.replace(hardware, gpus_per_node=gpus_per_node)
+    return hardware
+
+
+def cpu_local(profile: dict | None = None) -> Hardware:
+    """This host as a profile: fp32 (XLA:CPU's compute dtype), its measured matmul rate and
+    memory bandwidth, fake devices (one process) as the "node" and gloo between processes
+    as the link across nodes. No fused attention and no overlap on XLA:CPU."""
+    if profile is None:
+        from jaxdist.plan.measure import load_or_measure
+
+        profile = load_or_measure()
+
+    def link(prefix: str) -> Link:  # the fit is per all-reduce of 2 devices: 2 ring steps
+        return Link(profile[f"{prefix}bytes_per_s"], profile[f"{prefix}latency_s"] / 2)
+
+    return Hardware(
+        key=CPU_LOCAL,
+        name=f"this host ({profile.get('host', '?')})",
+        peak_flops=profile["matmul_flops_per_s"],
+        matmul_efficiency=1.0,
+        memory_bytes=_host_memory(),
+        memory_bandwidth=profile["memory_bytes_per_s"],
+        memory_efficiency=1.0,
+        gpus_per_node=1 << 30,  # one process holds all its fake devices; set per run
+        intra_node=link("fake_device_collective_"),
+        inter_node=link("collective_"),
+        fused_attention=False,
+        overlap=0.0,
+        shared_host=True,
+        sources=(f"measured {profile.get('measured_at', '?')} by python -m jaxdist.plan.measure",),
+    )
+
+
+def _host_memory() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16e9

@@ -1,0 +1,267 @@
+"""What one device's compiled step does, per op class, read from its optimized HLO.
+
+XLA's own ``cost_analysis()`` counts each loop body once, and a layer scan runs its body
+once per layer; here every count is multiplied by the trip counts of the loops around it
+(``jaxdist.analyze.computation_multipliers``):
+
+- ``matmul_flops``: 2 x result elements x contracted size of every ``dot`` (fused or not);
+  ``attention_flops`` the part inside attention (XLA computes every [seq, seq] score).
+- ``memory_bytes``: bytes read and written by every other top-level op (fusions, copies,
+  slices, reductions), the memory-bound work. A fusion reads its operands and writes its
+  result, except that an operand only sliced inside reads just the slices, and a result
+  updated in place (``dynamic-update-slice`` root: a scan writing one layer of a stacked
+  buffer) writes just the update.
+- ``layout_bytes``: the part outside attention spent in pure dtype and layout copies
+  (fusions of converts, transposes, copies): XLA:CPU computes bf16 dots in f32 and
+  converts every weight and activation around them, which a GPU's bf16 GEMMs do not.
+- ``score_bytes``: the part of ``memory_bytes`` inside attention (the ``attention`` name
+  scope of ``jaxdist.models.attention``, and unnamed score-shaped copies such as a scan's
+  saved probabilities): the scores a fused (flash) kernel keeps on chip.
+
+A fusion that contains a ``dot`` is a matmul (XLA:CPU fuses dots with their neighbours;
+a GPU runs them as GEMMs): its time is the matmul's, and it adds no memory traffic.
+- ``collectives``: ``jaxdist.analyze.collective_ops``, with each one's loop membership.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from jaxdist.analyze import (
+    _ARRAY_RE,
+    _COMMENT_RE,
+    _NAME_RE,
+    CollectiveOp,
+    HloModule,
+    Instruction,
+    collective_kind,
+    collective_ops,
+    computation_multipliers,
+    parse_hlo,
+    shape_bytes,
+)
+from jaxdist.models.attention import SCOPE
+
+# Ops that move no data of their own (or whose work is counted elsewhere).
+_NO_TRAFFIC = {
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional", "call",
+    "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-start", "copy-done",
+    "send", "send-done", "recv", "recv-done", "async-start", "async-update", "async-done", "domain",
+}  # fmt: skip
+_SLICING = {"dynamic-slice", "slice", "gather"}
+_CASTS = {"convert", "bitcast", "copy", "reshape"}
+_CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
+_REDUCER_RE = re.compile(r"\b(?:to_apply|comparator|select|scatter)=%?([\w.\-]+)")
+_CONTRACTING_RE = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_PARAM_INDEX_RE = re.compile(r"^(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost:
+    matmul_flops: float
+    attention_flops: float  # the part of matmul_flops in attention (scores and their weighted sum)
+    memory_bytes: float
+    score_bytes: float
+    layout_bytes: float  # the part of memory_bytes (outside attention) in pure dtype / layout copies
+    collectives: tuple[CollectiveOp, ...]
+    loop_computations: frozenset[str]  # computations that run more than once per step
+
+    def in_loop(self, op: CollectiveOp) -> bool:
+        return op.computation in self.loop_computations
+
+    def to_dict(self) -> dict:
+        """A JSON-able summary (the planner's compile cache)."""
+        ops = [dataclasses.asdict(op) | {"axes": list(op.axes) if op.axes is not None else None} for op in self.collectives]
+        return {
+            "matmul_flops": self.matmul_flops,
+            "attention_flops": self.attention_flops,
+            "memory_bytes": self.memory_bytes,
+            "score_bytes": self.score_bytes,
+            "layout_bytes": self.layout_bytes,
+            "collectives": ops,
+            "loop_computations": sorted(self.loop_computations),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ProgramCost:
+        ops = tuple(CollectiveOp(**{**op, "axes": tuple(op["axes"]) if op["axes"] is not None else None}) for op in data["collectives"])
+        return cls(
+            data["matmul_flops"],
+            data["attention_flops"],
+            data["memory_bytes"],
+            data["score_bytes"],
+            data["layout_bytes"],
+            ops,
+            frozenset(data["loop_computations"]),
+        )
+
+
+def dims(shape: str) -> list[list[int]]:
+    """Every array's dimensions in an HLO shape string (a tuple gives several)."""
+    return [[int(d.removeprefix("<=")) for d in ds.split(",") if d] for _, ds in _ARRAY_RE.findall(_COMMENT_RE.sub("", shape))]
+
+
+def _operand_name(operand: str) -> str | None:
+    match = _NAME_RE.match(operand.split()[-1]) if operand.strip() else None
+    return match.group(1) if match else None
+
+
+def _operand_shape(operand: str, module: HloModule) -> str:
+    if _ARRAY_RE.search(operand):  # printed with its shape
+        return operand.rsplit("%", 1)[0] if "%" in operand else operand
+    name = _operand_name(operand)
+    return module.shapes.get(name, "") if name else ""
+
+
+def dot_flops(instruction: Instruction, module: HloModule) -> float:
+    """2 x output elements x the contracted dimensions' size."""
+    out = dims(instruction.shape)
+    lhs = dims(_operand_shape(instruction.operands[0], module)) if instruction.operands else []
+    match = _CONTRACTING_RE.search(instruction.attributes)
+    if not out or not lhs or not match:
+        return 0.0
+    contracted = math.prod(lhs[0][int(i)] for i in match.group(1).split(",") if i)
+    return 2.0 * math.prod(out[0]) * contracted
+
+
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+
+
+def _attention_tag(instruction: Instruction, module: HloModule) -> bool | None:
+    """True / False when the op (a fusion: the ops fused into it) names its origin: inside
+    the attention name scope or not; None when it carries no op name (a layout copy)."""
+    texts = [instruction.attributes]
+    if instruction.opcode == "fusion":
+        callee = _CALLS_RE.search(instruction.attributes)
+        texts += [i.attributes for i in module.computations.get(callee.group(1), [])] if callee else []
+    names = [m.group(1) for m in map(_OP_NAME_RE.search, texts) if m]
+    if not names:
+        return None
+    return any(re.search(rf"\b{SCOPE}\b", n) for n in names)
+
+
+_LAYOUT_OPS = {"convert", "bitcast", "copy", "transpose", "reshape", "parameter", "tuple", "get-tuple-element"}
+
+
+def _only_casts(instruction: Instruction, module: HloModule) -> bool:
+    """A dtype or layout copy: the op, or every op fused into it, only converts or moves data."""
+    if instruction.opcode != "fusion":
+        return instruction.opcode in _LAYOUT_OPS
+    callee = _CALLS_RE.search(instruction.attributes)
+    body = module.computations.get(callee.group(1), []) if callee else []
+    return bool(body) and all(i.opcode in _LAYOUT_OPS for i in body)
+
+
+def _fusion_traffic(instruction: Instruction, body: list[Instruction], module: HloModule) -> tuple[int, list[str]]:
+    """(bytes a fusion reads and writes, the shapes it touches)."""
+    params: dict[str, int] = {}
+    for i in body:
+        if i.opcode == "parameter":
+            index = _PARAM_INDEX_RE.match(i.operands[0].strip()) if i.operands else None
+            if index:
+                params[i.name] = int(index.group(1))
+    users: dict[str, list[Instruction]] = {name: [] for name in params}
+    for i in body:
+        for operand in i.operands:
+            name = _operand_name(operand)
+            if name in users:
+                users[name].append(i)
+    by_name = {i.name: i for i in body}
+
+    def through_casts(i: Instruction) -> Instruction:  # XLA:CPU wraps a bf16 in-place update in converts
+        while i.opcode in _CASTS and i.operands and _operand_name(i.operands[0]) in by_name:
+            i = by_name[_operand_name(i.operands[0])]
+        return i
+
+    root = body[-1]
+    outputs = [by_name[n] for n in map(_operand_name, root.operands) if n in by_name] if root.opcode == "tuple" else [root]
+    roots = [through_casts(r) for r in outputs]
+    updated = [_operand_name(r.operands[0]) for r in roots if r.opcode == "dynamic-update-slice" and r.operands]
+    in_place = {through_casts(by_name[n]).name for n in updated if n in by_name}
+    shapes, traffic = [], 0
+    for name, index in params.items():
+        if name in in_place:
+            continue  # the buffer updated in place: only the update is written (below)
+        if users[name] and all(u.opcode in _SLICING for u in users[name]):
+            traffic += sum(shape_bytes(u.shape) for u in users[name])
+            shapes += [u.shape for u in users[name]]
+        elif index < len(instruction.operands):
+            shape = _operand_shape(instruction.operands[index], module)
+            traffic += shape_bytes(shape)
+            shapes.append(shape)
+    written = [r.operands[1] for r in roots if r.opcode == "dynamic-update-slice" and len(r.operands) > 1]
+    if written:
+        shapes += [_operand_shape(o, module) for o in written]
+        traffic += sum(shape_bytes(_operand_shape(o, module)) for o in written)
+        traffic += sum(shape_bytes(r.shape) for r in roots if r.opcode != "dynamic-update-slice")
+    else:
+        traffic += shape_bytes(instruction.shape)
+        shapes.append(instruction.shape)
+    return traffic, shapes
+
+
+def _traffic(instruction: Instruction, module: HloModule) -> tuple[int, list[str]]:
+    """(bytes one execution of a top-level op reads and writes, the shapes it touches)."""
+    op = instruction.opcode
+    if op == "fusion":
+        callee = _CALLS_RE.search(instruction.attributes)
+        body = module.computations.get(callee.group(1), []) if callee else []
+        if body:
+            return _fusion_traffic(instruction, body, module)
+    if op == "dynamic-update-slice" and len(instruction.operands) > 1:
+        update = _operand_shape(instruction.operands[1], module)
+        return 2 * shape_bytes(update), [update]
+    if op in _SLICING:
+        return 2 * shape_bytes(instruction.shape), [instruction.shape]
+    shapes = [instruction.shape, *(_operand_shape(o, module) for o in instruction.operands)]
+    return sum(shape_bytes(s) for s in shapes), shapes
+
+
+def _score_shaped(shapes: list[str], seq_len: int, min_elements: int) -> bool:
+    """An attention-score array (XLA:CPU reshapes them): two dims that are multiples of seq_len
+    and at least heads-per-device x seq_len^2 elements (activations [b, seq, d] have fewer)."""
+    for d in (d for shape in shapes for d in dims(shape)):
+        if sum(1 for n in d if n % seq_len == 0) >= 2 and math.prod(d) >= min_elements:
+            return True
+    return False
+
+
+def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_len: int = 0, heads_per_device: int = 1) -> ProgramCost:
+    module = parse_hlo(hlo_text)
+    counts = computation_multipliers(module)
+    fused, reducers = set(), set()
+    for body in module.computations.values():
+        for i in body:
+            if i.opcode == "fusion":
+                fused.update(_CALLS_RE.findall(i.attributes))
+            reducers.update(_REDUCER_RE.findall(i.attributes))
+    with_dot = {name for name in fused if any(i.opcode in ("dot", "convolution") for i in module.computations.get(name, []))}
+    matmul = attention_flops = memory = scores = layout = 0.0
+    for name, executions in counts.items():
+        if name in reducers or not executions:
+            continue
+        attention: set[str] = set()  # ops of this computation that belong to attention
+        for i in module.computations.get(name, []):
+            tag = _attention_tag(i, module)
+            if tag or (tag is None and any(_operand_name(o) in attention for o in i.operands)):
+                attention.add(i.name)  # an unnamed op (a layout copy) inherits its operands' origin
+            if i.opcode == "dot":
+                flops = executions * dot_flops(i, module)
+                matmul += flops
+                # XLA:CPU drops the metadata of dots it fuses; a dot with batch dimensions is then
+                # attention's (scores or their weighted sum): the projections contract weights.
+                attention_flops += flops if tag or (tag is None and "lhs_batch_dims" in i.attributes) else 0.0
+            if name in fused or i.opcode in _NO_TRAFFIC or i.opcode.endswith("-done") or collective_kind(i.opcode):
+                continue
+            if i.opcode == "dot" or (i.opcode == "fusion" and set(_CALLS_RE.findall(i.attributes)) & with_dot):
+                continue  # a matmul's operands and result are part of its (compute-bound) time
+            traffic, shapes = _traffic(i, module)
+            memory += executions * traffic
+            if i.name in attention or (seq_len > 1 and _score_shaped(shapes, seq_len, heads_per_device * seq_len**2)):
+                scores += executions * traffic
+            elif _only_casts(i, module):
+                layout += executions * traffic
+    loops = frozenset(name for name, n in counts.items() if n > 1)
+    return ProgramCost(matmul, attention_flops, memory, scores, layout, tuple(collective_ops(module, mesh_shape)), loops)

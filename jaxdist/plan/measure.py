@@ -1,0 +1,491 @@
+"""Measure this host on the spot: the ``cpu-local`` hardware profile of the cost model.
+
+    python -m jaxdist.plan.measure [--quick] [--refresh] [--json]
+
+The cost model predicts a step's time from a compiled XLA program's FLOPs, bytes accessed
+and collectives, so the profile holds what XLA on this host sustains for each:
+
+- ``matmul_flops_per_s`` (fp32) and ``matmul_flops_per_s_bf16``: a jitted ``jnp.dot`` of
+  square matrices in this process (default threading: all cores), best of the repeats.
+- ``memory_bytes_per_s``: a jitted in-place elementwise op over a large fp32 array,
+  bytes read + written, best of the repeats.
+- ``collective_latency_s`` / ``collective_bytes_per_s``: an all-reduce between separate
+  processes over gloo on loopback, fitted as ``time = latency + wire_bytes / bandwidth``
+  with ``wire_bytes = 2 (N - 1) / N x buffer bytes`` (what one device sends in a ring).
+- ``fake_device_collective_latency_s`` / ``fake_device_collective_bytes_per_s``: the same
+  fit for fake CPU devices inside one process (they exchange through memory copies).
+
+Thread settings are left as they are and recorded under ``threads``. The profile is
+cached per host (``load_or_measure``); the collectives run in subprocesses that are
+always killed and reaped, so none outlives a failure or a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+CACHE_FILE = "cpu-local.json"
+ENV_CACHE_DIR = "JAXDIST_CACHE_DIR"
+RESULT_MARK = "JAXDIST_MEASURE "  # prefixes the one JSON line a worker prints
+_PR_SET_PDEATHSIG = 1
+
+# Sizes and repeats per mode. Matmuls: square sides; memory: fp32 array bytes;
+# collectives: all-reduce buffer bytes per device.
+FULL = {
+    "matmul_sides": (1024, 2048),
+    "memory_bytes": 256 * 2**20,
+    "collective_bytes": (4 * 2**10, 32 * 2**10, 256 * 2**10, 2 * 2**20, 16 * 2**20),
+    "collective_repeats": 30,  # small gloo messages are noisy on a busy host: many repeats, median
+    "repeats": 10,
+    "budget_s": 3.0,
+}
+QUICK = {
+    "matmul_sides": (512, 1024),
+    "memory_bytes": 64 * 2**20,
+    "collective_bytes": (4 * 2**10, 256 * 2**10, 4 * 2**20),
+    "collective_repeats": 10,
+    "repeats": 3,
+    "budget_s": 1.0,
+}
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def best_time(fn: Callable[[], Any], *, repeats: int, budget_s: float) -> tuple[float, list[float]]:
+    """Best wall time of ``fn()`` (which must block until its result is ready) over up
+    to ``repeats`` timed calls after one untimed warm-up call (the compile); stops
+    early once ``budget_s`` is spent, after at least two timed calls. The best, not the
+    mean: on a shared machine noise only ever adds time."""
+    fn()  # warm-up: compile and first-touch allocations stay out of the timing
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < repeats and (len(times) < 2 or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), times
+
+
+def fit_latency_bandwidth(points: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """``(latency_s, bytes_per_s)`` of ``time = latency + bytes / bandwidth`` fitted to
+    ``(bytes, seconds)`` points by least squares on the relative error (weights 1/t^2):
+    the sizes span orders of magnitude, and plain least squares would let the largest
+    message decide the latency too. A negative intercept (noise) is refitted through
+    the origin; a fit with no bandwidth signal raises ValueError."""
+    xs = [float(x) for x, _ in points]
+    ts = [float(t) for _, t in points]
+    if len(xs) < 2 or len(set(xs)) < 2 or min(ts) <= 0:
+        raise ValueError(f"need >= 2 distinct sizes with positive times, got {list(points)}")
+    ws = [1.0 / (t * t) for t in ts]
+    sw = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sw
+    mt = sum(w * t for w, t in zip(ws, ts, strict=True)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+    sxt = sum(w * (x - mx) * (t - mt) for w, x, t in zip(ws, xs, ts, strict=True))
+    slope = sxt / sxx
+    latency = mt - slope * mx
+    if latency < 0:  # constrained to latency >= 0: the best line through the origin
+        latency = 0.0
+        slope = sum(w * x * t for w, x, t in zip(ws, xs, ts, strict=True)) / sum(w * x * x for w, x in zip(ws, xs, strict=True))
+    if slope <= 0:
+        raise ValueError(f"time does not grow with size, no bandwidth to fit: {list(points)}")
+    return latency, 1.0 / slope
+
+
+def ring_wire_bytes(buffer_bytes: float, n: int) -> float:
+    """Bytes one device sends in a ring all-reduce of a ``buffer_bytes`` buffer over ``n`` devices."""
+    return 2.0 * (n - 1) / n * buffer_bytes
+
+
+# ----------------------------------------------------------------------------- compute and memory
+
+
+def measure_matmul(sides: Sequence[int], dtype: str, *, repeats: int, budget_s: float) -> tuple[float, list[dict[str, Any]]]:
+    """Best FLOP/s of a jitted square ``jnp.dot`` (2 n^3 FLOPs) over the sizes, and the raw points."""
+    import jax
+    import jax.numpy as jnp
+
+    dot = jax.jit(jnp.dot)
+    raw = []
+    for n in sides:
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+        b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+        best, times = best_time(lambda a=a, b=b: dot(a, b).block_until_ready(), repeats=repeats, budget_s=budget_s)
+        raw.append({"n": n, "dtype": dtype, "flops": 2.0 * n**3, "best_s": best, "times_s": times})
+    return max(p["flops"] / p["best_s"] for p in raw), raw
+
+
+def measure_memory(nbytes: int, *, repeats: int, budget_s: float) -> tuple[float, dict[str, Any]]:
+    """Best bytes/s (read + written) of a jitted elementwise op over an fp32 array of
+    ``nbytes``. The input is donated, so XLA updates it in place: fresh output pages
+    (page faults) would otherwise be timed as memory traffic."""
+    import jax
+    import jax.numpy as jnp
+
+    scale = jax.jit(lambda x: x * 1.0000001 + 1e-7, donate_argnums=0)
+    state = [jnp.ones((nbytes // 4,), jnp.float32)]
+
+    def step() -> None:
+        state[0] = scale(state[0])
+        state[0].block_until_ready()
+
+    best, times = best_time(step, repeats=repeats, budget_s=budget_s)
+    moved = 2.0 * (nbytes // 4) * 4
+    return moved / best, {"bytes_moved": moved, "best_s": best, "times_s": times}
+
+
+# ----------------------------------------------------------------------------- collectives (workers)
+
+
+def _worker_main(argv: Sequence[str]) -> None:
+    """A collective-timing subprocess: ``PARENT_PID MODE N PROCESS_ID PORT REPEATS TIMEOUT_S SIZE...``.
+
+    MODE ``gloo``: one of N processes (one CPU device each) joined through a coordinator
+    on 127.0.0.1:PORT. MODE ``fake``: one process with N fake CPU devices. The process
+    holding device 0 prints ``RESULT_MARK`` + JSON with the ``[bytes, median seconds]``
+    points of each all-reduce size."""
+    parent_pid, mode, n, pid, port, repeats, timeout_s, *sizes = argv
+    _die_with_parent(int(parent_pid))
+    if mode not in ("gloo", "fake"):
+        raise ValueError(f"unknown worker mode {mode!r} (gloo or fake)")
+    n, pid, repeats = int(n), int(pid), int(repeats)
+    import jax
+
+    if mode == "gloo":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=n,
+            process_id=pid,
+            initialization_timeout=max(int(float(timeout_s)), 1),
+        )
+    points = _time_all_reduce(n, [int(s) for s in sizes], repeats)
+    if jax.process_index() == 0:
+        print(RESULT_MARK + json.dumps({"mode": mode, "n": n, "points": points, "jax": jax.__version__}), flush=True)
+    if mode == "gloo":
+        jax.distributed.shutdown()
+
+
+def _time_all_reduce(n: int, sizes: Sequence[int], repeats: int) -> list[list[float]]:
+    """``[buffer_bytes, median_seconds]`` of a jitted psum over a 1-D fp32 array sharded
+    across ``n`` devices (``sizes`` bytes per device). The median, not the best: the
+    collective waits for the slowest process, and the median is what a step sees."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((n,), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+    all_reduce = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    points = []
+    for size in sizes:
+        per_device = max(size // 4, 1)
+        x = jax.make_array_from_callback((n * per_device,), sharding, lambda idx, k=per_device: np.ones((k,), np.float32))
+        for _ in range(2):  # compile, then one run that lines the processes up
+            all_reduce(x).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            all_reduce(x).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        points.append([float(per_device * 4), statistics.median(times)])
+        del x
+    return points
+
+
+# ----------------------------------------------------------------------------- collectives (parent)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In a worker: the kernel kills it when the measuring process dies (even by SIGKILL).
+    Set here rather than in a ``preexec_fn``: forking a multithreaded JAX parent to run
+    Python code before exec is unsafe."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the death signal was set
+        os._exit(1)
+
+
+def worker_env(devices: int) -> dict[str, str]:
+    """This environment with ``devices`` fake CPU devices and the CPU platform (other
+    XLA flags, thread settings included, are kept)."""
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).split()
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    return env
+
+
+def _worker_command(args: Sequence[object]) -> list[str]:
+    """The command line of a worker: this file loaded by path, so a worker neither needs
+    ``jaxdist`` on its path nor imports the package's ``__init__`` modules."""
+    boot = (
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location('_jaxdist_measure_worker', {str(Path(__file__).resolve())!r}); "
+        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod); mod._worker_main(sys.argv[1:])"
+    )
+    return [sys.executable, "-c", boot, str(os.getpid()), *map(str, args)]
+
+
+def _stderr_reason(path: Path) -> str:
+    """The most telling line of a worker's stderr: the last one that looks like an error."""
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no stderr"
+    errors = [line for line in lines if re.search(r"error|exception|fail|abort", line, re.IGNORECASE)]
+    return ((errors or lines or ["no output"])[-1])[:200]
+
+
+def run_workers(commands: Sequence[list[str]], env: dict[str, str], timeout_s: float, what: str) -> dict[str, Any]:
+    """Run the worker processes together and return the JSON result the first one
+    prints. Every process is killed and reaped on the way out, whatever happens; a
+    failure or a timeout raises a one-line RuntimeError."""
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="jaxdist-measure-") as tmp:
+        outs = [Path(tmp, f"{i}.out") for i in range(len(commands))]
+        errs = [Path(tmp, f"{i}.err") for i in range(len(commands))]
+        try:
+            for cmd, out, err in zip(commands, outs, errs, strict=True):
+                # Files, not pipes: a chatty worker cannot block on a full pipe.
+                with out.open("wb") as fo, err.open("wb") as fe:
+                    procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe))
+            deadline = time.monotonic() + timeout_s
+            while True:
+                codes = [p.poll() for p in procs]  # every process, every round: one failure ends the wait
+                failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+                if failed:
+                    i = failed[0]
+                    raise RuntimeError(f"{what}: process {i} exited with code {codes[i]} ({_stderr_reason(errs[i])})")
+                if all(code == 0 for code in codes):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{what}: timed out after {timeout_s:g}s")
+                time.sleep(0.05)
+            lines = [line for line in outs[0].read_text(errors="replace").splitlines() if line.startswith(RESULT_MARK)]
+            if not lines:
+                raise RuntimeError(f"{what}: process 0 printed no result ({_stderr_reason(errs[0])})")
+            return json.loads(lines[-1][len(RESULT_MARK) :])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+
+
+def measure_collective(
+    mode: str, n: int, sizes: Sequence[int], *, repeats: int, timeout_s: float
+) -> tuple[float, float, list[list[float]]]:
+    """``(latency_s, bytes_per_s, raw points)`` of an all-reduce over ``n`` devices: ``n``
+    gloo processes of one device each (``mode="gloo"``) or one process with ``n`` fake
+    devices (``mode="fake"``). Bandwidth is in ring wire bytes (``ring_wire_bytes``)."""
+    if n < 2:
+        raise ValueError(f"a collective needs at least 2 devices, got {n}")
+    port = free_port() if mode == "gloo" else 0
+    tail = [port, repeats, timeout_s, *sizes]
+    if mode == "gloo":
+        commands = [_worker_command([mode, n, i, *tail]) for i in range(n)]
+        env = worker_env(1)
+        what = f"all-reduce over {n} gloo processes on 127.0.0.1:{port}"
+    else:
+        commands = [_worker_command([mode, n, 0, *tail])]
+        env = worker_env(n)
+        what = f"all-reduce over {n} fake CPU devices"
+    result = run_workers(commands, env, timeout_s, what)
+    points = result["points"]
+    try:
+        latency, bandwidth = fit_latency_bandwidth([(ring_wire_bytes(b, n), t) for b, t in points])
+    except ValueError as e:
+        raise RuntimeError(f"{what}: {e}") from None
+    return latency, bandwidth, points
+
+
+# ----------------------------------------------------------------------------- the profile
+
+
+def host_string() -> str:
+    """A short description of this host: CPU model, cores, jax version (the cache key)."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    try:
+        jax_version = importlib.metadata.version("jax")
+    except importlib.metadata.PackageNotFoundError:
+        jax_version = "?"
+    return f"{model}, {cpu_count()} cores, jax {jax_version}"
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (the affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def measure_host(*, quick: bool = False, processes: int = 2, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Measure this host now and return the ``cpu-local`` profile (floats in SI units:
+    FLOP/s, bytes/s, seconds) with the raw timing points under ``raw``. ``processes``
+    is the number of gloo processes (and of fake devices) the all-reduces run over;
+    ``timeout_s`` bounds each of the two collective measurements."""
+    import jax
+
+    cfg = QUICK if quick else FULL
+    t_start = time.perf_counter()
+    reps = {"repeats": cfg["repeats"], "budget_s": cfg["budget_s"]}
+    f32, raw_f32 = measure_matmul(cfg["matmul_sides"], "float32", **reps)
+    bf16, raw_bf16 = measure_matmul(cfg["matmul_sides"], "bfloat16", **reps)
+    mem, raw_mem = measure_memory(cfg["memory_bytes"], **reps)
+    coll = {"repeats": cfg["collective_repeats"], "timeout_s": timeout_s}
+    lat, bw, raw_gloo = measure_collective("gloo", processes, cfg["collective_bytes"], **coll)
+    fake_lat, fake_bw, raw_fake = measure_collective("fake", processes, cfg["collective_bytes"], **coll)
+    return {
+        "name": "cpu-local",
+        "matmul_flops_per_s": f32,
+        "matmul_flops_per_s_bf16": bf16,
+        "memory_bytes_per_s": mem,
+        "collective_latency_s": lat,
+        "collective_bytes_per_s": bw,
+        "fake_device_collective_latency_s": fake_lat,
+        "fake_device_collective_bytes_per_s": fake_bw,
+        "collective_processes": processes,
+        "cores": cpu_count(),
+        "host": host_string(),
+        "jax_version": jax.__version__,
+        "quick": quick,
+        "threads": {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "XLA_FLAGS")},
+        "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "measure_s": time.perf_counter() - t_start,
+        "raw": {
+            "matmul": raw_f32 + raw_bf16,
+            "memory": raw_mem,
+            # [buffer bytes per device, median seconds]; the fits use ring wire bytes
+            "all_reduce_gloo": raw_gloo,
+            "all_reduce_fake_devices": raw_fake,
+        },
+    }
+
+
+def default_cache() -> Path:
+    """``$JAXDIST_CACHE_DIR/cpu-local.json``, else ``~/.cache/jaxdist/cpu-local.json``."""
+    root = os.environ.get(ENV_CACHE_DIR)
+    return Path(root) / CACHE_FILE if root else Path.home() / ".cache" / "jaxdist" / CACHE_FILE
+
+
+def _cached(path: Path, quick: bool) -> dict[str, Any] | None:
+    """The profile in ``path`` if it was measured on this host (same host string and
+    cores) and is good enough (a quick profile does not answer a full request)."""
+    try:
+        profile = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(profile, dict) or profile.get("host") != host_string() or profile.get("cores") != cpu_count():
+        return None
+    if profile.get("quick") and not quick:
+        return None
+    return profile
+
+
+def load_or_measure(cache: Path | None = None, *, refresh: bool = False, quick: bool = False) -> dict[str, Any]:
+    """The cached profile of this host, measured (and written, atomically) when the cache
+    is absent, unreadable, from another host, or ``refresh`` is set."""
+    path = Path(cache) if cache is not None else default_cache()
+    if not refresh and (profile := _cached(path, quick)) is not None:
+        return profile
+    text = json.dumps(measure_host(quick=quick), indent=1) + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)  # readers never see half a file
+    except OSError as e:  # the measurement is still good: use it, measure again next time
+        warnings.warn(f"could not write the profile cache {path}: {e}", stacklevel=2)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return json.loads(text)  # exactly what a later call reads from the cache
+
+
+def format_profile(profile: dict[str, Any]) -> str:
+    """A short human-readable table of a profile."""
+
+    def si(value: float, unit: str) -> str:
+        if not math.isfinite(value):
+            return f"{value} {unit}"
+        for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if abs(value) >= factor:
+                return f"{value / factor:.2f} {prefix}{unit}"
+        return f"{value:.3g} {unit}"
+
+    n = profile.get("collective_processes", 2)
+    rows = [
+        ("host", profile["host"]),
+        ("measured at", f"{profile['measured_at']}{' (quick)' if profile.get('quick') else ''}"),
+        ("matmul fp32", si(profile["matmul_flops_per_s"], "FLOP/s")),
+        ("matmul bf16", si(profile["matmul_flops_per_s_bf16"], "FLOP/s")),
+        ("memory", si(profile["memory_bytes_per_s"], "B/s")),
+        (
+            f"all-reduce, {n} gloo processes",
+            f"{profile['collective_latency_s'] * 1e6:.0f} us + {si(profile['collective_bytes_per_s'], 'B/s')}",
+        ),
+        (
+            f"all-reduce, {n} fake devices",
+            f"{profile['fake_device_collective_latency_s'] * 1e6:.0f} us + {si(profile['fake_device_collective_bytes_per_s'], 'B/s')}",
+        ),
+        ("threads", ", ".join(f"{k}={v}" for k, v in profile.get("threads", {}).items())),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m jaxdist.plan.measure``: print this host's profile (cached unless --refresh)."""
+    parser = argparse.ArgumentParser(prog="python -m jaxdist.plan.measure", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (~10-20 s)")
+    parser.add_argument("--refresh", action="store_true", help="measure again even when a cached profile exists")
+    parser.add_argument("--json", action="store_true", help="print the profile as JSON")
+    parser.add_argument("--cache", type=Path, default=None, help=f"cache file (default: {default_cache()})")
+    args = parser.parse_args(argv)
+    try:
+        profile = load_or_measure(args.cache, refresh=args.refresh, quick=args.quick)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(profile, indent=1) if args.json else format_profile(profile))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

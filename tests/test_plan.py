@@ -1,0 +1,178 @@
+"""The planner: per-op costs against XLA's own analysis, collective times against the ring
+formula, monotonicity, layout enumeration, the CLI (with its compile cache) and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxdist.analyze import CollectiveOp
+from jaxdist.config import load_config
+from jaxdist.plan import __main__ as plan_cli
+from jaxdist.plan.cost import collective_time, node_split, predict, ring_steps
+from jaxdist.plan.hardware import Link, load_hardware
+from jaxdist.plan.hlo_cost import ProgramCost, program_cost
+from jaxdist.plan.search import enumerate_candidates, estimated_memory
+
+TINY = ["data.source=synthetic", "model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4", "train.seq_len=32", "train.global_batch=16"]
+
+
+def _xla_flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    return float((cost[0] if isinstance(cost, list | tuple) else cost)["flops"])
+
+
+def test_matmul_flops_are_xlas_and_loops_multiply_them():
+    """A lone matmul: the same FLOPs as XLA's cost analysis. Inside a 5-step scan: five
+    times them, where XLA's analysis counts the loop body once."""
+    a, b = jnp.ones((64, 96)), jnp.ones((96, 48))
+    once = jax.jit(lambda a, b: a @ b).lower(a, b).compile()
+    assert program_cost(once.as_text()).matmul_flops == _xla_flops(once) == 2 * 64 * 96 * 48
+
+    def looped(a, b):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ b) @ b.T, None), a, None, length=5)[0]
+
+    loop = jax.jit(looped).lower(a, b).compile()
+    per_step = 2 * (2 * 64 * 96 * 48)
+    assert program_cost(loop.as_text()).matmul_flops == 5 * per_step
+    assert _xla_flops(loop) < 2 * per_step  # what the planner corrects for
+
+
+def test_a_scan_writing_one_slice_of_a_stacked_buffer_moves_the_slice():
+    """A scan filling one row of a [steps, n] buffer per step: an in-place update, so its
+    traffic is a few rows per step, not the whole buffer."""
+
+    def fill(x):
+        def step(buf, i):
+            return jax.lax.dynamic_update_index_in_dim(buf, jnp.sin(x * i), i, 0), None
+
+        return jax.lax.scan(step, jnp.zeros((16, x.shape[0])), jnp.arange(16.0).astype(jnp.int32))[0]
+
+    compiled = jax.jit(fill).lower(jnp.ones(4096)).compile()
+    row, buffer = 4096 * 4, 16 * 4096 * 4
+    memory = program_cost(compiled.as_text()).memory_bytes
+    assert memory < 16 * buffer / 4  # far below rewriting the buffer every step
+    assert memory >= 16 * row  # but each step writes its row
+
+
+def test_ring_all_reduce_time_is_the_formula():
+    link = Link(bandwidth=450e9, latency=8e-6, efficiency=0.8)
+    size = 2**30
+    wire = 2 * 7 / 8 * size
+    assert collective_time("all-reduce", wire, 8, link) == pytest.approx(14 * 8e-6 + wire / (450e9 * 0.8), rel=1e-12)
+    assert ring_steps("all-gather", 8) == ring_steps("reduce-scatter", 8) == 7 and ring_steps("all-reduce", 1) == 0
+    # in a program: one all-reduce over data outside any loop, nothing else, is exposed as it is
+    op = CollectiveOp("all-reduce", "ar", size, 1, "main", 8, ("data",), int(wire))
+    h100 = load_hardware("h100")
+    p = predict(ProgramCost(0, 0, 0, 0, 0, (op,), frozenset()), h100, {"data": 8}, model_flops_per_step=1, tokens_per_step=1)
+    assert p.step_time_s == pytest.approx(collective_time("all-reduce", wire, 8, h100.intra_node)) and p.bound == "communication"
+    # across two nodes the same all-reduce takes the slower link
+    across = predict(ProgramCost(0, 0, 0, 0, 0, (op,), frozenset()), h100, {"data": 16}, model_flops_per_step=1, tokens_per_step=1)
+    assert across.step_time_s == pytest.approx(collective_time("all-reduce", wire, 8, h100.inter_node))
+
+
+def test_data_crosses_nodes_before_fsdp_and_tensor_stays_inside():
+    assert node_split({"data": 2, "fsdp": 8, "tensor": 4}, 8) == {"replica": 1, "data": 2, "pipe": 1, "fsdp": 4, "tensor": 1}
+    assert node_split({"fsdp": 8}, 8)["fsdp"] == 1
+
+
+def _program(hideable_bytes: float, critical_bytes: float) -> ProgramCost:
+    ops = (
+        CollectiveOp("all-gather", "ag", 0, 10, "body", 8, ("fsdp",), int(hideable_bytes)),
+        CollectiveOp("all-reduce", "ar", 0, 10, "body", 2, ("tensor",), int(critical_bytes)),
+    )
+    return ProgramCost(5e14, 0, 2e11, 0, 0, ops, frozenset({"body"}))
+
+
+@pytest.mark.parametrize("hideable, critical", [(1e9, 1e8), (5e10, 0), (0, 3e9)])
+def test_more_bandwidth_is_never_slower(hideable, critical):
+    h100 = load_hardware("h100")
+    mesh = {"fsdp": 8, "tensor": 2}
+    slow = predict(_program(hideable, critical), h100, mesh, model_flops_per_step=1e15, tokens_per_step=1e4)
+    for link in ("intra_node", "inter_node"):
+        faster = dataclasses.replace(h100, **{link: dataclasses.replace(getattr(h100, link), bandwidth=2 * getattr(h100, link).bandwidth)})
+        fast = predict(_program(hideable, critical), faster, mesh, model_flops_per_step=1e15, tokens_per_step=1e4)
+        assert fast.step_time_s <= slow.step_time_s and fast.comm_exposed_s <= slow.comm_exposed_s
+    hbm = dataclasses.replace(h100, memory_bandwidth=2 * h100.memory_bandwidth)
+    assert predict(_program(hideable, critical), hbm, mesh, model_flops_per_step=1e15, tokens_per_step=1e4).step_time_s <= slow.step_time_s
+
+
+def test_the_loops_collectives_hide_behind_compute_and_tensor_ones_do_not():
+    h100 = load_hardware("h100")
+    p = predict(_program(1e9, 1e9), h100, {"fsdp": 8, "tensor": 2}, model_flops_per_step=1e15, tokens_per_step=1e4)
+    tensor = 10 * collective_time("all-reduce", 1e9, 2, h100.intra_node)
+    assert p.comm_exposed_s == pytest.approx(tensor)  # the fsdp gathers fit under 90% of the compute
+
+
+def test_more_devices_never_need_more_memory_under_fsdp():
+    """The screen's estimate and the compiled program agree: memory per device falls as
+    the fsdp axis grows (compiled: the argument bytes, i.e. the sharded train state)."""
+    from jaxdist.analyze import _memory, compile_train_step
+    from jaxdist.mesh import parse_mesh
+    from jaxdist.plan.search import Candidate
+
+    config = load_config(None, TINY)
+    config.model.vocab_size = 256
+    estimates, compiled = [], []
+    for n in (1, 2, 4, 8):
+        candidate = Candidate((("data", 1), ("fsdp", n), ("tensor", 1), ("pipe", 1)), 1, "none")
+        estimates.append(estimated_memory(config, candidate, 10**8, True))
+        if n in (2, 8):
+            config.parallel.mesh = candidate.mesh_spec
+            compiled.append(_memory(compile_train_step(config, parse_mesh(candidate.mesh_spec), jax.devices()[:n])[1])["arguments"])
+    assert estimates == sorted(estimates, reverse=True) and estimates[0] > estimates[-1]
+    assert compiled[0] > compiled[1]
+
+
+def test_enumeration_respects_divisibility():
+    config = load_config(None, [*TINY, "model.mlp_dim=192"])
+    config.model.vocab_size = 256
+    candidates = enumerate_candidates(config, 8, 8)
+    assert candidates
+    for c in candidates:
+        s = c.sizes
+        assert math.prod(s.values()) == 8
+        assert config.model.n_kv_heads % s["tensor"] == 0 and config.model.n_layers % s["pipe"] == 0
+        assert config.train.global_batch % (s["data"] * s["fsdp"] * c.microbatches) == 0
+    assert {c.sizes["tensor"] for c in candidates} == {1, 2, 4}  # 8 does not divide the 4 kv heads
+    assert not [c for c in enumerate_candidates(config, 8, 2) if c.sizes["tensor"] > 2]  # tensor stays in a node of 2
+
+
+def test_the_cli_ranks_compiled_layouts_and_reuses_its_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
+    argv = ["--gpus", "4", "--hardware", "h100", "--max-compiles", "2", "--json", *TINY]
+    assert plan_cli.main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    keys = {"mesh", "microbatches", "remat", "step_time_s", "tokens_per_sec_per_device", "mfu", "memory_per_device_bytes", "bound"}
+    assert len(first["candidates"]) == 2 and all(keys <= set(c) for c in first["candidates"])
+    times = [c["step_time_s"] for c in first["candidates"]]
+    assert times == sorted(times) and not any(c["cached"] for c in first["candidates"])
+    assert plan_cli.main(argv) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert all(c["cached"] for c in again["candidates"]) and [c["step_time_s"] for c in again["candidates"]] == times
+    assert plan_cli.main(argv[: -len(TINY) - 1] + TINY) == 0  # the table
+    assert "tok/s/dev" in capsys.readouterr().out
+
+
+BAD = {
+    "unknown hardware": (["--gpus", "8", "--hardware", "tpu-v9"], "unknown hardware 'tpu-v9' (profiles: a100, cpu-local, h100"),
+    "more gpus than the mesh can use": (["--gpus", "1024", "--hardware", "h100", *TINY], "no layout of default uses 1024 GPUs"),
+    "a model that fits nowhere": (
+        ["--config", "llama3-70b", "--gpus", "1", "--hardware", "h100"],
+        "llama3-70b fits no layout on 1 x H100 SXM 80GB: the smallest (data=1 mb=16 remat=full) needs 1131.1 GiB per device",
+    ),
+    "zero gpus": (["--gpus", "0", "--hardware", "h100"], "--gpus must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_one_line(case, capsys):
+    argv, message = BAD[case]
+    assert plan_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("jaxdist: error:") and message in err[-1], err[-1]
