@@ -19,7 +19,15 @@ from jaxdist.plan.hardware import Link, load_hardware
 from jaxdist.plan.hlo_cost import ProgramCost, program_cost
 from jaxdist.plan.search import enumerate_candidates, estimated_memory
 
-TINY = ["data.source=synthetic", "model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4", "train.seq_len=32", "train.global_batch=16"]
+TINY = [
+    "data.source=synthetic",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "train.seq_len=32",
+    "train.global_batch=16",
+]
 
 
 def _xla_flops(compiled) -> float:
