@@ -8,8 +8,10 @@
                  axis they span is split over nodes (data first, then fsdp, as jaxdist's
                  hybrid mesh does)
     exposed    = collectives on the critical path (tensor-parallel activations, pipeline
-                 sends, everything outside the layer loop)
-                 + max(0, the loop's other collectives - overlap x compute)
+                 sends, everything outside the layer loop but gradient reductions)
+                 + max(0, the hideable ones - overlap x compute); hideable: the layer loop's
+                 other collectives, and on GPUs the gradient reductions over the batch axes
+                 (XLA's loop pipeliner moves them into the backward loop)
     step       = compute + exposed
 
 A pipeline's bubble is already in the compiled program (every stage runs every tick); its
@@ -93,7 +95,7 @@ def predict(
     critical = hideable = 0.0
     for op in cost.collectives:
         t = op.executions * _op_time(op, hardware, crossing)
-        if cost.in_loop(op) and not set(op.axes or ()) & set(CRITICAL_AXES):
+        if _hideable(op, cost, hardware):
             hideable += t
         else:
             critical += t
@@ -113,6 +115,22 @@ def predict(
         mfu=model_flops_per_step / (step * devices * hardware.peak_flops) if step else 0.0,
         tokens_per_sec_per_device=tokens_per_step / (step * devices) if step else 0.0,
     )
+
+
+GRADIENT_AXES = {"data", "fsdp", "replica"}
+
+
+def _hideable(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -> bool:
+    """Whether compute can hide ``op``: the layer loop's collectives off the critical path
+    (FSDP's gathers and reduce-scatters), and on a GPU every gradient reduction over the
+    batch axes, which XLA's loop pipeliner (``xla_gpu_enable_pipelined_all_reduce`` /
+    ``_reduce_scatter``, set by ``jaxdist.xla_flags``) moves into the backward loop."""
+    axes = set(op.axes or ())
+    if axes & set(CRITICAL_AXES):
+        return False
+    if cost.in_loop(op):
+        return True
+    return not hardware.shared_host and op.kind in ("all-reduce", "reduce-scatter") and bool(axes) and axes <= GRADIENT_AXES
 
 
 def _op_time(op: CollectiveOp, hardware: Hardware, nodes_per_axis: dict[str, int]) -> float:
