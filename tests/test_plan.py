@@ -184,3 +184,23 @@ def test_bad_input_is_one_line(case, capsys):
     assert plan_cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("jaxdist: error:") and message in err[-1], err[-1]
+
+
+def test_a_layout_that_does_not_compile_is_reported_and_skipped(tmp_path, monkeypatch, capsys):
+    import jaxdist.plan.search as search
+
+    monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
+    real, calls = search.compile_summary, []
+
+    def first_fails(config, **kwargs):
+        calls.append(config.parallel.mesh)
+        if len(calls) == 1:
+            raise RuntimeError("INTERNAL: RET_CHECK failure (spmd_partitioner.cc) somewhere\nmore detail")
+        return real(config, **kwargs)
+
+    monkeypatch.setattr(search, "compile_summary", first_fails)
+    assert plan_cli.main(["--gpus", "2", "--hardware", "h100", "--max-compiles", "2", "--json", *TINY]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert len(result["candidates"]) == 1 and result["failed_to_compile"][0]["error"].startswith("INTERNAL: RET_CHECK failure")
+    assert "does not compile (INTERNAL: RET_CHECK failure (spmd_partitioner.cc) somewhere); left out of the ranking" in captured.err

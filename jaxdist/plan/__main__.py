@@ -88,7 +88,7 @@ def _price(config, fitting, hardware, args, log) -> dict:
     from jaxdist.plan.hlo_cost import ProgramCost
     from jaxdist.plan.search import HEADROOM, compile_summary, configured
 
-    start, priced, skipped = time.monotonic(), [], 0
+    start, priced, skipped, failed = time.monotonic(), [], 0, []
     todo = fitting[: args.max_compiles]
     bar = tqdm(todo, desc="compiling layouts", unit="layout", file=sys.stderr, disable=not sys.stderr.isatty())
     for candidate, estimate in bar:
@@ -96,7 +96,13 @@ def _price(config, fitting, hardware, args, log) -> dict:
             skipped += 1
             continue
         bar.set_postfix_str(candidate.label())
-        summary, cached = compile_summary(configured(config, candidate))
+        try:
+            summary, cached = compile_summary(configured(config, candidate))
+        except Exception as e:  # noqa: BLE001 - a layout XLA cannot compile is reported, and the search goes on
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            log(f"jaxdist: warning: {candidate.label()} does not compile ({reason}); left out of the ranking")
+            failed.append({"layout": candidate.label(), "error": reason})
+            continue
         program = ProgramCost.from_dict(summary["program"])
         p = predict(
             program,
@@ -139,6 +145,7 @@ def _price(config, fitting, hardware, args, log) -> dict:
         "layouts": {"valid": None, "fitting_estimate": len(fitting), "compiled": len(priced), "over_budget": skipped},
         "candidates": ranked,
         "did_not_fit": [c for c in priced if not c["fits"]],
+        "failed_to_compile": failed,
     }
 
 
