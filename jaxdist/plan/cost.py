@@ -94,7 +94,7 @@ def predict(
     crossing = node_split(mesh_shape, hardware.gpus_per_node)
     critical = hideable = 0.0
     for op in cost.collectives:
-        t = op.executions * _op_time(op, hardware, crossing)
+        t = op.executions * _op_time(op, hardware, crossing) * _gpu_bytes_factor(op, cost, hardware)
         if _hideable(op, cost, hardware):
             hideable += t
         else:
@@ -131,6 +131,25 @@ def _hideable(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -> bool:
     if cost.in_loop(op):
         return True
     return not hardware.shared_host and op.kind in ("all-reduce", "reduce-scatter") and bool(axes) and axes <= GRADIENT_AXES
+
+
+def _gpu_bytes_factor(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -> float:
+    """What a GPU moves for a collective of the CPU-compiled program, as a share of it.
+
+    XLA:CPU promotes bf16 collectives to f32, so the weight all-gathers and tensor-parallel
+    activation all-reduces of a bf16 model move half on a GPU; and it reduces FSDP gradients
+    with an all-reduce plus a slice where XLA:GPU forms a reduce-scatter (half the bytes).
+    The time is scaled as a whole (latency included): a slight overestimate of the saving.
+    """
+    if hardware.shared_host:
+        return 1.0
+    axes = set(op.axes or ())
+    factor = 1.0
+    if cost.is_f32(op) and (op.kind == "all-gather" or (op.kind == "all-reduce" and "tensor" in axes)):
+        factor *= 0.5
+    if op.kind == "all-reduce" and "fsdp" in axes and "tensor" not in axes:
+        factor *= 0.5
+    return factor
 
 
 def _op_time(op: CollectiveOp, hardware: Hardware, nodes_per_axis: dict[str, int]) -> float:

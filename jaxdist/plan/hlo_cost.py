@@ -67,6 +67,10 @@ class ProgramCost:
     layout_bytes: float  # the part of memory_bytes (outside attention) in pure dtype / layout copies
     collectives: tuple[CollectiveOp, ...]
     loop_computations: frozenset[str]  # computations that run more than once per step
+    f32_collectives: frozenset[str] = frozenset()  # names of the collectives that move f32
+
+    def is_f32(self, op: CollectiveOp) -> bool:
+        return op.name in self.f32_collectives
 
     def in_loop(self, op: CollectiveOp) -> bool:
         return op.computation in self.loop_computations
@@ -82,6 +86,7 @@ class ProgramCost:
             "layout_bytes": self.layout_bytes,
             "collectives": ops,
             "loop_computations": sorted(self.loop_computations),
+            "f32_collectives": sorted(self.f32_collectives),
         }
 
     @classmethod
@@ -239,6 +244,7 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
             reducers.update(_REDUCER_RE.findall(i.attributes))
     with_dot = {name for name in fused if any(i.opcode in ("dot", "convolution") for i in module.computations.get(name, []))}
     matmul = attention_flops = memory = scores = layout = 0.0
+    f32 = set()
     for name, executions in counts.items():
         if name in reducers or not executions:
             continue
@@ -253,6 +259,8 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
                 # XLA:CPU drops the metadata of dots it fuses; a dot with batch dimensions is then
                 # attention's (scores or their weighted sum): the projections contract weights.
                 attention_flops += flops if tag or (tag is None and "lhs_batch_dims" in i.attributes) else 0.0
+            if collective_kind(i.opcode) and i.shape.lstrip("(").startswith("f32"):
+                f32.add(i.name)
             if name in fused or i.opcode in _NO_TRAFFIC or i.opcode.endswith("-done") or collective_kind(i.opcode):
                 continue
             if i.opcode == "dot" or (i.opcode == "fusion" and set(_CALLS_RE.findall(i.attributes)) & with_dot):
@@ -264,4 +272,4 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
             elif _only_casts(i, module):
                 layout += executions * traffic
     loops = frozenset(name for name, n in counts.items() if n > 1)
-    return ProgramCost(matmul, attention_flops, memory, scores, layout, tuple(collective_ops(module, mesh_shape)), loops)
+    return ProgramCost(matmul, attention_flops, memory, scores, layout, tuple(collective_ops(module, mesh_shape)), loops, frozenset(f32))
