@@ -341,8 +341,12 @@ class Trainer:
     def _accumulate_locally(self) -> bool:
         """Replicated parameters (DP, ZeRO-1), no pipeline: accumulate each device's own
         gradients and reduce across the batch axes once per step, like DDP's no_sync."""
-        # (Not under DiLoCo's vmap: the shard_map over data/fsdp cannot take the replica dimension.)
-        return self.layout.strategy.zero in ("dp", "zero1") and self.layout.mesh.shape.get("pipe", 1) == 1 and not self.inner_steps
+        # (Not under DiLoCo's vmap: the shard_map over data/fsdp cannot take the replica dimension.
+        # Not without a batch axis either: nothing to reduce, and XLA 0.10's partitioner rejects
+        # the auto tensor axis's collectives inside a region manual over size-1 axes only.)
+        mesh = self.layout.mesh.shape
+        batch_shards = mesh.get("data", 1) * mesh.get("fsdp", 1)
+        return self.layout.strategy.zero in ("dp", "zero1") and mesh.get("pipe", 1) == 1 and not self.inner_steps and batch_shards > 1
 
     def _summed_grads_reduced_once(self, params: Any, batch: Batch, grad_fn: Callable) -> tuple[jax.Array, jax.Array, Any]:
         batch_axes = ("data", "fsdp")
