@@ -19,7 +19,9 @@ def test_zero_stages_match_single_device(strategy):
     np.testing.assert_allclose(train_losses("data=4,fsdp=2", (f"parallel.strategy={strategy}",)), train_losses("data=1"), rtol=1e-5)
 
 
-@pytest.mark.parametrize(("mesh", "strategy"), [("data=2,fsdp=2", "auto"), ("data=4", "dp"), ("data=2,tensor=2", "zero1"), ("tensor=4", "dp")])
+@pytest.mark.parametrize(
+    ("mesh", "strategy"), [("data=2,fsdp=2", "auto"), ("data=4", "dp"), ("data=2,tensor=2", "zero1"), ("tensor=4", "dp")]
+)
 def test_gradient_accumulation_matches_one_microbatch(mesh, strategy):
     reference = train_losses("data=1")
     accumulated = train_losses(mesh, ("train.microbatches=4", f"parallel.strategy={strategy}"))
