@@ -204,3 +204,21 @@ def test_a_layout_that_does_not_compile_is_reported_and_skipped(tmp_path, monkey
     result = json.loads(captured.out)
     assert len(result["candidates"]) == 1 and result["failed_to_compile"][0]["error"].startswith("INTERNAL: RET_CHECK failure")
     assert "does not compile (INTERNAL: RET_CHECK failure (spmd_partitioner.cc) somewhere); left out of the ranking" in captured.err
+
+
+def test_small_matmuls_run_at_the_rate_measured_for_their_size():
+    from jaxdist.plan.hardware import cpu_local
+
+    profile = {
+        "matmul_flops_per_s": 1e11, "memory_bytes_per_s": 4e10, "fusion_bytes_per_s": 1e10, "op_overhead_s": 1e-6,
+        "matmul_curve": [[1e6, 1e9], [1e8, 1e10], [1e10, 1e11]],
+        "collective_latency_s": 1e-3, "collective_bytes_per_s": 1e9, "fake_device_collective_latency_s": 1e-4,
+        "fake_device_collective_bytes_per_s": 5e9,
+    }  # fmt: skip
+    host = cpu_local(profile)
+    assert host.matmul_rate(1e8) == pytest.approx(1e10) and host.matmul_rate(1e3) == 1e9 and host.matmul_rate(1e12) == 1e11
+    assert host.matmul_rate(1e7) == pytest.approx(10**9.5)  # halfway in log-log
+    assert host.memory_bandwidth == 1e10 and host.inter_node.latency == pytest.approx(5e-4)  # 2 ring steps per fitted all-reduce
+    one_dot = ProgramCost(1e9, 0, 0, 0, 0, (), frozenset(), dots=((1e7, 100.0),), op_executions=1000.0)
+    p = predict(one_dot, host, {"data": 1}, model_flops_per_step=1e9, tokens_per_step=1)
+    assert p.step_time_s == pytest.approx(1e9 / 10**9.5 + 1000 * 1e-6)

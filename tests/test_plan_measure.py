@@ -109,7 +109,12 @@ def test_quick_profile_is_sane(quick_profile):
     assert profile["quick"] is True
     assert set(profile["threads"]) == {"OMP_NUM_THREADS", "XLA_FLAGS"}
     # the raw points: matmuls at both sizes and dtypes, one all-reduce point per size
-    assert {(p["n"], p["dtype"]) for p in profile["raw"]["matmul"]} == {(n, d) for n in (512, 1024) for d in ("float32", "bfloat16")}
+    expected = {(n, d) for n in (512, 1024) for d in ("float32", "bfloat16")} | {(n, "float32") for n in measure.QUICK["curve_sides"]}
+    assert {(p["n"], p["dtype"]) for p in profile["raw"]["matmul"]} == expected
+    # what the cost model uses on this host: the size curve (small matmuls slower), per-op time, fusion bandwidth
+    curve = sorted(profile["matmul_curve"])
+    assert len(curve) == len(measure.QUICK["curve_sides"]) + 2 and curve[0][1] < curve[-1][1]
+    assert 0 < profile["op_overhead_s"] < 1e-3 and 1e8 <= profile["fusion_bytes_per_s"] <= profile["memory_bytes_per_s"] * 2
     for key in ("all_reduce_gloo", "all_reduce_fake_devices"):
         assert [b for b, _ in profile["raw"][key]] == [float(s) for s in measure.QUICK["collective_bytes"]]
         assert all(t > 0 for _, t in profile["raw"][key])
@@ -176,6 +181,9 @@ def fake_measure(monkeypatch):
             "collective_bytes_per_s": 1e9,
             "fake_device_collective_latency_s": 1e-4,
             "fake_device_collective_bytes_per_s": 5e9,
+            "matmul_curve": [[2 * 64**3, 5e9], [2 * 1024**3, 1e11]],
+            "op_overhead_s": 1e-6,
+            "fusion_bytes_per_s": 1e10,
             "collective_processes": processes,
             "cores": measure.cpu_count(),
             "host": measure.host_string(),
@@ -248,3 +256,11 @@ def test_unwritable_cache_still_returns_the_profile(tmp_path, fake_measure):
     with pytest.warns(UserWarning, match="could not write the profile cache"):
         profile = measure.load_or_measure(blocker / "cpu-local.json")
     assert profile["host"] == measure.host_string() and fake_measure == [False]
+
+
+def test_a_profile_from_an_older_jaxdist_is_measured_again(tmp_path, fake_measure):
+    cache = tmp_path / "cpu-local.json"
+    old = measure.load_or_measure(cache)
+    del old["fusion_bytes_per_s"]  # written before the fusion benchmark existed
+    cache.write_text(json.dumps(old))
+    assert "fusion_bytes_per_s" in measure.load_or_measure(cache) and len(fake_measure) == 2

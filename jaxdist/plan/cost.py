@@ -85,12 +85,15 @@ def predict(
     flops = cost.matmul_flops
     if hardware.fused_attention:  # a causal flash kernel skips the masked half of the scores
         flops -= CAUSAL_SKIP * cost.attention_flops
-    matmul_s = share * flops / hardware.matmul_flops_per_s
+    if hardware.matmul_curve and cost.dots:  # each matmul at the rate of its size (small ones run slower)
+        matmul_s = share * sum(calls * f / hardware.matmul_rate(f) for f, calls in cost.dots)
+    else:
+        matmul_s = share * flops / hardware.matmul_flops_per_s
     memory = cost.memory_bytes
     if not hardware.shared_host:  # a GPU: flash attention keeps the scores on chip; bf16 GEMMs need no f32 copies
         memory -= (cost.score_bytes if hardware.fused_attention else 0.0) + cost.layout_bytes
     memory_s = share * memory / (hardware.memory_bandwidth * hardware.memory_efficiency)
-    compute = matmul_s + memory_s
+    compute = matmul_s + memory_s + share * cost.op_executions * hardware.op_overhead_s
     crossing = node_split(mesh_shape, hardware.gpus_per_node)
     critical = hideable = 0.0
     for op in cost.collectives:

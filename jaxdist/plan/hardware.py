@@ -11,6 +11,7 @@ devices or processes that share the host's cores.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import yaml
@@ -44,6 +45,21 @@ class Hardware:
     overlap: float  # share of a loop's compute that can hide the loop's collectives
     shared_host: bool = False  # cpu-local: the devices share one host's cores
     sources: tuple[str, ...] = ()
+    op_overhead_s: float = 0.0  # per executed op (XLA:CPU's dispatch); GPUs: launches hide behind the queue
+    matmul_curve: tuple[tuple[float, float], ...] = ()  # (FLOPs per call, FLOP/s): small matmuls run slower
+
+    def matmul_rate(self, flops_per_call: float) -> float:
+        """Sustained FLOP/s of one matmul of this size (log-log interpolation of the curve)."""
+        curve = sorted(self.matmul_curve)
+        if not curve:
+            return self.matmul_flops_per_s
+        if flops_per_call <= curve[0][0]:
+            return curve[0][1]
+        for (f0, r0), (f1, r1) in zip(curve, curve[1:], strict=False):
+            if flops_per_call <= f1:
+                w = (math.log(flops_per_call) - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return math.exp((1 - w) * math.log(r0) + w * math.log(r1))
+        return curve[-1][1]
 
     @property
     def matmul_flops_per_s(self) -> float:
@@ -79,8 +95,8 @@ def load_hardware(key: str, *, gpus_per_node: int | None = None) -> Hardware:
 
 
 def cpu_local(profile: dict | None = None) -> Hardware:
-    """This host as a profile: fp32 (XLA:CPU's compute dtype), its measured matmul rate and
-    memory bandwidth, fake devices (one process) as the "node" and gloo between processes
+    """This host as a profile: fp32 (XLA:CPU's compute dtype), its measured matmul rates (by
+    size) and the bandwidth its memory-bound fusions sustain, fake devices (one process) as the "node" and gloo between processes
     as the link across nodes. No fused attention and no overlap on XLA:CPU."""
     if profile is None:
         from jaxdist.plan.measure import load_or_measure
@@ -96,7 +112,7 @@ def cpu_local(profile: dict | None = None) -> Hardware:
         peak_flops=profile["matmul_flops_per_s"],
         matmul_efficiency=1.0,
         memory_bytes=_host_memory(),
-        memory_bandwidth=profile["memory_bytes_per_s"],
+        memory_bandwidth=profile.get("fusion_bytes_per_s", profile["memory_bytes_per_s"]),  # what real fusions sustain
         memory_efficiency=1.0,
         gpus_per_node=1 << 30,  # one process holds all its fake devices; set per run
         intra_node=link("fake_device_collective_"),
@@ -104,6 +120,8 @@ def cpu_local(profile: dict | None = None) -> Hardware:
         fused_attention=False,
         overlap=0.0,
         shared_host=True,
+        op_overhead_s=profile.get("op_overhead_s", 0.0),
+        matmul_curve=tuple(tuple(p) for p in profile.get("matmul_curve", ())),
         sources=(f"measured {profile.get('measured_at', '?')} by python -m jaxdist.plan.measure",),
     )
 

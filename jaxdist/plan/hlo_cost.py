@@ -68,6 +68,8 @@ class ProgramCost:
     collectives: tuple[CollectiveOp, ...]
     loop_computations: frozenset[str]  # computations that run more than once per step
     f32_collectives: frozenset[str] = frozenset()  # names of the collectives that move f32
+    dots: tuple[tuple[float, float], ...] = ()  # (FLOPs of one matrix product, products per step) of every dot
+    op_executions: float = 0.0  # top-level ops executed per step (what a per-op dispatch cost multiplies)
 
     def is_f32(self, op: CollectiveOp) -> bool:
         return op.name in self.f32_collectives
@@ -87,6 +89,8 @@ class ProgramCost:
             "collectives": ops,
             "loop_computations": sorted(self.loop_computations),
             "f32_collectives": sorted(self.f32_collectives),
+            "dots": [list(d) for d in self.dots],
+            "op_executions": self.op_executions,
         }
 
     @classmethod
@@ -118,6 +122,18 @@ def _operand_shape(operand: str, module: HloModule) -> str:
         return operand.rsplit("%", 1)[0] if "%" in operand else operand
     name = _operand_name(operand)
     return module.shapes.get(name, "") if name else ""
+
+
+_BATCH_RE = re.compile(r"lhs_batch_dims=\{([0-9,]*)\}")
+
+
+def dot_batch(instruction: Instruction, module: HloModule) -> int:
+    """How many independent matrix products a dot is (the product of its batch dimensions)."""
+    match = _BATCH_RE.search(instruction.attributes)
+    lhs = dims(_operand_shape(instruction.operands[0], module)) if instruction.operands else []
+    if not match or not lhs or not match.group(1):
+        return 1
+    return max(math.prod(lhs[0][int(i)] for i in match.group(1).split(",") if i), 1)
 
 
 def dot_flops(instruction: Instruction, module: HloModule) -> float:
@@ -244,7 +260,7 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
             reducers.update(_REDUCER_RE.findall(i.attributes))
     with_dot = {name for name in fused if any(i.opcode in ("dot", "convolution") for i in module.computations.get(name, []))}
     matmul = attention_flops = memory = scores = layout = 0.0
-    f32 = set()
+    f32, dots, ops = set(), {}, 0.0
     for name, executions in counts.items():
         if name in reducers or not executions:
             continue
@@ -254,8 +270,11 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
             if tag or (tag is None and any(_operand_name(o) in attention for o in i.operands)):
                 attention.add(i.name)  # an unnamed op (a layout copy) inherits its operands' origin
             if i.opcode == "dot":
-                flops = executions * dot_flops(i, module)
+                one = dot_flops(i, module)
+                flops = executions * one
                 matmul += flops
+                batch = dot_batch(i, module)  # a batched dot is that many small matmuls (their rate is a small one's)
+                dots[one / batch] = dots.get(one / batch, 0) + executions * batch
                 # XLA:CPU drops the metadata of dots it fuses; a dot with batch dimensions is then
                 # attention's (scores or their weighted sum): the projections contract weights.
                 attention_flops += flops if tag or (tag is None and "lhs_batch_dims" in i.attributes) else 0.0
@@ -263,6 +282,7 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
                 f32.add(i.name)
             if name in fused or i.opcode in _NO_TRAFFIC or i.opcode.endswith("-done") or collective_kind(i.opcode):
                 continue
+            ops += executions
             if i.opcode == "dot" or (i.opcode == "fusion" and set(_CALLS_RE.findall(i.attributes)) & with_dot):
                 continue  # a matmul's operands and result are part of its (compute-bound) time
             traffic, shapes = _traffic(i, module)
@@ -272,4 +292,15 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
             elif _only_casts(i, module):
                 layout += executions * traffic
     loops = frozenset(name for name, n in counts.items() if n > 1)
-    return ProgramCost(matmul, attention_flops, memory, scores, layout, tuple(collective_ops(module, mesh_shape)), loops, frozenset(f32))
+    return ProgramCost(
+        matmul,
+        attention_flops,
+        memory,
+        scores,
+        layout,
+        tuple(collective_ops(module, mesh_shape)),
+        loops,
+        frozenset(f32),
+        tuple(sorted(dots.items())),
+        ops,
+    )

@@ -52,6 +52,7 @@ _PR_SET_PDEATHSIG = 1
 # collectives: all-reduce buffer bytes per device.
 FULL = {
     "matmul_sides": (1024, 2048),
+    "curve_sides": (32, 64, 128, 256, 512),
     "memory_bytes": 256 * 2**20,
     "collective_bytes": (4 * 2**10, 32 * 2**10, 256 * 2**10, 2 * 2**20, 16 * 2**20),
     "collective_repeats": 30,  # small gloo messages are noisy on a busy host: many repeats, median
@@ -60,6 +61,7 @@ FULL = {
 }
 QUICK = {
     "matmul_sides": (512, 1024),
+    "curve_sides": (64, 256),
     "memory_bytes": 64 * 2**20,
     "collective_bytes": (4 * 2**10, 256 * 2**10, 4 * 2**20),
     "collective_repeats": 10,
@@ -133,6 +135,51 @@ def measure_matmul(sides: Sequence[int], dtype: str, *, repeats: int, budget_s: 
         best, times = best_time(lambda a=a, b=b: dot(a, b).block_until_ready(), repeats=repeats, budget_s=budget_s)
         raw.append({"n": n, "dtype": dtype, "flops": 2.0 * n**3, "best_s": best, "times_s": times})
     return max(p["flops"] / p["best_s"] for p in raw), raw
+
+
+def measure_op_overhead(*, ops: int = 256, repeats: int, budget_s: float) -> tuple[float, dict[str, Any]]:
+    """Seconds per executed op: a jitted chain of ``ops`` dependent 8x8 matmuls with a tanh
+    (negligible arithmetic), divided by the ops the compiled program executes as the cost
+    model counts them (``hlo_cost.program_cost``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdist.plan.hlo_cost import program_cost
+
+    def chain(x):
+        for _ in range(ops):
+            x = jnp.tanh(x @ x)
+        return x
+
+    x = jnp.eye(8, dtype=jnp.float32) * 0.5
+    compiled = jax.jit(chain).lower(x).compile()
+    executed = max(program_cost(compiled.as_text()).op_executions, 1.0)
+    best, times = best_time(lambda: compiled(x).block_until_ready(), repeats=repeats, budget_s=budget_s)
+    return best / executed, {"chain": ops, "ops_executed": executed, "best_s": best, "times_s": times}
+
+
+def measure_fusions(*, repeats: int, budget_s: float) -> tuple[float, list[dict[str, Any]]]:
+    """Bytes/s (read + written) XLA:CPU sustains on the memory-bound ops a training step is
+    made of: a scale-and-shift, a transpose and a softmax-like exp of a max-shifted row, on
+    activation-sized arrays (1 and 8 MB). Their geometric mean: streaming copies alone run
+    several times faster than transposes and transcendentals do."""
+    import jax
+    import jax.numpy as jnp
+
+    ops = {
+        "scale": lambda x: x * 1.0001 + 1.0,
+        "transpose": lambda x: jnp.swapaxes(x, -1, -2) * 2.0,
+        "softmax-like": lambda x: jnp.exp(x - x.max(-1, keepdims=True)),
+    }
+    raw = []
+    for shape in ((2048, 128), (16, 8, 128, 128)):
+        x = jnp.ones(shape, jnp.float32)
+        for name, fn in ops.items():
+            compiled = jax.jit(fn).lower(x).compile()
+            best, _ = best_time(lambda c=compiled, x=x: c(x).block_until_ready(), repeats=max(repeats, 20), budget_s=budget_s)
+            raw.append({"op": name, "shape": list(shape), "bytes": 2 * x.size * 4, "best_s": best})
+    rate = math.exp(sum(math.log(p["bytes"] / p["best_s"]) for p in raw) / len(raw))
+    return rate, raw
 
 
 def measure_memory(nbytes: int, *, repeats: int, budget_s: float) -> tuple[float, dict[str, Any]]:
@@ -367,6 +414,10 @@ def measure_host(*, quick: bool = False, processes: int = 2, timeout_s: float = 
     t_start = time.perf_counter()
     reps = {"repeats": cfg["repeats"], "budget_s": cfg["budget_s"]}
     f32, raw_f32 = measure_matmul(cfg["matmul_sides"], "float32", **reps)
+    # small matmuls run far below the peak on a CPU: the rate per call size, for the cost model
+    _, raw_curve = measure_matmul(cfg["curve_sides"], "float32", **reps)
+    overhead, raw_overhead = measure_op_overhead(**reps)
+    fusions, raw_fusions = measure_fusions(**reps)
     bf16, raw_bf16 = measure_matmul(cfg["matmul_sides"], "bfloat16", **reps)
     mem, raw_mem = measure_memory(cfg["memory_bytes"], **reps)
     coll = {"repeats": cfg["collective_repeats"], "timeout_s": timeout_s}
@@ -376,6 +427,9 @@ def measure_host(*, quick: bool = False, processes: int = 2, timeout_s: float = 
         "name": "cpu-local",
         "matmul_flops_per_s": f32,
         "matmul_flops_per_s_bf16": bf16,
+        "matmul_curve": [[p["flops"], p["flops"] / p["best_s"]] for p in raw_curve + raw_f32],
+        "op_overhead_s": overhead,
+        "fusion_bytes_per_s": fusions,
         "memory_bytes_per_s": mem,
         "collective_latency_s": lat,
         "collective_bytes_per_s": bw,
@@ -390,7 +444,9 @@ def measure_host(*, quick: bool = False, processes: int = 2, timeout_s: float = 
         "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "measure_s": time.perf_counter() - t_start,
         "raw": {
-            "matmul": raw_f32 + raw_bf16,
+            "matmul": raw_f32 + raw_bf16 + raw_curve,
+            "op_overhead": raw_overhead,
+            "fusions": raw_fusions,
             "memory": raw_mem,
             # [buffer bytes per device, median seconds]; the fits use ring wire bytes
             "all_reduce_gloo": raw_gloo,
@@ -415,6 +471,8 @@ def _cached(path: Path, quick: bool) -> dict[str, Any] | None:
     if not isinstance(profile, dict) or profile.get("host") != host_string() or profile.get("cores") != cpu_count():
         return None
     if profile.get("quick") and not quick:
+        return None
+    if any(key not in profile for key in ("matmul_curve", "op_overhead_s", "fusion_bytes_per_s")):  # from an older jaxdist: measure again
         return None
     return profile
 

@@ -139,7 +139,7 @@ def cache_dir() -> Path:
 def cache_key(config: Config) -> str:
     import jax
 
-    payload = json.dumps({"config": config.to_dict(), "jax": jax.__version__, "format": 3}, sort_keys=True)
+    payload = json.dumps({"config": config.to_dict(), "jax": jax.__version__, "format": 5}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
