@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import sysconfig
+from pathlib import Path
 
 import jax
 from flax import nnx
@@ -13,6 +15,10 @@ from jaxdist.mesh import mesh_device_count, parse_mesh
 from jaxdist.models.llama import Llama
 from jaxdist.run import build_trainer, resolve_vocab, run
 from jaxdist.weights import checkpoint_config, find_checkpoint, restore_params
+
+# Real text, but the 5 files of the stdlib's json package (~50 KB) rather than the whole
+# standard library: every process a test starts tokenizes its corpus (~4 s of CPU for 31M tokens).
+SMALL_TEXT = ("data.source=text", f"data.path={Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}")
 
 # A tiny decoder whose heads split 4 ways (tensor=4) and whose batch splits 8 ways.
 TINY = (

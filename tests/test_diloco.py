@@ -18,12 +18,20 @@ from jaxdist.analyze import build_report, compile_train_step
 from jaxdist.config import load_config
 from jaxdist.mesh import mesh_device_count, parse_mesh
 from jaxdist.parallel import diloco
-from jaxdist.run import run
+from jaxdist.run import enable_compile_cache, run
 
-from helpers import TINY
+from helpers import SMALL_TEXT, TINY
 
 SGD = ("train.optimizer=sgd", "train.momentum=0", "train.grad_clip=0", "train.warmup_steps=0", "train.lr=0.5")
 PLAIN_OUTER = ("parallel.diloco_inner_steps=1", "parallel.diloco_outer_lr=1", "parallel.diloco_outer_momentum=0")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """XLA's persistent compilation cache in this process (as any run with a run directory
+    turns it on; an earlier one is kept): a program compiled twice here, such as a run's
+    train step and the same step in a report, compiles once."""
+    return enable_compile_cache(load_config(None, []), tmp_path_factory.mktemp("compile_cache"))
 
 
 def _run(mesh: str, *overrides: str, steps: int, run_dir=None):
@@ -99,12 +107,13 @@ def test_two_replicas_every_20_steps_train_like_ddp():
     ddp = _run("data=2", *common, steps=600).eval_losses[600]
     dl = _run("replica=2", *common, *outer, steps=600).eval_losses[600]
     assert dl < ddp * 1.05, (dl, ddp)
-    ddp_bytes = _report("data=2")["collectives_by_axes"]["data"]["wire_bytes"]
-    dl_bytes = _report("replica=2", *outer)["diloco"]["cross_replica_wire_bytes_per_step"]
+    # The runs' own configs (steps included): their compiled steps come back from the compilation cache.
+    ddp_bytes = _report("data=2", "train.steps=600", *common)["collectives_by_axes"]["data"]["wire_bytes"]
+    dl_bytes = _report("replica=2", "train.steps=600", *common, *outer)["diloco"]["cross_replica_wire_bytes_per_step"]
     assert dl_bytes / ddp_bytes == pytest.approx(1 / 20, rel=0.1)
 
 
-ROUND = ("parallel.diloco_inner_steps=3", "checkpoint.every_steps=100")
+ROUND = ("parallel.diloco_inner_steps=3", "checkpoint.every_steps=100", *SMALL_TEXT)
 LINK = ("parallel.replica_link_latency_ms=40", "parallel.replica_link_gbps=1")
 
 

@@ -25,13 +25,13 @@ from jaxdist.mesh import parse_mesh
 from jaxdist.preemption import EXIT_PREEMPTED
 from jaxdist.run import run
 
-from helpers import TINY
+from helpers import SMALL_TEXT, TINY
 
 pytestmark = pytest.mark.heavy
 
 MESH = "data=-1,tensor=2"  # 2 devices per process: data = nproc; 3 does not divide the batch of 8
 STEPS = 20
-OVERRIDES = (*TINY, "train.global_batch=8", f"train.steps={STEPS}", "checkpoint.every_steps=4")
+OVERRIDES = (*TINY, *SMALL_TEXT, "train.global_batch=8", f"train.steps={STEPS}", "checkpoint.every_steps=4")
 
 
 def _config(mesh: str = MESH, *extra: str):

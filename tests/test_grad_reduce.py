@@ -7,6 +7,8 @@ plain sum of the per-device gradients, XLA's compiled program, an uninterrupted 
 import json
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +20,19 @@ from jaxdist.config import load_config
 from jaxdist.launch import free_port
 from jaxdist.mesh import build_mesh, mesh_device_count, parse_mesh
 from jaxdist.parallel.grad_reduce import ReducePlan, reduce_gradients
-from jaxdist.run import build_trainer, run
+from jaxdist.run import build_trainer, enable_compile_cache, run
 
 from helpers import TINY, train_losses
 
 MODES = {"float32": (), "bfloat16": (), "int8": (), "topk": ()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """XLA's persistent compilation cache in this process (as any run with a run directory
+    turns it on; an earlier one is kept): the runs of each reduction mode compile their
+    shared programs, the parameter init above all (~7 s on CPU), once."""
+    return enable_compile_cache(load_config(None, []), tmp_path_factory.mktemp("compile_cache"))
 
 
 def _config(mesh: str, *overrides: str):
@@ -58,11 +68,12 @@ def _flat(tree) -> np.ndarray:
 def test_gradients_match_float32_within_the_compression_error(capsys):
     """FSDP x TP: one step's gradients against GSPMD's fp32 reduction; topk with fraction 1
     keeps every entry, so it must be exact. (Plain DP is the convergence test's layout.)"""
-    mesh, grads = "data=2,fsdp=2,tensor=2", {}
+    mesh, grads, params = "data=2,fsdp=2,tensor=2", {}, None
     for mode in ("float32", "int8", "topk;parallel.grad_topk_fraction=1.0"):  # bf16: see the convergence test
         trainer = build_trainer(_config(mesh, *f"parallel.grad_reduce={mode}".split(";")), parse_mesh(mesh))
-        state = trainer.init_state(0)
-        _, grads[mode.split(";")[0]] = jax.jit(trainer.loss_and_grads)(state.params, _batch(trainer))
+        if params is None:  # one init (the modes lay the parameters out alike): every mode at the same point
+            params = trainer.init_state(0).params
+        _, grads[mode.split(";")[0]] = jax.jit(trainer.loss_and_grads)(params, _batch(trainer))
     reference = _flat(grads["float32"])
     error = {mode: np.linalg.norm(_flat(g) - reference) / np.linalg.norm(reference) for mode, g in grads.items()}
     assert error["topk"] < 1e-6, error
@@ -179,6 +190,8 @@ def test_dcn_compression_on_two_processes(tmp_path):
         "--profile-steps",
         "2:2",
         *TINY,
+        "data.source=text",  # 5 files, not the whole standard library: each process tokenizes its corpus
+        f"data.path={Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}",
         "parallel.strategy=dp",
         "parallel.grad_reduce=int8",
         "parallel.compress_axes=dcn",

@@ -16,7 +16,7 @@ from jaxdist.errors import NonFiniteLoss
 from jaxdist.mesh import parse_mesh
 from jaxdist.run import build_trainer, run
 
-from helpers import TINY
+from helpers import SMALL_TEXT, TINY
 
 CONTRACT_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "data_wait_s", "mfu"}
 
@@ -198,7 +198,8 @@ def test_logged_mfu_matches_a_hand_computation(tmp_path):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", "data=2", "--steps", "2", *TINY[:-1], "checkpoint.every_steps=0", *args]
+    cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", "data=2", "--steps", "2", *TINY[:-1], "checkpoint.every_steps=0"]
+    cmd += [*SMALL_TEXT, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
