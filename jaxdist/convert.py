@@ -7,46 +7,35 @@
 one tensor at a time and writes each parameter straight into its shards (FSDP over the
 local devices), in the source dtype: converting needs about one layer-stacked tensor of
 host memory beyond the output. The tokenizer and the source config are kept in
-``OUT/hf_source`` (the config points ``data.tokenizer`` there), so ``to-hf`` of a run
-fine-tuned from OUT writes them back. Nothing is downloaded. Every check happens before
-OUT is created; a failure while writing removes what was written.
+``OUT/hf_source`` (the config points ``data.tokenizer`` there, relative to OUT, so the
+folder can move), so ``to-hf`` of a run fine-tuned from OUT writes them back. Nothing is
+downloaded. Every file is resolved inside HF_DIR (``jaxdist.hf_files``); the config's
+sizes are checked against the tensors the safetensors headers list, each tensor's shape
+against the config, before anything is built; OUT is created after every check, and a
+failure while writing removes what was written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, OneLineArgumentParser
+from jaxdist.hf_files import SOURCE_DIR, TOKENIZER_FILES, inside, optional_file, read_json, source_dir
 
-SOURCE_DIR = "hf_source"  # OUT/hf_source: the tokenizer files and config.json of the imported model
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-)
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_DTYPES = ("F32", "BF16", "F16")  # safetensors' names of the dtypes a Llama's weights come in
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise JaxdistError(f"{path}: no such file") from None
-    except (OSError, ValueError) as e:
-        raise JaxdistError(f"{path}: unreadable JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise JaxdistError(f"{path}: expected a JSON object")
-    return data
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,55 +44,87 @@ def _read_json(path: Path) -> dict:
 
 class SafetensorsReader:
     """The tensors of a Hugging Face directory (one file, or shards listed by the index),
-    read one at a time, with a progress bar."""
+    every file resolved inside the directory; their headers (names, shapes, dtypes) are
+    read up front, the tensors one at a time with a progress bar."""
 
-    def __init__(self, hf_dir: Path, needed: list[str], progress: bool = True):
-        from tqdm import tqdm
-
-        self.files = self._locate(hf_dir, needed)
-        self.bar = tqdm(total=len(needed), desc="from-hf", unit="tensor", disable=not progress, file=sys.stderr)
+    def __init__(self, hf_dir: Path, progress: bool = True):
+        self.hf_dir = hf_dir
+        self.files = self._locate(hf_dir)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        self._read_headers()
+        self.progress, self.bar = progress, None
 
     @staticmethod
-    def _locate(hf_dir: Path, needed: list[str]) -> dict[str, Path]:
+    def _locate(hf_dir: Path) -> dict[str, Path | None]:
+        """Tensor name -> its file, resolved inside ``hf_dir`` (None: from the single file's header)."""
+        index = optional_file(hf_dir, INDEX)
+        if index is not None:
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise JaxdistError(f"{index}: no weight_map of tensor names to file names")
+            resolved = {file: inside(hf_dir, file) for file in sorted(set(weight_map.values()))}  # an entry out of HF_DIR fails here
+            missing_files = sorted(file for file, path in resolved.items() if not path.is_file())
+            if missing_files:
+                raise JaxdistError(f"{hf_dir}: missing shard(s) {', '.join(missing_files[:3])} listed in {INDEX}")
+            return {name: resolved[file] for name, file in weight_map.items()}
+        single = sorted(hf_dir.glob("*.safetensors"))
+        if not single:
+            raise JaxdistError(f"{hf_dir}: no *.safetensors files (and no {INDEX})")
+        if len(single) > 1:
+            raise JaxdistError(f"{hf_dir}: {len(single)} safetensors files but no {INDEX} to say which tensor is where")
+        return {"": optional_file(hf_dir, single[0].name)}  # names come from its header
+
+    def _read_headers(self) -> None:
         from safetensors import safe_open
 
-        index = hf_dir / INDEX
-        if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise JaxdistError(f"{index}: no weight_map")
-            files = {name: hf_dir / file for name, file in weight_map.items()}
-        else:
-            single = sorted(hf_dir.glob("*.safetensors"))
-            if not single:
-                raise JaxdistError(f"{hf_dir}: no *.safetensors files (and no {INDEX})")
-            if len(single) > 1:
-                raise JaxdistError(f"{hf_dir}: {len(single)} safetensors files but no {INDEX} to say which tensor is where")
-            with safe_open(single[0], framework="numpy") as f:
-                files = dict.fromkeys(f.keys(), single[0])
-        missing_files = sorted({p.name for p in files.values() if not p.is_file()})
-        if missing_files:
-            raise JaxdistError(f"{hf_dir}: missing shard(s) {', '.join(missing_files[:3])} listed in {INDEX}")
-        missing = [n for n in needed if n not in files]
-        if missing:
-            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-            raise JaxdistError(f"{hf_dir}: tensors missing from the checkpoint: {', '.join(missing[:3])}{more}")
-        return files
+        by_file: dict[Path, list[str]] = {}
+        for name, path in self.files.items():
+            by_file.setdefault(path, []).append(name)
+        located: dict[str, Path] = {}
+        for path, names in by_file.items():
+            try:
+                with safe_open(path, framework="numpy") as f:
+                    keys = set(f.keys())
+                    listed = sorted(keys) if names == [""] else names
+                    for name in listed:
+                        if name not in keys:
+                            raise JaxdistError(f"{path}: has no tensor {name} ({INDEX} says it does)")
+                        view = f.get_slice(name)
+                        self.shapes[name], self.dtypes[name] = tuple(view.get_shape()), view.get_dtype()
+                        located[name] = path
+            except JaxdistError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a truncated or garbage header is one line
+                raise JaxdistError(f"{path}: unreadable safetensors file ({_first_line(e)})") from None
+        self.files = located
+
+    def check_dtypes(self, names: list[str]) -> None:
+        for name in names:
+            if self.dtypes[name] not in WEIGHT_DTYPES:
+                raise JaxdistError(f"{self.files[name]}: tensor {name} is {self.dtypes[name]}; Llama weights are F32, BF16 or F16")
 
     def __call__(self, name: str):
         from safetensors import safe_open
 
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=len(self.shapes), desc="from-hf", unit="tensor", disable=not self.progress, file=sys.stderr)
         path = self.files[name]
         try:  # opened per tensor: an open file's memory-mapped pages would stay resident
             with safe_open(path, framework="numpy") as f:
                 tensor = f.get_tensor(name)
         except Exception as e:  # noqa: BLE001 - a corrupt shard is one line
-            raise JaxdistError(f"{path}: unreadable safetensors file ({(str(e).splitlines() or [type(e).__name__])[0][:200]})") from None
+            raise JaxdistError(f"{path}: unreadable safetensors file ({_first_line(e)})") from None
+        if tuple(tensor.shape) != self.shapes[name]:  # checked against the config before; the file changed since
+            raise JaxdistError(f"{path}: tensor {name} is {tuple(tensor.shape)}, its header said {self.shapes[name]}")
         self.bar.update(1)
         return tensor
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _source_tokenizer(hf_dir: Path) -> str | None:
@@ -111,12 +132,12 @@ def _source_tokenizer(hf_dir: Path) -> str | None:
     from jaxdist.data.tokenizers import load_tokenizer
 
     for name in ("tokenizer.json", "tokenizer.model"):
-        if (hf_dir / name).is_file():
+        if optional_file(hf_dir, name) is not None:  # checked inside HF_DIR; loaded by its name (a hub cache's blobs have no suffix)
             load_tokenizer(hf_dir / name)  # an unreadable or unknown tokenizer fails here, before OUT exists
             return name
-    config = hf_dir / "tokenizer_config.json"
-    if config.is_file():
-        kind = _read_json(config).get("tokenizer_class", "?")
+    config = optional_file(hf_dir, "tokenizer_config.json")
+    if config is not None:
+        kind = read_json(config).get("tokenizer_class", "?")
         raise JaxdistError(f"{hf_dir}: tokenizer {kind} has no tokenizer.json or tokenizer.model that jaxdist can read")
     return None
 
@@ -144,13 +165,20 @@ def _to_device(source, want, sharding, name: str, in_place: bool | None = None):
         # one host stack, copied once, costs less there.
         stack = np.empty(want.shape, first.dtype)
         for i in range(source.layers):
-            stack[i] = first if i == 0 else source.layer(i)
+            stack[i] = first if i == 0 else _same_shape(source.layer(i), first, name, i)
         return jax.make_array_from_callback(stack.shape, sharding, lambda index: stack[index])
     stack = jax.jit(lambda: jnp.zeros(want.shape, first.dtype), out_shardings=sharding)()
     put = jax.jit(lambda stack, layer, i: stack.at[i].set(layer), donate_argnums=0, out_shardings=sharding)
     for i in range(source.layers):
-        stack = put(stack, first if i == 0 else source.layer(i), i)
+        stack = put(stack, first if i == 0 else _same_shape(source.layer(i), first, name, i), i)
     return stack
+
+
+def _same_shape(layer, first, name: str, i: int):
+    """Layer ``i`` of a stack, refused unless shaped as layer 0 (assignment would broadcast it)."""
+    if layer.shape != first.shape:
+        raise JaxdistError(f"{name}: layer {i} is {layer.shape}, layer 0 is {first.shape}")
+    return layer
 
 
 def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Path:
@@ -159,8 +187,8 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
     from flax import nnx
 
     from jaxdist.config import Config
+    from jaxdist.hf_llama import check_tensors, model_config_from_hf
     from jaxdist.hf_llama import from_hf as hf_params
-    from jaxdist.hf_llama import hf_tensor_names, model_config_from_hf
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.models.llama import Llama, count_params
     from jaxdist.sharding import resolve_strategy, rules_for, tree_shardings
@@ -170,15 +198,23 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
         raise JaxdistError(f"{hf_dir}: not a directory")
     if out.exists() and any(out.iterdir()):
         raise JaxdistError(f"{out} already exists and is not empty; choose a new output directory")
-    model = model_config_from_hf(_read_json(hf_dir / "config.json"), str(hf_dir / "config.json"))
+    # Every check reads only config.json and the safetensors headers: nothing is built or written before they pass.
+    config_file = optional_file(hf_dir, "config.json")
+    if config_file is None:
+        raise JaxdistError(f"{hf_dir / 'config.json'}: no such file")
+    model = model_config_from_hf(read_json(config_file), str(hf_dir / "config.json"))
+    kept = {name: path for name in (*TOKENIZER_FILES, "config.json") if (path := optional_file(hf_dir, name)) is not None}
     tokenizer = _source_tokenizer(hf_dir)
-    reader = SafetensorsReader(hf_dir, hf_tensor_names(model), progress)
+    reader = SafetensorsReader(hf_dir, progress)
+    check_tensors(model, reader.shapes, str(hf_dir), str(hf_dir / "config.json"))
+    reader.check_dtypes(list(reader.shapes))
 
-    config = Config(name=hf_dir.name or "hf")
+    config = Config(name=re.sub(r"[^A-Za-z0-9._-]+", "-", hf_dir.name).strip(".-") or "hf")  # a name must be one path component
     config.model = model
     if tokenizer:
-        config.data.tokenizer = str((out / SOURCE_DIR / tokenizer).absolute())
-    else:
+        config.data.tokenizer = f"{SOURCE_DIR}/{tokenizer}"  # relative to OUT: the converted folder can move
+    else:  # no tokenizer: token ids in and out, which is what data.source=tokens says
+        config.data.source = "tokens"
         log(f"jaxdist: {hf_dir} has no tokenizer: the converted model takes token ids (generate --prompt-ids, data.source=tokens)")
     devices = jax.devices()
     sizes = parse_mesh(f"fsdp={len(devices)}")
@@ -192,16 +228,20 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
             flat[path] = flat[path].replace(_to_device(source, flat[path], shardings[path].get_value(), f"{hf_dir}: {'/'.join(path)}"))
         reader.close()
         out.mkdir(parents=True, exist_ok=True)
-        if tokenizer or (hf_dir / "config.json").is_file():
-            (out / SOURCE_DIR).mkdir()
-            for name in (*TOKENIZER_FILES, "config.json"):
-                if (hf_dir / name).is_file():
-                    shutil.copy2(hf_dir / name, out / SOURCE_DIR / name)
+        (out / SOURCE_DIR).mkdir()
+        for name, path in kept.items():  # the resolved files (checked to be inside HF_DIR), not the links
+            shutil.copyfile(path, out / SOURCE_DIR / name)
         step_dir = save_weights(out, nnx.from_flat_state(flat), config)
     except BaseException:
         reader.close()
         if created:
             shutil.rmtree(out, ignore_errors=True)
+        elif out.is_dir():  # it was empty: empty it again
+            for child in out.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
         raise
     vocab = f"vocab {model.valid_vocab or model.vocab_size}" + (f" (padded to {model.vocab_size})" if model.valid_vocab else "")
     log(f"jaxdist: converted {hf_dir} -> {step_dir}: {count_params(model) / 1e6:.1f}M params, {vocab}; config {out / 'config.yaml'}")
@@ -210,16 +250,6 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
 
 # ---------------------------------------------------------------------------------------------
 # to-hf
-
-
-def _source_files(config, step_dir: Path) -> Path | None:
-    """The imported model's ``hf_source`` directory: beside a converted checkpoint, or for a
-    run fine-tuned from one, where its tokenizer path points."""
-    beside = step_dir.parent.parent / SOURCE_DIR
-    if beside.is_dir():
-        return beside
-    folder = Path(config.data.tokenizer).parent if config.data.tokenizer else None
-    return folder if folder is not None and folder.name == SOURCE_DIR and folder.is_dir() else None
 
 
 def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto", log=print) -> Path:
@@ -240,8 +270,10 @@ def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto", log=print) -> Pat
         raise JaxdistError(f"checkpoint {step_dir}: model.kind {config.model.kind!r} is not a Llama")
     if out.exists() and any(out.iterdir()):
         raise JaxdistError(f"{out} already exists and is not empty; choose a new output directory")
-    source = _source_files(config, step_dir)
-    source_config = _read_json(source / "config.json") if source and (source / "config.json").is_file() else {}
+    source = source_dir(config, step_dir)
+    kept = {name: path for name in TOKENIZER_FILES if source and (path := optional_file(source, name))}  # nothing from outside it
+    source_config_file = optional_file(source, "config.json") if source else None
+    source_config = read_json(source_config_file) if source_config_file else {}
     if dtype == "auto":
         dtype = str(source_config.get("torch_dtype") or source_config.get("dtype") or "float32")
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(dtype)
@@ -294,10 +326,9 @@ def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto", log=print) -> Pat
         (out / "config.json").write_text(json.dumps(hf, indent=2))
         copied = []
         if source is not None:
-            for name in TOKENIZER_FILES:
-                if (source / name).is_file():
-                    shutil.copy2(source / name, out / name)
-                    copied.append(name)
+            for name, path in kept.items():
+                shutil.copyfile(path, out / name)
+                copied.append(name)
         elif config.data.tokenizer and Path(config.data.tokenizer).suffix == ".json" and Path(config.data.tokenizer).is_file():
             shutil.copy2(config.data.tokenizer, out / "tokenizer.json")
             copied.append("tokenizer.json")

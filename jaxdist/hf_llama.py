@@ -19,6 +19,7 @@ Pure numpy; ``jaxdist.convert`` does the reading, sharding and writing. Layouts:
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -46,42 +47,61 @@ def model_config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise _fail(source, f"{flag} is true: jaxdist's Llama has no biases")
+    d, heads = _positive_int(hf, "hidden_size", source), _positive_int(hf, "num_attention_heads", source)
+    kv_heads = _positive_int(hf, "num_key_value_heads", source, default=heads)
+    head_dim = _positive_int(hf, "head_dim", source, default=d // heads or None)  # Hugging Face's default
     try:
-        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         cfg = ModelConfig(
             kind="llama",
             d_model=d,
-            n_layers=int(hf["num_hidden_layers"]),
+            n_layers=_positive_int(hf, "num_hidden_layers", source),
             n_heads=heads,
-            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or d // heads),
-            mlp_dim=int(hf["intermediate_size"]),
+            n_kv_heads=kv_heads,
+            head_dim=head_dim,
+            mlp_dim=_positive_int(hf, "intermediate_size", source),
             rope_theta=float(hf.get("rope_theta", 10000.0)),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
-        vocab = int(hf["vocab_size"])
-    except KeyError as e:
-        raise _fail(source, f"missing field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise _fail(source, f"malformed field ({e})") from None
+    vocab = _positive_int(hf, "vocab_size", source)
     if cfg.n_heads % cfg.n_kv_heads:
         raise _fail(source, f"num_attention_heads {cfg.n_heads} is not a multiple of num_key_value_heads {cfg.n_kv_heads}")
     cfg.vocab_size = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     cfg.valid_vocab = vocab if cfg.vocab_size != vocab else 0
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise _fail(source, f"rope_scaling {scaling!r} is not a mapping")
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "llama3":
-        cfg.rope_scaling_factor = float(scaling["factor"])
-        cfg.rope_low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-        cfg.rope_high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-        cfg.rope_original_max_len = int(scaling.get("original_max_position_embeddings", 8192))
-        cfg.rope_theta = float(scaling.get("rope_theta", cfg.rope_theta))
-    elif rope_type != "default":
-        raise _fail(source, f"rope_scaling type {rope_type!r} is not supported (default and llama3 are)")
-    elif scaling and "rope_theta" in scaling:  # transformers >= 5 keeps rope_theta in rope_parameters
-        cfg.rope_theta = float(scaling["rope_theta"])
+    try:
+        if rope_type == "llama3":
+            cfg.rope_scaling_factor = float(scaling["factor"])
+            cfg.rope_low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+            cfg.rope_high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+            cfg.rope_original_max_len = int(scaling.get("original_max_position_embeddings", 8192))
+            cfg.rope_theta = float(scaling.get("rope_theta", cfg.rope_theta))
+        elif rope_type != "default":
+            raise _fail(source, f"rope_scaling type {rope_type!r} is not supported (default and llama3 are)")
+        elif scaling and "rope_theta" in scaling:  # transformers >= 5 keeps rope_theta in rope_parameters
+            cfg.rope_theta = float(scaling["rope_theta"])
+    except KeyError as e:
+        raise _fail(source, f"rope_scaling lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise _fail(source, f"malformed rope_scaling ({e})") from None
     return cfg
+
+
+def _positive_int(hf: dict, key: str, source: str, default: int | None = None) -> int:
+    """A size field: a JSON integer >= 1 (``default`` when absent or null)."""
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise _fail(source, f"missing field {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _fail(source, f"{key} {value!r} is not a positive integer")
+    return value
 
 
 def hf_config(cfg: ModelConfig, *, dtype: str, max_positions: int, extra: dict | None = None) -> dict:
@@ -130,21 +150,53 @@ def _layer(i: int, name: str) -> str:
     return f"model.layers.{i}.{name}"
 
 
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of ``cfg`` has, with the shape Hugging Face
+    gives it (``nn.Linear`` weights [out, in]); the shapes ``LlamaForCausalLM`` loads."""
+    d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.resolved_mlp_dim
+    vocab = cfg.valid_vocab or cfg.vocab_size
+    per_layer = {
+        "self_attn.q_proj.weight": (h * hd, d),
+        "self_attn.k_proj.weight": (kv * hd, d),
+        "self_attn.v_proj.weight": (kv * hd, d),
+        "self_attn.o_proj.weight": (d, h * hd),
+        "mlp.gate_proj.weight": (f, d),
+        "mlp.up_proj.weight": (f, d),
+        "mlp.down_proj.weight": (d, f),
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+    }
+    shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
+    shapes |= {_layer(i, name): shape for i in range(cfg.n_layers) for name, shape in per_layer.items()}
+    return shapes if cfg.tie_embeddings else {**shapes, "lm_head.weight": (vocab, d)}
+
+
 def hf_tensor_names(cfg: ModelConfig) -> list[str]:
     """Every tensor a Hugging Face checkpoint of ``cfg`` has."""
-    per_layer = [
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-    ]
-    names = ["model.embed_tokens.weight", "model.norm.weight", *(_layer(i, n) for i in range(cfg.n_layers) for n in per_layer)]
-    return names if cfg.tie_embeddings else [*names, "lm_head.weight"]
+    return list(hf_tensor_shapes(cfg))
+
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_tensors(cfg: ModelConfig, present: dict[str, tuple[int, ...]], source: str, config_source: str = "config.json") -> None:
+    """Raise (one line, naming the tensor) unless the checkpoint's tensors (name -> shape,
+    from the safetensors headers) are the ones ``cfg`` describes, each in its shape.
+
+    The layer count is checked against the layers present first, so an absurd
+    ``num_hidden_layers`` fails without building a list of that many names."""
+    layers = {int(m[1]) for name in present if (m := _LAYER_INDEX.match(name))}
+    if cfg.n_layers != len(layers) or layers != set(range(len(layers))):
+        found = f"layers {min(layers)}..{max(layers)}" if layers else "no layers"
+        raise _fail(config_source, f"num_hidden_layers is {cfg.n_layers}, but the checkpoint holds {found} ({len(layers)} in all)")
+    want = hf_tensor_shapes(cfg)
+    missing = [name for name in want if name not in present]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise _fail(source, f"tensors missing from the checkpoint: {', '.join(missing[:3])}{more}")
+    for name, shape in want.items():
+        if tuple(present[name]) != shape:
+            raise _fail(source, f"tensor {name} has shape {tuple(present[name])}; {config_source} makes it {shape}")
 
 
 def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
