@@ -4,20 +4,38 @@ Explicit (``--coordinator HOST:PORT --num-processes N --process-id I``, or the
 ``JAXDIST_COORDINATOR`` / ``JAXDIST_NUM_PROCESSES`` / ``JAXDIST_PROCESS_ID`` variables
 that ``jaxdist.launch`` sets) or detected by JAX itself on SLURM, Open MPI and
 Kubernetes. A single process needs nothing. On CPU the processes talk through gloo.
+
+Process 0 runs JAX's coordination service, which authenticates nobody: whoever reaches
+its port can join the run, read or write the key-value store the collectives use, or
+shut the run down. So it listens on one address only, never on every interface as JAX
+would: ``--coordinator-bind ADDRESS`` (or ``JAXDIST_COORDINATOR_BIND``; the launcher sets
+127.0.0.1), else the address the coordinator's host name resolves to on process 0 (the
+node's cluster-internal address). ``0.0.0.0`` or ``::`` asks for every interface.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import ipaddress
 import os
 import socket
+import sys
 import time
 
 from jaxdist.errors import JaxdistError
 
 ENV_COORDINATOR = "JAXDIST_COORDINATOR"
+ENV_COORDINATOR_BIND = "JAXDIST_COORDINATOR_BIND"
 ENV_NUM_PROCESSES = "JAXDIST_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
+EXIT_PORT_TAKEN = 76  # process 0 found the coordinator's port taken: nothing ran; the launcher retries on another port
+
+
+class CoordinatorPortTaken(JaxdistError):
+    """The coordinator's address:port is in use by another program (one line, exit 76)."""
+
+    exit_code = EXIT_PORT_TAKEN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +44,7 @@ class ProcessGroup:
     num_processes: int | None
     process_id: int | None
     timeout_s: int = 300
+    bind: str | None = None  # the address process 0's coordinator listens on (None: its host's address)
 
 
 def _cluster_detected() -> bool:
@@ -38,12 +57,27 @@ def _cluster_detected() -> bool:
     return "JOBSET_NAME" in env and "KUBERNETES_SERVICE_HOST" in env
 
 
+def check_bind_host(host: str) -> str:
+    """A --coordinator-bind value: a host name or an IP address, without a port."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(bare)
+        return bare
+    except ValueError:
+        pass
+    if not bare or ":" in bare or any(c.isspace() for c in bare):
+        raise JaxdistError(f"--coordinator-bind {host!r}: expected an address or host name of this machine, without a port")
+    return bare
+
+
 def process_group_from(args) -> ProcessGroup | None:
     """Flags first, then jaxdist's environment variables, then cluster detection."""
     env = os.environ
     coordinator = args.coordinator or env.get(ENV_COORDINATOR)
     num = args.num_processes if args.num_processes is not None else env.get(ENV_NUM_PROCESSES)
     pid = args.process_id if args.process_id is not None else env.get(ENV_PROCESS_ID)
+    bind = getattr(args, "coordinator_bind", None) or env.get(ENV_COORDINATOR_BIND) or None
+    bind = check_bind_host(bind) if bind is not None else None
     timeout = args.dist_timeout
     if coordinator or num is not None or pid is not None:
         if not (coordinator and num is not None and pid is not None):
@@ -53,9 +87,9 @@ def process_group_from(args) -> ProcessGroup | None:
         num, pid = int(num), int(pid)
         if num < 1 or not 0 <= pid < num:
             raise JaxdistError(f"--process-id {pid} must be in [0, --num-processes {num})")
-        return ProcessGroup(coordinator, num, pid, timeout) if num > 1 else None
+        return ProcessGroup(coordinator, num, pid, timeout, bind) if num > 1 else None
     if _cluster_detected():
-        return ProcessGroup(None, None, None, timeout)
+        return ProcessGroup(None, None, None, timeout, bind)
     return None
 
 
@@ -65,12 +99,78 @@ def wait_for_coordinator(address: str, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((host, int(port)), timeout=1.0):
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
                 return True
         except OSError:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.2)
+
+
+def _detected(group: ProcessGroup) -> tuple[ProcessGroup, list[int] | None]:
+    """The coordinator address, process count, rank and local devices JAX would detect
+    (SLURM, Open MPI, Kubernetes), so that process 0 knows where its coordinator listens."""
+    from jax._src import clusters  # JAX's own detection: jax.distributed.initialize calls the same
+
+    coordinator, num, pid, local = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, group.timeout_s)
+    if coordinator is None or num is None or pid is None:
+        raise JaxdistError(
+            "JAX found no coordinator in this cluster's environment: pass --coordinator HOST:PORT, --num-processes, --process-id"
+        )
+    return dataclasses.replace(group, coordinator=coordinator, num_processes=int(num), process_id=int(pid)), local
+
+
+def bind_address(group: ProcessGroup) -> str:
+    """``ADDRESS:PORT`` for process 0's coordinator, checked free on this machine; raises
+    ``CoordinatorPortTaken`` when another program holds the port, ``JaxdistError`` when the
+    address is not one of this machine's."""
+    host, port = group.coordinator.rsplit(":", 1)
+    host, port = host.strip("[]"), int(port)
+    chosen = group.bind or host
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(chosen, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise JaxdistError(
+            f"coordinator address {chosen!r} does not resolve here ({e.strerror}); pass --coordinator-bind ADDRESS"
+        ) from None
+    address = sockaddr[0]
+    flag = "--coordinator-bind" if group.bind else f"--coordinator {group.coordinator}"
+    if ipaddress.ip_address(address).is_loopback and not _is_loopback_name(chosen):
+        print(
+            f"jaxdist: warning: {flag}: {chosen} is {address} (loopback) on this machine: processes on other machines "
+            "cannot reach it; pass --coordinator-bind with this node's cluster address",
+            file=sys.stderr,
+        )
+    _check_port_free(family, address, port, flag)
+    return f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
+
+
+def _is_loopback_name(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost" or host.endswith(".localhost")
+
+
+def _check_port_free(family: int, address: str, port: int, flag: str) -> None:
+    """Nothing listens on ADDRESS:PORT and it can be bound (sharing it, as gRPC does, with
+    the launcher's reservation of the port). A small window stays open until JAX binds."""
+    probe_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(address, address)
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        listening = sock.connect_ex((probe_host, port)) == 0
+    if listening:
+        raise CoordinatorPortTaken(f"coordinator port {port} on {address} is taken: another program listens there ({flag})")
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((address, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise CoordinatorPortTaken(f"coordinator port {port} on {address} is taken ({flag})") from None
+            raise JaxdistError(
+                f"the coordinator cannot listen on {address}:{port} ({e.strerror}); pass --coordinator-bind ADDRESS"
+            ) from None
 
 
 def initialize(group: ProcessGroup | None) -> None:
@@ -86,17 +186,26 @@ def initialize(group: ProcessGroup | None) -> None:
             f"process {group.process_id} of {group.num_processes} could not join the run at {group.coordinator} "
             f"within {group.timeout_s}s (nothing listens there; is process 0 running?)"
         )
+    local_devices = None
+    if group.coordinator is None:
+        group, local_devices = _detected(group)
+    # JAX would listen on every interface ([::]) and crashes (SIGSEGV) when a given address is
+    # taken, so process 0 picks the address and checks the port first.
+    bind = bind_address(group) if group.process_id == 0 else None
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
-    where = group.coordinator or "the cluster's coordinator"
     try:
         jax.distributed.initialize(
             coordinator_address=group.coordinator,
             num_processes=group.num_processes,
             process_id=group.process_id,
+            local_device_ids=local_devices,
             initialization_timeout=group.timeout_s,
+            coordinator_bind_address=bind,
         )
     except Exception as e:  # noqa: BLE001 - a connection failure surfaces as various runtime errors
-        who = f"process {group.process_id} of {group.num_processes}" if group.num_processes else "this process"
+        who = f"process {group.process_id} of {group.num_processes}"
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise JaxdistError(f"{who} could not join the run at {where} within {group.timeout_s}s ({reason})") from None
+        if "Failed to start RPC server" in reason:  # the port was taken after the check
+            raise CoordinatorPortTaken(f"coordinator port of {group.coordinator} was taken before it could listen ({reason})") from None
+        raise JaxdistError(f"{who} could not join the run at {group.coordinator} within {group.timeout_s}s ({reason})") from None

@@ -93,14 +93,14 @@ class NprocFile:
     def read(self) -> int | None:
         """The value, or None (with one warning per distinct problem) if unusable."""
         try:
-            text = self.path.read_text().strip()
-            value = int(text)
-            if value < 1:
-                raise ValueError
+            with open(self.path, "rb") as f:
+                raw = f.read(4096)  # a count is a few bytes; a huge or binary file is still one warning
         except OSError as e:
             return self._warn(f"cannot read --nproc-file {self.path} ({e.strerror})")
-        except ValueError:
+        text = raw.decode("utf-8", errors="replace").strip()
+        if not (text.isascii() and text.isdigit() and int(text) >= 1):  # plain digits: int() also takes "1_0" and "٣"
             return self._warn(f"--nproc-file {self.path} holds {text[:40]!r}, not a positive integer")
+        value = int(text)
         self._warned = None
         return value
 

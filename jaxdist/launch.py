@@ -2,10 +2,22 @@
 
     python -m jaxdist.launch --nproc 2 [--devices-per-proc 4] -- --mesh data=2,fsdp=4 --steps 20
 
-Each process joins through a coordinator on a free loopback port (gloo collectives on
-CPU fake devices); every output line is prefixed with its rank; SIGINT / SIGTERM are
-forwarded; when one process fails the others are stopped and the launcher exits with
-the first failure's code. Children die with the launcher, so none is ever orphaned.
+Each process joins through a coordinator that listens on 127.0.0.1 only, on a free port
+the launcher holds for the run (gloo collectives on CPU fake devices); every output line
+is prefixed with its rank; SIGINT / SIGTERM are forwarded; when one process fails the
+others are stopped and the launcher exits with the first failure's code. A process that
+exits 75 has saved its part of a checkpoint: the others get ``--save-grace`` seconds
+(default 120) to finish theirs, then the launcher exits 75. When process 0 finds the
+coordinator's port taken (exit 76, nothing ran) the set starts again on another port,
+not counted as a failure. Every process the run starts (trainers, their Grain workers)
+dies within a second of the launcher, even when it is killed with SIGKILL.
+
+Hangs: each process beats once per step (``jaxdist.heartbeat``); when one makes no
+progress for ``--hang-timeout`` seconds (default 1800; 0 turns the watch off), or the
+first step has not finished after ``--first-step-timeout`` (default 3600: start-up,
+restore, the compiles), the launcher prints every process's Python stacks
+(faulthandler, SIGUSR1), kills the set and treats it as a failure (exit 137; elastic: a
+restart, ``reason`` hang).
 
 Elastic (any of ``--min-nproc``, ``--nproc-file``, ``--max-restarts``; ``--min-nproc``
 and ``--devices-per-proc`` are then required):
@@ -33,10 +45,10 @@ also the largest count the run takes.
   at launch caps the first start.
 - Each change prints ``elastic: 4 -> 2 processes, resuming at step N`` (N: the newest
   checkpoint) and appends a JSON line to ``RUN_DIR/elastic.jsonl``: ``time``, ``from``,
-  ``to``, ``reason`` (start | failure | grow | shrink; the first start has ``from`` null),
+  ``to``, ``reason`` (start | failure | hang | grow | shrink; the first start has ``from`` null),
   ``step``, ``failed_rank``, ``exit_code``, ``mesh``, ``restarts``.
 
-Exit codes: 0 the run finished; 2 bad input (nothing started); a process's own exit code
+Exit codes: 0 the run finished; 2 bad input (nothing started); 137 a hang (plain launch); a process's own exit code
 when it is one relaunching cannot fix (2 bad input, 3 non-finite loss, 4 checkpoint not
 written, 75 preempted from outside) or after a user's SIGINT / SIGTERM (forwarded; no
 relaunch; 75 once the run saved); the failure's code (128 + signal when killed) when a
@@ -48,13 +60,15 @@ checkpoint: rerun the same command to resume.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
+import errno
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -65,33 +79,52 @@ from jaxdist.checkpoint import CheckpointError
 from jaxdist.cli import config_from_args
 from jaxdist.cli import parse_args as parse_train_args
 from jaxdist.config import Config
-from jaxdist.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jaxdist.distributed import ENV_COORDINATOR, ENV_COORDINATOR_BIND, ENV_NUM_PROCESSES, ENV_PROCESS_ID, EXIT_PORT_TAKEN
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_NONFINITE, JaxdistError, OneLineArgumentParser
+from jaxdist.heartbeat import DUMP_SIGNAL, ENV_DIR, ProgressWatch, Stall
+from jaxdist.lifetime import die_with_parent
 from jaxdist.mesh import format_mesh
 from jaxdist.preemption import EXIT_PREEMPTED
 from jaxdist.run import default_run_dir
 from jaxdist.supervise import child_argv
 from jaxdist.train import build_arg_parser
 
+LOOPBACK = "127.0.0.1"  # where the coordinator listens: the processes all run on this machine
 GRACE_S = 10.0  # after asking the others to stop, how long before they are killed
-SAVE_GRACE_S = 120.0  # after asking the run to save for a membership change (a compile may come first)
+SAVE_GRACE_S = 120.0  # for the others to finish a save (a membership change's or one that exited 75); a compile may come first
 POLL_S = 0.5  # how often the --nproc-file is read
+DUMP_WAIT_S = 1.0  # after asking a stalled set for its stacks, before killing it
+PORT_ATTEMPTS = 5  # starts in a row whose coordinator port was taken
 DEFAULT_MAX_RESTARTS = 3
+DEFAULT_HANG_TIMEOUT_S = 1800.0
+DEFAULT_FIRST_STEP_TIMEOUT_S = 3600.0
 # Exit codes a relaunch would not fix: they end an elastic run.
 FINAL_CODES = {EXIT_BAD_INPUT, EXIT_NONFINITE, CheckpointError.exit_code, EXIT_PREEMPTED}
-_PR_SET_PDEATHSIG = 1
 
 
-def free_port() -> int:
+def free_port(host: str = LOOPBACK) -> int:
+    """A port that nothing on ``host`` uses now (bind-probed on that address)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel kills it if the launcher dies (even SIGKILL)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def reserve_port(host: str, port: int | None = None) -> socket.socket:
+    """Hold ``host:port`` (a free port when None) for a set of processes: a bound socket
+    that never listens, with SO_REUSEPORT, so that the coordinator (gRPC binds with
+    SO_REUSEPORT too) can listen there while no other program binds it in the meantime."""
+    for _ in range(PORT_ATTEMPTS):
+        candidate = port or free_port(host)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((host, candidate))
+            return sock
+        except OSError as e:
+            sock.close()
+            if port is not None or e.errno != errno.EADDRINUSE:
+                raise JaxdistError(f"--port {candidate}: cannot use {host}:{candidate} for the coordinator ({e.strerror})") from None
+    raise JaxdistError(f"found no free port on {host} for the coordinator in {PORT_ATTEMPTS} tries")
 
 
 def _pump(rank: int, stream, out) -> None:
@@ -111,18 +144,48 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-class Launcher:
-    """One set of processes: start, forward signals, stop."""
+@dataclasses.dataclass(frozen=True)
+class HangLimits:
+    """``--hang-timeout`` / ``--first-step-timeout`` in seconds."""
 
-    def __init__(self, nproc: int, train_args: list[str], devices_per_proc: int | None, port: int | None):
-        self.nproc, self.train_args = nproc, train_args
-        self.devices_per_proc, self.port = devices_per_proc, port or free_port()
+    hang_timeout_s: float
+    first_step_timeout_s: float
+
+
+@dataclasses.dataclass
+class Ended:
+    """How one set of processes ended."""
+
+    kind: str  # done | saved (every process exited 0 or 75) | final | interrupted | failure | hang | port
+    code: int  # an exit status (0 done)
+    rank: int | None = None  # the failed rank
+    raw_code: int | None = None  # its return code as Popen gives it (negative: a signal)
+    failed: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # failure: every failed (rank, return code)
+    cause: str | None = None  # hang: what the watch saw
+
+    def describe(self) -> str:
+        return self.cause or f"rank {self.rank} {_describe(self.raw_code)}"
+
+
+class Launcher:
+    """One set of processes: start, forward signals, watch their progress, stop."""
+
+    def __init__(self, nproc: int, train_args: list[str], devices_per_proc: int | None, port: int | None, hang: HangLimits | None = None):
+        self.nproc, self.train_args, self.devices_per_proc = nproc, train_args, devices_per_proc
+        self.host = LOOPBACK
+        self.reservation = reserve_port(self.host, port)  # held until close(): nothing else can take the port
+        self.port = self.reservation.getsockname()[1]
+        self.beats = Path(tempfile.mkdtemp(prefix="jaxdist-beats-"))
+        self.watch = ProgressWatch(self.beats, nproc, hang.hang_timeout_s, hang.first_step_timeout_s) if hang else None
         self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
         self.forwarded: int | None = None  # a signal forwarded before every process had started
+        self.saving_since: float | None = None  # when the first process exited 75
 
     def _env(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({ENV_COORDINATOR: f"127.0.0.1:{self.port}", ENV_NUM_PROCESSES: str(self.nproc), ENV_PROCESS_ID: str(rank)})
+        env.update({ENV_COORDINATOR: f"{self.host}:{self.port}", ENV_NUM_PROCESSES: str(self.nproc), ENV_PROCESS_ID: str(rank)})
+        env.update({ENV_COORDINATOR_BIND: self.host, ENV_DIR: str(self.beats)})
         env["PYTHONUNBUFFERED"] = "1"
         if self.devices_per_proc:
             flags = " ".join(t for t in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in t)
@@ -130,6 +193,8 @@ class Launcher:
         return env
 
     def start(self) -> None:
+        if self.watch is not None:
+            self.watch.started = time.time()
         for rank in range(self.nproc):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "jaxdist.train", *self.train_args],
@@ -137,12 +202,14 @@ class Launcher:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent(os.getpid()),  # started from the main thread, which lives as long as the launcher
             )
             self.procs.append(proc)
             if self.forwarded is not None:  # the signal came while this one was starting
                 proc.send_signal(self.forwarded)
-            threading.Thread(target=_pump, args=(rank, proc.stdout, sys.stdout), daemon=True).start()
+            pump = threading.Thread(target=_pump, args=(rank, proc.stdout, sys.stdout), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
 
     def signal_all(self, signum: int) -> None:
         self.forwarded = signum
@@ -165,33 +232,74 @@ class Launcher:
             time.sleep(0.1)
         self.kill_all()
 
+    def close(self) -> None:
+        """After the processes ended: print the rest of their output, free the port."""
+        deadline = time.monotonic() + 5.0  # a Grain worker holds the output pipe until it notices its parent died
+        for pump in self.pumps:
+            pump.join(max(0.0, deadline - time.monotonic()))
+        self.reservation.close()
+        shutil.rmtree(self.beats, ignore_errors=True)
+
     def codes(self) -> list[int | None]:
         return [p.poll() for p in self.procs]
 
-    def wait(self) -> int:
-        """The first non-zero exit code (others are then stopped), else 0."""
-        while True:
-            codes = self.codes()
-            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                if any(c is None for c in codes):
-                    print(f"jaxdist.launch: rank {rank} exited with code {code}; stopping the others", file=sys.stderr, flush=True)
-                    self.stop_all()
-                return _shell_code(code)
-            if all(c == 0 for c in codes):
-                return 0
+    def poll(self) -> Ended | None:
+        """One look at the set: None while it runs, else how it ended. Processes still
+        running after a failure are left to the caller (stopped after a hang)."""
+        codes = self.codes()
+        if codes[0] == EXIT_PORT_TAKEN:
+            return Ended("port", EXIT_PORT_TAKEN, 0, EXIT_PORT_TAKEN)
+        failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0, EXIT_PREEMPTED)]
+        if failed:
+            rank, code = failed[0]
+            return Ended("failure", _shell_code(code), rank, code, failed)
+        if all(c is not None for c in codes):
+            return Ended("saved", EXIT_PREEMPTED) if EXIT_PREEMPTED in codes else Ended("done", 0)
+        if EXIT_PREEMPTED in codes:
+            self._let_them_save(codes)
+        stall = self.watch.stalled([c is None for c in codes]) if self.watch is not None else None
+        return self._stop_stalled(stall) if stall is not None else None
+
+    def _let_them_save(self, codes: list[int | None]) -> None:
+        """A process exited 75: its part of a checkpoint is saved and the others are saving
+        theirs (they agreed on the step); give them ``SAVE_GRACE_S``, never a kill mid-commit."""
+        now = time.monotonic()
+        if self.saving_since is None:
+            self.saving_since = now
+            saved = ", ".join(str(rank) for rank, c in enumerate(codes) if c == EXIT_PREEMPTED)
+            _note(f"rank {saved} saved and exited ({EXIT_PREEMPTED}); waiting up to {SAVE_GRACE_S:.0f}s for the others to finish saving")
+        elif now - self.saving_since > SAVE_GRACE_S:
+            late = ", ".join(str(rank) for rank, c in enumerate(codes) if c is None)
+            _note(f"rank {late} did not finish saving within {SAVE_GRACE_S:.0f}s; stopping it")
+            self.stop_all()
+
+    def _stop_stalled(self, stall: Stall) -> Ended:
+        if stall.first:
+            cause = f"rank {stall.rank} has not finished its first step after {stall.idle_s:.0f}s (--first-step-timeout {stall.limit_s:g})"
+        else:
+            cause = f"rank {stall.rank} made no progress for {stall.idle_s:.0f}s at step {stall.step} (--hang-timeout {stall.limit_s:g})"
+        _note(f"{cause}; every rank's Python stacks follow, then the run is stopped")
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(DUMP_SIGNAL)
+        time.sleep(DUMP_WAIT_S)
+        self.kill_all()
+        return Ended("hang", 128 + signal.SIGKILL, stall.rank, -signal.SIGKILL, cause=cause)
+
+    def wait(self) -> Ended:
+        """Until the set ends; after a failure the others are stopped (SIGTERM, then SIGKILL)."""
+        while (ended := self.poll()) is None:
             time.sleep(0.1)
+        if ended.kind == "failure" and any(c is None for c in self.codes()):
+            _note(f"{ended.describe()}; stopping the others")
+            self.stop_all()
+        elif ended.kind == "port":
+            self.kill_all()  # the others wait for a coordinator that will never listen
+        return ended
 
 
-@dataclasses.dataclass
-class Ended:
-    """How one set of processes ended."""
-
-    kind: str  # done | final | interrupted | failure | saved
-    code: int  # an exit status (0 done)
-    rank: int | None = None  # the failed rank
-    raw_code: int | None = None  # its return code as Popen gives it (negative: a signal)
+def _note(message: str) -> None:
+    print(f"jaxdist.launch: {message}", file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -208,6 +316,7 @@ class ElasticPlan:
     max_restarts: int
     nproc_file: Path | None
     port: int | None
+    hang: HangLimits | None = None
 
 
 class Elastic:
@@ -259,52 +368,68 @@ class Elastic:
         n = self.first_count()
         if n is None:
             return EXIT_PREEMPTED  # "try again later"
-        self._change(None, n, "start")
-        resume, port = self.plan.first_resume, self.plan.port
+        resume, port, port_taken = self.plan.first_resume, self.plan.port, 0
+        first = True
         while True:
             # child_args ends with "--resume auto": the first start keeps the user's --resume.
-            self.gen = Launcher(n, [*self.plan.child_args[:-1], resume], self.plan.devices_per_proc, port)
+            self.gen = Launcher(n, [*self.plan.child_args[:-1], resume], self.plan.devices_per_proc, port, self.plan.hang)
+            if first:  # after the port is held (a taken --port is bad input: nothing written)
+                self._change(None, n, "start")
+                first = False
             if self.interrupted is not None:  # before this set started: nothing to forward to
+                self.gen.close()
                 return 128 + self.interrupted
             self.gen.start()
             ended = self._watch(self.gen, n)
-            resume, port = "auto", None  # later sets: the newest checkpoint, a fresh port
+            self.gen.close()
+            port = None  # later sets: a fresh port
+            if ended.kind == "port":  # nothing ran: start the same set again, not a failure
+                port_taken += 1
+                if port_taken >= PORT_ATTEMPTS:
+                    _error(f"the coordinator's port was taken {port_taken} times in a row; {self._stopped_at()}")
+                    return EXIT_PORT_TAKEN
+                _note(f"the coordinator's port {self.gen.port} was taken before it could listen; starting again on another port")
+                continue
+            resume, port_taken = "auto", 0  # later sets: the newest checkpoint
             if ended.kind in ("done", "final", "interrupted"):
                 return ended.code
             target = self._next_count(ended, n)
             if target is None:
-                return ended.code if ended.kind == "failure" else EXIT_PREEMPTED
-            reason = "failure" if ended.kind == "failure" else ("grow" if target > n else "shrink")
+                return ended.code if ended.kind in ("failure", "hang") else EXIT_PREEMPTED
+            reason = ended.kind if ended.kind in ("failure", "hang") else ("grow" if target > n else "shrink")
             self._change(n, target, reason, ended.rank, ended.raw_code)
             n = target
 
     def _next_count(self, ended: Ended, n: int) -> int | None:
         """The count to relaunch with after a failure or a save; None (said why) to stop."""
-        if ended.kind == "failure":
+        failure = ended.kind in ("failure", "hang")
+        if failure:
             self.restarts += 1
-            self.capacity = n - 1  # that slot is lost
+            self.capacity = n - 1  # that slot is lost (a hung process's machine is as suspect as a dead one's)
             if self.restarts > self.plan.max_restarts:
                 used = f"--max-restarts {self.plan.max_restarts} are used up"
-                _error(f"rank {ended.rank} {_describe(ended.raw_code)} and {used}; {self._stopped_at()}")
+                _error(f"{ended.describe()} and {used}; {self._stopped_at()}")
                 return None
         target = self._largest_usable()
         if target is None:
-            left = f"{_processes(self.capacity)} left" if ended.kind == "failure" else f"--nproc-file allows {_processes(self.capacity)}"
+            left = f"{_processes(self.capacity)} left" if failure else f"--nproc-file allows {_processes(self.capacity)}"
             _error(f"{left}, {self._no_usable_count()}; {self._stopped_at()}")
         return target
 
     def _watch(self, gen: Launcher, n: int) -> Ended:
-        """Until the set ends: done, a failure, a user's signal, or a membership change."""
+        """Until the set ends: done, a failure, a hang, a user's signal, or a membership change."""
         next_poll = time.monotonic() + POLL_S
         while True:
             if self.interrupted is not None:
-                return Ended("interrupted", gen.wait())
-            codes = gen.codes()
-            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                return self._on_failure(gen, failed)
-            if all(c == 0 for c in codes):
-                return Ended("done", 0)
+                return Ended("interrupted", gen.wait().code)
+            ended = gen.poll()
+            if ended is not None and ended.kind == "failure":
+                return self._on_failure(gen, ended.failed)
+            if ended is not None and ended.kind == "saved":  # preempted from outside: every process saved
+                return Ended("final", EXIT_PREEMPTED)
+            if ended is not None:  # done, hang (already stopped), port (the others wait for nothing)
+                gen.kill_all()
+                return ended
             if self.nproc_file is not None and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + POLL_S
                 value = self.nproc_file.changed()
@@ -319,12 +444,12 @@ class Elastic:
         lost = [(rank, c) for rank, c in failed if c not in FINAL_CODES]
         if not lost:  # e.g. bad input or a NaN loss: it would recur on any count
             rank, code = failed[0]
-            print(f"jaxdist.launch: rank {rank} {_describe(code)}; stopping the others", file=sys.stderr, flush=True)
+            _note(f"rank {rank} {_describe(code)}; stopping the others")
             gen.stop_all()
             return Ended("final", _shell_code(code), rank, code)
         # Peers of a dead process fail soon after it: blame one killed by a signal first.
         rank, code = min(lost, key=lambda rc: (rc[1] >= 0, rc[0]))
-        print(f"jaxdist.launch: rank {rank} {_describe(code)}; killing the others", file=sys.stderr, flush=True)
+        _note(f"rank {rank} {_describe(code)}; killing the others")
         gen.kill_all()  # with a dead peer they cannot save consistently; the last checkpoint stands
         return Ended("failure", _shell_code(code), rank, code)
 
@@ -386,12 +511,29 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--max-restarts", type=int, default=None, help=f"elastic: relaunches after failures (default {DEFAULT_MAX_RESTARTS})"
     )
     parser.add_argument("--nproc-file", default=None, help="elastic: a file holding the processes available now (polled)")
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=DEFAULT_HANG_TIMEOUT_S,
+        metavar="S",
+        help=f"stop the run (stacks printed) when a process makes no step for S seconds (default {DEFAULT_HANG_TIMEOUT_S:g}; 0: off)",
+    )
+    parser.add_argument(
+        "--first-step-timeout",
+        type=float,
+        default=DEFAULT_FIRST_STEP_TIMEOUT_S,
+        metavar="S",
+        help=f"the same until every process finished its first step: start-up, restore, compile (default {DEFAULT_FIRST_STEP_TIMEOUT_S:g})",
+    )
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the arguments of python -m jaxdist.train")
     args = parser.parse_args(argv)
     if args.train_args[:1] == ["--"]:
         args.train_args = args.train_args[1:]
     if args.nproc < 1:
         raise JaxdistError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.hang_timeout < 0 or args.first_step_timeout <= 0:
+        raise JaxdistError("--hang-timeout must be >= 0 (0: no hang watch) and --first-step-timeout > 0")
+    args.hang = HangLimits(args.hang_timeout, args.first_step_timeout) if args.hang_timeout > 0 else None
     args.elastic = any(getattr(args, k) is not None for k in ("min_nproc", "max_restarts", "nproc_file"))
     if args.elastic:
         _check_elastic_args(args)
@@ -427,6 +569,7 @@ def elastic_plan(args: argparse.Namespace) -> ElasticPlan:
         max_restarts=DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts,
         nproc_file=Path(args.nproc_file) if args.nproc_file else None,
         port=args.port,
+        hang=args.hang,
     )
 
 
@@ -439,16 +582,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if loop is not None:
         return _run_elastic(loop)
-    launcher = Launcher(args.nproc, args.train_args, args.devices_per_proc, args.port)
-    forwarded = {s: signal.signal(s, lambda signum, frame: launcher.signal_all(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    return _run_plain(args)
+
+
+def _run_plain(args: argparse.Namespace) -> int:
+    """One set of processes; started again on another port (up to ``PORT_ATTEMPTS`` times)
+    when process 0 finds the coordinator's port taken."""
+    current: list[Launcher] = []
+    received: list[int] = []
+
+    def forward(signum: int, frame) -> None:  # noqa: ARG001
+        received.append(signum)
+        if current:
+            current[-1].signal_all(signum)
+
+    forwarded = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    port = args.port
     try:
-        launcher.start()
-        return launcher.wait()
+        for _ in range(PORT_ATTEMPTS):
+            current.append(Launcher(args.nproc, args.train_args, args.devices_per_proc, port, args.hang))
+            if received:  # a signal came while no set ran
+                current[-1].forwarded = received[-1]
+            current[-1].start()
+            ended = current[-1].wait()
+            current[-1].close()
+            if ended.kind != "port" or received:
+                return ended.code
+            _note(f"the coordinator's port {current[-1].port} was taken before it could listen; starting again on another port")
+            port = None
+        _error(f"the coordinator's port was taken {PORT_ATTEMPTS} times in a row")
+        return EXIT_PORT_TAKEN
+    except JaxdistError as e:  # --port cannot be used: nothing started
+        print(f"jaxdist: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     finally:
         for s, handler in forwarded.items():
             signal.signal(s, handler)
-        if any(p.poll() is None for p in launcher.procs):
-            launcher.stop_all()
+        if current and any(p.poll() is None for p in current[-1].procs):
+            current[-1].stop_all()
+        if current:
+            current[-1].close()
 
 
 def _run_elastic(loop: Elastic) -> int:
@@ -463,6 +636,8 @@ def _run_elastic(loop: Elastic) -> int:
             signal.signal(s, handler)
         if loop.gen is not None and any(p.poll() is None for p in loop.gen.procs):
             loop.gen.stop_all()
+        if loop.gen is not None:
+            loop.gen.close()
 
 
 if __name__ == "__main__":

@@ -4,11 +4,14 @@ The supervisor runs the same command as a child process (with the run directory 
 explicit and ``--resume auto``), forwards SIGINT / SIGTERM to it, and restarts it with
 exponential backoff when it crashes. A clean exit, bad input, a non-finite loss (it
 would recur) and preemption (the node is going away; the scheduler requeues) end it.
-On clusters, SLURM ``--requeue`` or a JobSet restart policy plays this role.
+On clusters, SLURM ``--requeue`` or a JobSet restart policy plays this role. The run
+dies with the supervisor (even on SIGKILL), so a requeued job never finds an old one
+still writing to the run directory.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -17,6 +20,7 @@ import time
 from pathlib import Path
 
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, NonFiniteLoss
+from jaxdist.lifetime import die_with_parent
 from jaxdist.preemption import EXIT_PREEMPTED
 
 SUPERVISED_ENV = "JAXDIST_SUPERVISED"  # set in the runs the supervisor starts, so they do not supervise again
@@ -39,15 +43,23 @@ def child_argv(argv: list[str], run_dir: Path) -> list[str]:
     return [*out, "--run-dir", str(run_dir), "--resume", "auto"]
 
 
+def user_resume(argv: list[str]) -> str | None:
+    """The --resume the user gave (``--resume X``, ``--resume=X``, an abbreviation; the last
+    wins), read as ``jaxdist.train`` reads it; None when absent."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--resume", default=None)
+    return parser.parse_known_args(argv)[0].resume
+
+
 def supervise(argv: list[str], run_dir: Path, max_restarts: int, delay: float) -> int:
     args = child_argv(argv, run_dir)
-    user_resume = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--resume"), None)
-    if user_resume is not None:  # honour --resume on the first start only
-        args[-1] = user_resume
+    first_resume = user_resume(argv)
+    if first_resume is not None:  # honour --resume on the first start only
+        args[-1] = first_resume
     env = {**os.environ, SUPERVISED_ENV: "1"}
     restarts = 0
     while True:
-        child = subprocess.Popen([sys.executable, "-m", "jaxdist.train", *args], env=env)
+        child = subprocess.Popen([sys.executable, "-m", "jaxdist.train", *args], env=env, preexec_fn=die_with_parent(os.getpid()))
         forwarded: list[int] = []
 
         def forward(signum, frame, child=child, forwarded=forwarded):  # noqa: ARG001

@@ -2,11 +2,14 @@
 
     python -m jaxdist.train [--config NAME_OR_PATH] [--mesh SPEC] [--steps N]
                             [--run-dir DIR] [--log-every N] [--seed S]
-                            [--resume auto|never|STEP|PATH] [--init-from CKPT] [--max-restarts N] [key.sub=value ...]
+                            [--resume auto|never|STEP|PATH] [--init-from CKPT] [--max-restarts N]
+                            [--coordinator HOST:PORT --num-processes N --process-id I [--coordinator-bind ADDRESS]]
+                            [key.sub=value ...]
 
 Flags and ``key=value`` overrides mix in any order. Exit codes: 0 done, 2 bad input,
 3 non-finite loss, 4 a checkpoint could not be written, 75 preempted (state saved: run
-the same command again to resume).
+the same command again to resume), 76 process 0 found the coordinator's port taken
+(nothing ran; ``jaxdist.launch`` retries on another port).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 from jaxdist.cli import config_arg_parser, config_from_args, parse_args
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, NonFiniteLoss
+from jaxdist.heartbeat import install_stack_dump
 from jaxdist.supervise import SUPERVISED_ENV
 
 
@@ -26,6 +30,12 @@ def build_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.Argument
     parser = config_arg_parser(prog, "Train a model on a device mesh.")
     parser.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go (default runs/NAME-TIME)")
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for a multi-process run")
+    parser.add_argument(
+        "--coordinator-bind",
+        default=None,
+        metavar="ADDRESS",
+        help="the one address process 0's coordinator listens on (default: what the coordinator's host resolves to; 0.0.0.0: every interface)",
+    )
     parser.add_argument("--num-processes", type=int, default=None, help="processes in the run")
     parser.add_argument("--process-id", type=int, default=None, help="this process's rank")
     parser.add_argument("--dist-timeout", type=int, default=300, help="seconds to wait for all processes to join")
@@ -42,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxdist.preemption import Preempted
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    install_stack_dump()  # under jaxdist.launch: SIGUSR1 prints the Python stacks of a stalled process
     try:
         args = parse_args(build_arg_parser(), argv)
         if args.profile_steps is not None:

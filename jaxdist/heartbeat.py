@@ -1,0 +1,140 @@
+"""Progress beats for the launcher's hang watch (``jaxdist.launch --hang-timeout``).
+
+JAX's own heartbeat notices a dead process, not a deadlocked one. Under the launcher
+(``JAXDIST_HEARTBEAT_DIR`` set) each process writes the step it starts to
+``DIR/rank-I`` (one small write per step; the file's mtime is the time of its last
+progress), and dumps every thread's Python stack to stderr on SIGUSR1 (faulthandler),
+which the launcher sends before it stops a stalled run. ``ProgressWatch`` is the
+launcher's side. Without the variable the beats are no-ops.
+
+``JAXDIST_FAULT_STALL_AT=RANK:STEP`` is a fault-injection hook for tests: that rank
+sleeps for good when it reaches that step, as a deadlocked process would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+ENV_DIR = "JAXDIST_HEARTBEAT_DIR"
+ENV_STALL = "JAXDIST_FAULT_STALL_AT"  # test-only fault injection: "RANK:STEP"
+ENV_RANK = "JAXDIST_PROCESS_ID"  # set by jaxdist.launch (jaxdist.distributed.ENV_PROCESS_ID)
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+def beat_path(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"rank-{rank}"
+
+
+class _Beat:
+    """This process's beat file, kept open: a beat is one pwrite (steps only grow, so a
+    shorter number never leaves digits behind)."""
+
+    def __init__(self):
+        directory = os.environ.get(ENV_DIR)
+        self.rank = int(os.environ.get(ENV_RANK, "0") or 0)
+        self.stall_step = _stall_step(self.rank)
+        self.fd = None
+        if directory:
+            try:
+                self.fd = os.open(beat_path(Path(directory), self.rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            except OSError as e:
+                print(
+                    f"jaxdist: warning: cannot write the launcher's heartbeat in {directory} ({e.strerror}); a hang will not be noticed",
+                    file=sys.stderr,
+                )
+
+    def __call__(self, step: int) -> None:
+        if step == self.stall_step:
+            print(f"jaxdist: fault injection ({ENV_STALL}): rank {self.rank} stalls at step {step}", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)
+        if self.fd is not None:
+            os.pwrite(self.fd, b"%d\n" % step, 0)
+
+
+def _stall_step(rank: int) -> int | None:
+    spec = os.environ.get(ENV_STALL)
+    if not spec:
+        return None
+    stall_rank, _, step = spec.partition(":")
+    return int(step) if int(stall_rank) == rank else None
+
+
+_beat: _Beat | None = None
+
+
+def beat(step: int) -> None:
+    """This process starts ``step`` (the training loop calls it once per step)."""
+    global _beat
+    if _beat is None:
+        _beat = _Beat()
+    _beat(step)
+
+
+def install_stack_dump() -> None:
+    """Under the launcher: SIGUSR1 prints every thread's Python stack to stderr (from the
+    C signal handler, so also while a thread is stuck inside a C call), and the process goes on."""
+    if os.environ.get(ENV_DIR):
+        faulthandler.register(DUMP_SIGNAL, all_threads=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stall:
+    rank: int
+    idle_s: float  # seconds since its last beat (since the start, in the first step)
+    step: int | None  # the last step it started; None: it never started one
+    limit_s: float
+    first: bool = False  # it has not finished its first step
+
+
+class ProgressWatch:
+    """The launcher's side: which of its processes has made no progress for too long.
+
+    Until every process has finished its first step (start-up, restore, the compile, and
+    the first step itself, which compiles and connects more) the allowance is
+    ``first_step_timeout_s`` from the start; then ``hang_timeout_s`` between two beats of each.
+    """
+
+    def __init__(self, directory: Path, nproc: int, hang_timeout_s: float, first_step_timeout_s: float):
+        self.directory, self.nproc = Path(directory), nproc
+        self.hang_timeout_s, self.first_step_timeout_s = hang_timeout_s, first_step_timeout_s
+        self.started = time.time()
+        self.first_step: dict[int, int] = {}  # the step each process beat first
+
+    def _read(self, rank: int) -> tuple[float, int | None] | None:
+        path = beat_path(self.directory, rank)
+        try:
+            mtime = path.stat().st_mtime
+            text = path.read_text().strip()
+        except OSError:
+            return None
+        return mtime, int(text) if text.isdigit() else None
+
+    def _past_first_step(self, rank: int, beat: tuple[float, int | None] | None) -> bool:
+        if beat is None or beat[1] is None:
+            return False
+        first = self.first_step.setdefault(rank, beat[1])
+        return beat[1] > first
+
+    def stalled(self, running: list[bool]) -> Stall | None:
+        """The stalled process to blame (the one furthest behind), or None. While one is
+        still in its first step the others wait for it, so only the first-step allowance
+        counts then."""
+        now = time.time()
+        beats = {rank: self._read(rank) for rank in range(self.nproc) if running[rank]}
+        starting = [rank for rank, beat in beats.items() if not self._past_first_step(rank, beat)]
+        if starting:
+            idle = now - self.started
+            if idle <= self.first_step_timeout_s:
+                return None
+            rank = starting[0]
+            return Stall(rank, idle, beats[rank][1] if beats[rank] else None, self.first_step_timeout_s, first=True)
+        stalls = [Stall(rank, now - mtime, step, self.hang_timeout_s) for rank, (mtime, step) in beats.items()]
+        stalls = [s for s in stalls if s.idle_s > s.limit_s]
+        return min(stalls, key=lambda s: (s.step, -s.idle_s)) if stalls else None

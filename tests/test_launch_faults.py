@@ -1,0 +1,563 @@
+"""Faults on the paths a cluster user walks, tested as they happen.
+
+The launcher's coordinator listens on loopback only; killing the launcher (or the
+supervisor) ALONE, with SIGKILL, ends every process it started (trainers, Grain workers,
+resource trackers) within seconds; a stalled rank is noticed, every rank's Python stacks
+are printed and the run is stopped; a rank that exits 75 lets the others finish saving; a
+coordinator port taken at start costs nothing; a bad --nproc-file is one warning; the
+supervisor forwards --resume=VALUE; the SLURM template requeues after a timely save; the
+JobSet admits only its own pods. Launcher logic runs against stub trainers (a script in
+place of the Python interpreter, as the launcher starts ``sys.executable -m jaxdist.train``);
+the faults themselves against real runs. Every process started here is cleaned up.
+"""
+
+import contextlib
+import ipaddress
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+import jaxdist
+import jaxdist.train as train_cli
+from jaxdist import distributed, supervise
+from jaxdist.checkpoint import checkpoint_steps
+from jaxdist.elastic import NprocFile
+from jaxdist.errors import JaxdistError
+from jaxdist.preemption import EXIT_PREEMPTED
+from jaxdist.train import build_arg_parser
+
+from helpers import SMALL_TEXT, TINY
+
+REPO = Path(jaxdist.__file__).resolve().parents[1]  # the checkout under test (its configs/launch templates)
+OVERRIDES = (*TINY, *SMALL_TEXT, "train.global_batch=8", "checkpoint.every_steps=1000")
+ELASTIC_TRAIN_ARGS = ("--mesh", "data=-1,tensor=2", *OVERRIDES, "train.steps=5")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {**env, **extra}
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def _gone_within(procs: list[psutil.Process], seconds: float) -> list[psutil.Process]:
+    """Those of ``procs`` still running after ``seconds`` (each left one is then killed)."""
+    deadline = time.monotonic() + seconds
+    while _alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _alive(procs)
+    for p in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    return left
+
+
+@pytest.fixture
+def started():
+    """Popen objects (each in its own session) killed with their descendants afterwards."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            for p in family:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+# --- pure logic, no processes ---
+
+
+def test_a_non_utf8_nproc_file_is_one_warning_and_keeps_the_count(tmp_path, capsys):
+    path = tmp_path / "nproc"
+    path.write_bytes(b"\xff\xfe4\n")
+    watched = NprocFile(path)
+    assert watched.changed() is None
+    path.write_bytes("\u0663".encode())  # ARABIC-INDIC DIGIT THREE: int() would take it
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert watched.changed() is None
+    path.write_text("3\n")
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    assert watched.changed() == 3
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert len(warnings) == 2 and all("not a positive integer; keeping the current process count" in w for w in warnings), warnings
+
+
+def test_the_hang_watch_gives_the_first_step_its_own_allowance(tmp_path):
+    from jaxdist.heartbeat import ProgressWatch, beat_path
+
+    def beat(rank: int, step: int, age_s: float) -> None:
+        beat_path(tmp_path, rank).write_text(f"{step}\n")
+        os.utime(beat_path(tmp_path, rank), (time.time() - age_s, time.time() - age_s))
+
+    watch = ProgressWatch(tmp_path, 2, hang_timeout_s=5, first_step_timeout_s=60)
+    watch.started = time.time() - 30
+    beat(0, 1, age_s=20)  # rank 0 is in its first step; rank 1 has not beaten at all
+    assert watch.stalled([True, True]) is None  # within the first-step allowance
+    beat(1, 1, age_s=20)
+    beat(0, 2, age_s=1)
+    assert watch.stalled([True, True]) is None  # rank 1 still in its first step: everyone waits for it
+    watch.started = time.time() - 61
+    stall = watch.stalled([True, True])
+    assert (stall.rank, stall.first, stall.limit_s) == (1, True, 60)
+    beat(1, 3, age_s=6)  # both past their first step: the hang timeout counts from each one's last beat
+    beat(0, 4, age_s=6)
+    stall = watch.stalled([True, True])
+    assert (stall.rank, stall.step, stall.first) == (1, 3, False)  # the one furthest behind
+    assert watch.stalled([True, False]).rank == 0  # a finished process is not stalled
+    beat(0, 5, age_s=1)
+    assert watch.stalled([True, False]) is None
+
+
+def _group(coordinator: str, bind: str | None = None) -> distributed.ProcessGroup:
+    args = build_arg_parser().parse_args(["--coordinator", coordinator, "--num-processes", "2", "--process-id", "0"])
+    args.coordinator_bind = bind
+    return distributed.process_group_from(args)
+
+
+def test_the_coordinator_binds_one_address(monkeypatch):
+    monkeypatch.delenv("JAXDIST_COORDINATOR_BIND", raising=False)
+    port = 40000 + os.getpid() % 20000
+    assert distributed.bind_address(_group(f"localhost:{port}")) == f"127.0.0.1:{port}"  # the coordinator host's address, not [::]
+    assert distributed.bind_address(_group(f"127.0.0.1:{port}", "0.0.0.0")) == f"0.0.0.0:{port}"  # every interface only when asked
+    monkeypatch.setenv("JAXDIST_COORDINATOR_BIND", "127.0.0.1")  # what jaxdist.launch sets
+    assert _group(f"localhost:{port}").bind == "127.0.0.1"
+    with pytest.raises(JaxdistError, match="without a port"):
+        _group(f"localhost:{port}", "127.0.0.1:80")
+    with pytest.raises(JaxdistError, match="cannot listen on 192.0.2.1"):  # TEST-NET-1: not this machine's
+        distributed.bind_address(_group(f"localhost:{port}", "192.0.2.1"))
+
+
+def test_the_jobset_admits_only_its_own_pods():
+    docs = list(yaml.safe_load_all((REPO / "configs/launch/jobset.yaml").read_text()))
+    jobset = next(d for d in docs if d["kind"] == "JobSet")
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    own_pods = {"jobset.sigs.k8s.io/jobset-name": jobset["metadata"]["name"]}
+    assert policy["spec"]["podSelector"]["matchLabels"] == own_pods
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    sources = [source for rule in policy["spec"]["ingress"] for source in rule["from"]]
+    assert sources == [{"podSelector": {"matchLabels": own_pods}}]  # no ipBlock, no other namespace
+    container = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--coordinator-bind=$(POD_IP)" in container["args"]
+    pod_ip = next(e for e in container["env"] if e["name"] == "POD_IP")
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+class _FakeRun:
+    """Stands in for the supervised run's Popen: records its arguments, exits with the next code."""
+
+    calls: list[list[str]] = []
+    codes: list[int] = []
+
+    def __init__(self, cmd, **kwargs):
+        self.calls.append(list(cmd))
+        self.code = self.codes.pop(0)
+
+    def wait(self):
+        return self.code
+
+    def send_signal(self, signum):
+        pass
+
+
+@pytest.mark.parametrize("resume", ["never", "/some/run/checkpoints/8"])
+def test_the_supervisor_forwards_resume_equals_value(resume, tmp_path, monkeypatch):
+    monkeypatch.delenv(supervise.SUPERVISED_ENV, raising=False)
+    monkeypatch.setattr(supervise.subprocess, "Popen", _FakeRun)
+    _FakeRun.calls, _FakeRun.codes = [], [1, 0]  # a crash, then a clean run
+    argv = ["--max-restarts", "1", "--restart-delay", "0", f"--resume={resume}", "--run-dir", str(tmp_path / "run"), *TINY]
+    assert train_cli.main(argv) == 0
+    first, second = _FakeRun.calls
+    assert first[-2:] == ["--resume", resume] and not any(a.startswith("--resume=") for a in first)
+    assert second[-2:] == ["--resume", "auto"]  # a restart continues from the run's own newest checkpoint
+
+
+# --- the SLURM template's shell logic, with stub srun / scontrol on PATH ---
+
+STUB_SRUN = """#!/bin/bash
+echo "$@" > "$STUB_LOG/srun.args"
+case "$STUB_MODE" in
+  save-on-term) trap 'echo TERM >> "$STUB_LOG/srun.signals"; exit 75' TERM
+                touch "$STUB_LOG/srun.ready"
+                while :; do sleep 0.05; done ;;
+  *) exit "$STUB_MODE" ;;
+esac
+"""
+
+
+def _slurm(tmp_path: Path, mode: str, warn: bool) -> tuple[int, str, Path]:
+    stubs, log = tmp_path / "bin", tmp_path / "log"
+    stubs.mkdir()
+    log.mkdir()
+    for name, body in (("srun", STUB_SRUN), ("scontrol", '#!/bin/bash\necho "$@" >> "$STUB_LOG/scontrol"\n')):
+        (stubs / name).write_text(body)
+        (stubs / name).chmod(stat.S_IRWXU)
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_LOG": str(log), "STUB_MODE": mode}
+    env.update({"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "jaxdist", "RUN_DIR": str(tmp_path / "run")})
+    cmd = ["bash", str(REPO / "configs/launch/slurm.sbatch"), "--config", "tiny"]
+    with open(log / "stderr", "w") as err:  # a file: a stub task left behind must not hold a pipe open
+        proc = subprocess.Popen(cmd, env=env, stderr=err, start_new_session=True)
+    try:
+        if warn:  # SLURM's --signal=B:USR1@120: the batch shell alone gets the warning
+            deadline = time.monotonic() + 30
+            while not (log / "srun.ready").exists():
+                assert proc.poll() is None and time.monotonic() < deadline, "srun did not start"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGUSR1)
+        proc.wait(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, (log / "stderr").read_text(), log
+
+
+def test_slurm_template_requeues_after_a_save_before_the_time_limit(tmp_path):
+    code, err, log = _slurm(tmp_path, "save-on-term", warn=True)
+    assert code == EXIT_PREEMPTED, err
+    assert (log / "srun.signals").read_text().split() == ["TERM"]  # forwarded to the tasks once
+    assert (log / "scontrol").read_text().split() == ["requeue", "4242"]
+    srun_args = (log / "srun.args").read_text().split()
+    assert "--kill-on-bad-exit=1" not in srun_args and "--kill-on-bad-exit" not in srun_args  # a save is never a kill
+    assert srun_args[-2:] == ["--config", "tiny"] and f"--run-dir {tmp_path / 'run'}" in " ".join(srun_args)
+
+
+@pytest.mark.parametrize("exit_code", [0, 1, EXIT_PREEMPTED])
+def test_slurm_template_does_not_requeue_without_the_warning(exit_code, tmp_path):
+    code, err, log = _slurm(tmp_path, str(exit_code), warn=False)
+    assert code == exit_code, err
+    assert not (log / "scontrol").exists()  # e.g. scancel: its tasks saved, the job ends
+
+
+# --- the launcher's logic against stub trainers ---
+
+STUB_HEAD = f"""#!{sys.executable}
+import os, signal, socket, sys, time
+rank = int(os.environ.get("JAXDIST_PROCESS_ID", "0"))
+host, port = os.environ["JAXDIST_COORDINATOR"].rsplit(":", 1)
+log = os.environ["STUB_LOG"]
+"""
+
+
+def _run_stub_launcher(tmp_path: Path, body: str, launch_args: list[str], *, timeout: float = 60, patch: str = "", **env: str):
+    """``python -m jaxdist.launch LAUNCH_ARGS`` whose trainers are the stub BODY; returns (code, output)."""
+    stub = tmp_path / "stub-python"
+    stub.write_text(STUB_HEAD + textwrap.dedent(body))
+    stub.chmod(stat.S_IRWXU)
+    (tmp_path / "log").mkdir(exist_ok=True)
+    code = f"import sys, jaxdist.launch as L\nsys.executable = {str(stub)!r}\n{patch}\nsys.exit(L.main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", code, *launch_args]
+    proc = subprocess.Popen(
+        cmd,
+        env=_env(STUB_LOG=str(tmp_path / "log"), **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the launcher did not end within {timeout}s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def test_a_rank_that_exits_75_lets_the_others_finish_their_save(tmp_path):
+    body = """
+    if rank == 1:
+        sys.exit(75)  # saved its part first
+    signal.signal(signal.SIGTERM, lambda *a: open(f"{log}/rank0.signalled", "w").close())
+    time.sleep(3)  # rank 0 is still committing
+    open(f"{log}/rank0.saved", "w").close()
+    sys.exit(75)
+    """
+    code, out = _run_stub_launcher(tmp_path, body, ["--nproc", "2", "--", "--steps", "5"], patch="L.GRACE_S = 0.5")
+    assert code == EXIT_PREEMPTED, out
+    assert (tmp_path / "log/rank0.saved").exists(), out  # not killed mid-commit
+    assert not (tmp_path / "log/rank0.signalled").exists()  # nor asked to stop
+    assert "stopping the others" not in out
+    assert "rank 1 saved and exited (75); waiting up to 120s for the others to finish saving" in out
+
+
+def test_a_save_that_never_finishes_is_stopped_after_the_grace(tmp_path):
+    body = """
+    if rank == 1:
+        sys.exit(75)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+    """
+    code, out = _run_stub_launcher(tmp_path, body, ["--nproc", "2", "--", "--steps", "5"], patch="L.GRACE_S = 0.5; L.SAVE_GRACE_S = 1")
+    assert code == 128 + signal.SIGKILL, out
+    assert "rank 0 did not finish saving within 1s; stopping it" in out
+
+
+# Stands in for process 0's coordinator: it listens on the port it was told, sharing it (as
+# gRPC does, SO_REUSEPORT) with the launcher's reservation; a taken port is exit 76.
+COORDINATOR_STUB = """
+if rank == 0:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, int(port)))
+    except OSError:
+        sys.exit(76)
+    sock.listen()
+with open(f"{log}/ports", "a") as f:
+    f.write(f"{rank} {port}\\n")
+"""
+
+
+@pytest.mark.parametrize("mode", ["plain", "elastic"])
+def test_a_taken_port_at_the_probe_is_skipped(mode, tmp_path):
+    """The launcher probes the address the coordinator binds (127.0.0.1) and holds the port:
+    a port some program listens on is never handed to the coordinator."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    patch = f"real = L.free_port; ports = [{port}]; L.free_port = lambda host='127.0.0.1': ports.pop() if ports else real(host)"
+    flags = ["--nproc", "2"] if mode == "plain" else ["--nproc", "2", "--min-nproc", "2", "--devices-per-proc", "2"]
+    train = ["--steps", "5"] if mode == "plain" else [*ELASTIC_TRAIN_ARGS, "--run-dir", str(tmp_path / "run")]
+    with taken:
+        code, out = _run_stub_launcher(tmp_path, COORDINATOR_STUB, [*flags, "--", *train], patch=patch)
+    assert code == 0, out
+    used = {line.split()[1] for line in (tmp_path / "log/ports").read_text().splitlines()}
+    assert len(used) == 1 and used != {str(port)}
+
+
+@pytest.mark.parametrize("mode", ["plain", "elastic"])
+def test_a_coordinator_that_could_not_bind_starts_again_on_a_new_port(mode, tmp_path):
+    """The race after the probe: process 0 exits 76 (port taken, nothing ran); the set
+    starts again on another port, and an elastic run loses no slot and counts no restart."""
+    body = """
+    if rank == 0:
+        with open(f"{log}/attempts", "a") as f:
+            f.write(f"{port}\\n")
+        try:  # the first attempt only: another program took the port after the launcher's probe
+            os.close(os.open(f"{log}/raced", os.O_CREAT | os.O_EXCL))
+            sys.exit(76)
+        except FileExistsError:
+            open(f"{log}/listening-{port}", "w").close()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(f"{log}/listening-{port}"):  # the others wait for the coordinator
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    """
+    flags = ["--nproc", "2"] if mode == "plain" else ["--nproc", "2", "--min-nproc", "2", "--devices-per-proc", "2", "--max-restarts", "0"]
+    run_dir = tmp_path / "run"
+    train = ["--steps", "5"] if mode == "plain" else [*ELASTIC_TRAIN_ARGS, "--run-dir", str(run_dir)]
+    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *train])
+    assert code == 0, out
+    ports = (tmp_path / "log/attempts").read_text().split()
+    assert len(ports) == 2 and ports[0] != ports[1], ports
+    assert f"the coordinator's port {ports[0]} was taken before it could listen; starting again on another port" in out
+    if mode == "elastic":
+        changes = [json.loads(line) for line in (run_dir / "elastic.jsonl").read_text().splitlines()]
+        assert [(c["reason"], c["to"], c["restarts"]) for c in changes] == [("start", 2, 0)]
+
+
+def test_an_elastic_run_restarts_without_a_stalled_rank(tmp_path):
+    """The hang watch in the elastic loop: rank 1 stalls at step 3 (the fault-injection hook
+    of jaxdist.heartbeat); its stacks are printed, the set is stopped, and the run goes on
+    with one process (the stalled rank's slot is lost, as a crashed one's)."""
+    body = """
+    from jaxdist.heartbeat import beat, install_stack_dump
+    install_stack_dump()
+    for step in range(1, 6):
+        beat(step)
+        time.sleep(0.1)
+    """
+    run_dir = tmp_path / "run"
+    flags = ["--nproc", "2", "--min-nproc", "1", "--devices-per-proc", "2", "--hang-timeout", "1"]
+    code, out = _run_stub_launcher(
+        tmp_path, body, [*flags, "--", *ELASTIC_TRAIN_ARGS, "--run-dir", str(run_dir)], JAXDIST_FAULT_STALL_AT="1:3"
+    )
+    assert code == 0, out
+    changes = [json.loads(line) for line in (run_dir / "elastic.jsonl").read_text().splitlines()]
+    assert [(c["reason"], c["to"]) for c in changes] == [("start", 2), ("hang", 1)], changes
+    assert changes[1]["failed_rank"] == 1 and changes[1]["restarts"] == 1
+    assert "jaxdist.launch: rank 1 made no progress for" in out and "at step 2 (--hang-timeout 1)" in out
+    dump = [line for line in out.splitlines() if line.startswith("[rank 1] ")]
+    assert any("most recent call first" in line for line in dump) and any("heartbeat.py" in line for line in dump), out[-3000:]
+
+
+# --- real processes ---
+
+
+def test_process_0_reports_a_taken_coordinator_port(tmp_path):
+    """Where JAX itself would crash (SIGSEGV binding a taken address) or listen on every
+    interface, process 0 says in one line that the port is taken and exits 76."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "jaxdist.train", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"]
+        cmd += ["--dist-timeout", "10", "--mesh", "data=2", "--run-dir", str(tmp_path / "run"), *TINY]
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 76, proc.stderr[-2000:]  # jaxdist.distributed.EXIT_PORT_TAKEN
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("jaxdist: error: ")]
+    assert errors == [
+        f"jaxdist: error: coordinator port {port} on 127.0.0.1 is taken: another program listens there (--coordinator 127.0.0.1:{port})"
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """One XLA cache for the launches below: the 2-process program compiles once."""
+    return tmp_path_factory.mktemp("xla_cache")
+
+
+def _launch(tmp_path: Path, cache: Path, *flags: str, steps: int = 400, extra=(), env=None) -> tuple[subprocess.Popen, Path, Path]:
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", "2", "--devices-per-proc", "2", *flags, "--"]
+    cmd += [
+        "--mesh",
+        "data=2,tensor=2",
+        "--run-dir",
+        str(run_dir),
+        *OVERRIDES,
+        f"train.steps={steps}",
+        f"train.compile_cache={cache}",
+        *extra,
+    ]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=_env(**(env or {})), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, run_dir, log
+
+
+def _steps_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return sum('"loss"' in line for line in path.read_text().splitlines()) if path.exists() else 0
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the launcher exited ({proc.returncode}) before {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def _trainers(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    return {int(p.environ()["JAXDIST_PROCESS_ID"]): p for p in psutil.Process(launcher.pid).children()}
+
+
+@pytest.fixture(scope="module")
+def running_launch(tmp_path_factory, compile_cache):
+    """A 2-process launch with one Grain worker per process, trained for a few steps."""
+    tmp_path = tmp_path_factory.mktemp("launch")
+    proc, run_dir, log = _launch(tmp_path, compile_cache, extra=["data.workers=1"])
+    try:
+        _wait_for(lambda: _steps_logged(run_dir) >= 2, proc, 240, "two steps", log)
+        yield proc, log
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.heavy
+def test_the_launchers_coordinator_listens_on_loopback_only(running_launch):
+    proc, log = running_launch
+    rank0 = _trainers(proc)[0]
+    port = int(rank0.environ()["JAXDIST_COORDINATOR"].rsplit(":", 1)[1])
+    listening = {c.laddr.ip for c in rank0.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    addresses = {ipaddress.ip_address(ip).ipv4_mapped or ipaddress.ip_address(ip) for ip in listening}  # gRPC may use ::ffff:127.0.0.1
+    assert addresses == {ipaddress.ip_address("127.0.0.1")}, (listening, log.read_text()[-2000:])  # not [::] (every interface)
+
+
+@pytest.mark.heavy
+def test_killing_the_launcher_alone_ends_every_process_it_started(running_launch):
+    proc, log = running_launch
+    family = psutil.Process(proc.pid).children(recursive=True)
+    commands = [" ".join(p.cmdline()) for p in family]
+    assert sum("jaxdist.train" in c for c in commands) == 2, commands
+    assert sum("spawn_main" in c for c in commands) >= 2 and any("resource_tracker" in c for c in commands), commands  # Grain workers
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher alone, not its process group
+    proc.wait(timeout=30)
+    left = _gone_within(family, 5.0)
+    assert not left, [(p.pid, " ".join(p.cmdline())[:120]) for p in left]
+
+
+@pytest.mark.heavy
+def test_killing_the_supervisor_alone_ends_its_run(tmp_path, started):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxdist.train", "--max-restarts", "2", "--mesh", "data=2", "--run-dir", str(run_dir), *OVERRIDES]
+    cmd += ["train.steps=400", "data.workers=1"]
+    log = tmp_path / "train.log"
+    with open(log, "w") as out:
+        sup = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    started.append(sup)
+    _wait_for(lambda: _steps_logged(run_dir) >= 2, sup, 240, "two steps", log)
+    family = psutil.Process(sup.pid).children(recursive=True)
+    commands = [" ".join(p.cmdline()) for p in family]
+    assert sum("jaxdist.train" in c for c in commands) == 1 and any("spawn_main" in c for c in commands), commands
+    os.kill(sup.pid, signal.SIGKILL)
+    sup.wait(timeout=30)
+    left = _gone_within(family, 5.0)
+    assert not left, [(p.pid, " ".join(p.cmdline())[:120]) for p in left]
+
+
+@pytest.mark.heavy
+def test_a_stalled_rank_is_dumped_and_the_run_stopped(tmp_path, compile_cache, started):
+    proc, run_dir, log = _launch(tmp_path, compile_cache, "--hang-timeout", "5", env={"JAXDIST_FAULT_STALL_AT": "1:3"})
+    started.append(proc)
+    proc.wait(timeout=300)
+    out = log.read_text()
+    assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]
+    assert "jaxdist: fault injection (JAXDIST_FAULT_STALL_AT): rank 1 stalls at step 3" in out
+    (line,) = [line for line in out.splitlines() if line.startswith("jaxdist.launch: rank 1 made no progress")]
+    assert "at step 2 (--hang-timeout 5); every rank's Python stacks follow, then the run is stopped" in line
+    for rank in (0, 1):  # faulthandler's dump of every thread, from both ranks, through the launcher's output
+        dump = [line for line in out.splitlines() if line.startswith(f"[rank {rank}] ") and "most recent call first" in line]
+        assert dump, out[-4000:]
+    assert any(line.startswith("[rank 1] ") and "heartbeat.py" in line for line in out.splitlines())  # where it stalls
+    assert any(line.startswith("[rank 0] ") and "trainer.py" in line for line in out.splitlines())  # waiting in the loop
+
+
+@pytest.mark.heavy
+def test_one_preempted_rank_lets_the_run_save_and_exit_75(tmp_path, compile_cache, started):
+    """SIGTERM to rank 1 alone (e.g. its node is reclaimed): every rank saves the same step
+    and exits 75; the launcher waits for all of them and exits 75, killing nobody."""
+    proc, run_dir, log = _launch(tmp_path, compile_cache)
+    started.append(proc)
+    _wait_for(lambda: _steps_logged(run_dir) >= 2, proc, 240, "two steps", log)
+    _trainers(proc)[1].send_signal(signal.SIGTERM)
+    proc.wait(timeout=180)
+    out = log.read_text()
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    assert "stopping the others" not in out and "killing the others" not in out
+    saved = {
+        line.split("] ", 1)[0]: int(line.split("state saved at step ")[1].split(";")[0])
+        for line in out.splitlines()
+        if "state saved at step" in line
+    }
+    assert set(saved) == {"[rank 0", "[rank 1"} and len(set(saved.values())) == 1, saved
+    step = saved["[rank 0"]
+    assert checkpoint_steps(run_dir / "checkpoints")[-1] == step
+    assert len(list((run_dir / "checkpoints" / str(step) / "data").glob("process_*.json"))) == 2  # both processes' data state
