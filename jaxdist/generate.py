@@ -7,7 +7,10 @@ Temperature 0 (the default) is greedy. The prompt runs through the model once (p
 filling a cache of every layer's keys and values; each new token then costs one
 token's forward pass over the cache (``Llama.decode``). Prefill and the whole sampling
 loop are one compiled program, with the parameters in the mesh's shardings (``--mesh
-tensor=N`` splits heads). With a tokenizer, generation stops at its end-of-document id.
+tensor=N`` splits heads). Generation stops once the sequence reaches a stop id: the
+imported model's ``eos_token_id`` (generation_config.json, else config.json; one or a
+list) and the run's tokenizer's end-of-document id; ``--json`` says how many tokens were
+decoded (``decoded``) and which ids stop (``stop_ids``).
 """
 
 from __future__ import annotations
@@ -37,29 +40,42 @@ def sample(logits, key, temperature: float, top_p: float):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def generate_ids(model, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, key=None):
-    """[batch, max_new_tokens] ids sampled after ``prompt`` [batch, t] (trace under jit)."""
+def generate_ids(model, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, key=None, stop_ids=()):
+    """([batch, max_new_tokens] ids sampled after ``prompt`` [batch, t], the number of
+    tokens decoded) (trace under jit). Decoding ends once every sequence has produced one
+    of ``stop_ids``; a sequence that ended holds its stop id from there on."""
     import jax
     import jax.numpy as jnp
 
     from jaxdist.models.llama import KVCache
 
     key = jax.random.key(0) if key is None else key
-    cache = KVCache.zeros(model.cfg, prompt.shape[0], prompt.shape[1] + max_new_tokens, model.dtype)
+    batch = prompt.shape[0]
+    cache = KVCache.zeros(model.cfg, batch, prompt.shape[1] + max_new_tokens, model.dtype)
     logits, cache = model.decode(prompt, cache)
+    keys = jax.random.split(key, max_new_tokens)  # token i draws with keys[i], whenever decoding stops
+    stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
 
-    def step(carry, step_key):
-        cache, last = carry
-        token = sample(last, step_key, temperature, top_p)
+    def running(carry) -> jax.Array:
+        i, _, _, _, ended = carry
+        return (i < max_new_tokens) & ~jnp.all(ended)
+
+    def step(carry):
+        i, cache, last, tokens, ended = carry
+        token = sample(last, keys[i], temperature, top_p)
+        token = jnp.where(ended, tokens[:, jnp.maximum(i - 1, 0)], token)  # an ended sequence repeats its stop id
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
+        ended = ended | jnp.isin(token, stops)
         logits, cache = model.decode(token[:, None], cache)
-        return (cache, logits[:, -1]), token
+        return i + 1, cache, logits[:, -1], tokens, ended
 
-    _, tokens = jax.lax.scan(step, (cache, logits[:, -1]), jax.random.split(key, max_new_tokens))
-    return jnp.transpose(tokens)
+    start = (jnp.int32(0), cache, logits[:, -1], jnp.zeros((batch, max_new_tokens), jnp.int32), jnp.zeros((batch,), bool))
+    steps, _, _, tokens, _ = jax.lax.while_loop(running, step, start)
+    return tokens, steps
 
 
-def compile_generate(loaded, prompt_shape: tuple[int, int], max_new_tokens: int, temperature: float, top_p: float):
-    """The compiled program: (params, prompt ids, key) -> new ids."""
+def compile_generate(loaded, prompt_shape: tuple[int, int], max_new_tokens: int, temperature: float, top_p: float, stop_ids=()):
+    """The compiled program: (params, prompt ids, key) -> (new ids, tokens decoded)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -71,17 +87,31 @@ def compile_generate(loaded, prompt_shape: tuple[int, int], max_new_tokens: int,
     def run(params, prompt, key):
         with activation_layout(trainer.layout):
             model = nnx.merge(trainer.graphdef, params)
-            return generate_ids(model, prompt, max_new_tokens, temperature=temperature, top_p=top_p, key=key)
+            return generate_ids(model, prompt, max_new_tokens, temperature=temperature, top_p=top_p, key=key, stop_ids=stop_ids)
 
     replicated = trainer.layout.replicated()
     jitted = jax.jit(run, in_shardings=(trainer.param_shardings, replicated, replicated), out_shardings=replicated)
     return jitted.lower(trainer.abstract_params(), jax.ShapeDtypeStruct(prompt_shape, jnp.int32), jax.random.key(0)).compile()
 
 
+def stop_ids(config, step_dir, tokenizer) -> list[int]:
+    """Where generation ends: the imported model's ``eos_token_id`` (its
+    generation_config.json, else config.json: one id or several) and, when the run names
+    its tokenizer, that tokenizer's end-of-document id."""
+    from jaxdist.hf_files import eos_ids, source_dir
+
+    ids = eos_ids(source_dir(config, step_dir))
+    if tokenizer is not None and tokenizer.eod_id not in ids:
+        ids.append(tokenizer.eod_id)
+    return ids
+
+
 def _prompt_ids(args, tokenizer, valid: int) -> list[int]:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise JaxdistError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if args.prompt is not None:
+        if tokenizer is None:
+            raise JaxdistError("the checkpoint names no tokenizer (converted without one): give --prompt-ids, or data.tokenizer=FILE")
         ids = [int(i) for i in tokenizer.encode_prompt(args.prompt)]
     else:
         try:
@@ -119,9 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, config, step_dir = load_config(build_arg_parser(), argv)
         if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
             raise JaxdistError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
-        tokenizer = load_tokenizer(config.data.tokenizer or None)
+        tokenizer = load_tokenizer(config.data.tokenizer) if config.data.tokenizer else None  # None: ids in, ids out
         m = config.model
-        ids = _prompt_ids(args, tokenizer, m.valid_vocab or m.vocab_size or tokenizer.vocab_size)
+        ids = _prompt_ids(args, tokenizer, m.valid_vocab or m.vocab_size)
+        stops = stop_ids(config, step_dir, tokenizer)
         loaded = load(config, step_dir)
     except JaxdistError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
@@ -129,15 +160,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    compiled = compile_generate(loaded, (1, len(ids)), args.max_new_tokens, args.temperature, args.top_p)
-    new = [int(i) for i in np.asarray(jax.device_get(compiled(loaded.params, np.asarray([ids], np.int32), jax.random.key(args.seed))))[0]]
-    if config.data.tokenizer and tokenizer.eod_id in new:  # stop at the end of the document
-        new = new[: new.index(tokenizer.eod_id)]
-    text = tokenizer.decode(new)
+    compiled = compile_generate(loaded, (1, len(ids)), args.max_new_tokens, args.temperature, args.top_p, stops)
+    tokens, steps = jax.device_get(compiled(loaded.params, np.asarray([ids], np.int32), jax.random.key(args.seed)))
+    new = [int(i) for i in np.asarray(tokens)[0, : int(steps)]]
+    ended = next((k for k, i in enumerate(new) if i in stops), None)
+    if ended is not None:  # the stop id ends the text and is not part of it
+        new = new[:ended]
+    text = tokenizer.decode(new) if tokenizer is not None else None
     if args.json:
-        print(json.dumps({"ids": new, "text": text, "prompt_ids": ids, "checkpoint": str(step_dir)}))
+        print(
+            json.dumps({"ids": new, "text": text, "prompt_ids": ids, "stop_ids": stops, "decoded": int(steps), "checkpoint": str(step_dir)})
+        )
     else:
-        print((args.prompt or "") + text)
+        print((args.prompt or "") + text if text is not None else ",".join(map(str, new)))
     return EXIT_OK
 
 

@@ -1,7 +1,8 @@
 """A checkpoint's model on a mesh, for the tools that only run it (``generate``, ``eval``).
 
-The config is the one saved with the checkpoint, with ``key=value`` overrides; the
-parallel section is reset to a plain mesh (``--mesh``, default one device), so a
+The config is the one saved with the checkpoint, with ``key=value`` overrides (its
+``data.tokenizer`` is the run's tokenizer: neither tool reads the training data unless
+asked to score it); the parallel section is reset to a plain mesh (``--mesh``, default one device), so a
 DiLoCo or compressed-gradient training run loads like any other. The parameters are
 read straight into that mesh's shardings.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 from jaxdist.cli import parse_args
 from jaxdist.config import Config, ParallelConfig
+from jaxdist.data.sources import record_tokenizer
 from jaxdist.errors import JaxdistError, OneLineArgumentParser
 
 
@@ -45,6 +47,7 @@ def load_config(parser: argparse.ArgumentParser, argv) -> tuple[argparse.Namespa
     config = checkpoint_config(step_dir, args.overrides)
     if config.model.kind != "llama":
         raise JaxdistError(f"checkpoint {step_dir}: model.kind {config.model.kind!r}; only language models generate and evaluate here")
+    record_tokenizer(config)  # what older runs left unsaid (bytes); a run saves its own
     config.parallel = ParallelConfig(mesh=args.mesh)
     return args, config, step_dir
 

@@ -37,7 +37,17 @@ def checkpoint_config(step_dir: Path, overrides: list[str] | tuple[str, ...] = (
     saved = saved_config(step_dir)
     if saved is None:
         raise JaxdistError(f"checkpoint {step_dir}: its config ({step_dir / 'config'}) is missing or unreadable")
+    data = saved.get("data")
+    tokenizer = data.get("tokenizer") if isinstance(data, dict) else None
+    if isinstance(tokenizer, str) and tokenizer not in ("", "byte") and not Path(tokenizer).is_absolute():
+        # relative to the run directory (``from-hf`` writes ``hf_source/tokenizer.json``): the folder can move
+        saved = {**saved, "data": {**data, "tokenizer": str(run_directory(step_dir) / tokenizer)}}
     return config_from_dict(saved, overrides)
+
+
+def run_directory(step_dir: Path) -> Path:
+    """The run (or converted) directory a step directory ``RUN/checkpoints/STEP`` belongs to."""
+    return step_dir.parent.parent
 
 
 def state_tree(step_dir: Path) -> dict:

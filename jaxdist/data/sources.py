@@ -136,10 +136,11 @@ def _text_corpus(name: str, files: tuple[Path, ...], tokenizer_path: str, unit: 
     return Corpus(name, ArrayStream(tokens), tokenizer.vocab_size, tokenizer.eod_id, int(tokens.max()))
 
 
-def _prepared_corpus(path: str) -> Corpus:
+def _prepared_corpus(path: str, tokenizer: str) -> Corpus:
     from jaxdist.data.prepare import lengths_file, read_meta
 
     meta = read_meta(path)
+    check_prepared_tokenizer(meta, path, tokenizer)
     root = Path(path)
     shards: list[TokenStream] = []
     for shard in meta["shards"]:
@@ -152,30 +153,84 @@ def _prepared_corpus(path: str) -> Corpus:
     return Corpus(f"tokens:{root.name}", ShardedStream(shards), meta["vocab_size"], meta["eod_id"], meta["max_token_id"])
 
 
+def prepared_tokenizer(meta: dict) -> str:
+    """The ``data.tokenizer`` value for the tokenizer a prepared folder was made with
+    (``prepare`` records it in meta.json): ``byte`` or its file; "" when not recorded."""
+    recorded = meta.get("tokenizer")
+    if not isinstance(recorded, dict):
+        return ""
+    if recorded.get("kind") == "byte":
+        return "byte"
+    return str(recorded.get("path") or "")
+
+
+def check_prepared_tokenizer(meta: dict, path: str, tokenizer: str) -> None:
+    """Raise unless ``data.tokenizer`` is the tokenizer the prepared data was made with
+    (the same file contents; bytes for bytes)."""
+    from jaxdist.data.tokenizers import file_sha256
+
+    recorded = meta.get("tokenizer")
+    if not tokenizer or not isinstance(recorded, dict):
+        return
+    if recorded.get("kind") == "byte" or tokenizer == "byte":
+        same = recorded.get("kind") == "byte" and tokenizer == "byte"
+    else:
+        file = Path(tokenizer).expanduser()
+        same = file.is_file() and file_sha256(str(file)) == recorded.get("sha256")
+    if not same:
+        made_with = "bytes" if recorded.get("kind") == "byte" else f"{recorded.get('path')} (sha256 {str(recorded.get('sha256'))[:12]})"
+        raise JaxdistError(f"prepared data {path} was tokenized with {made_with}, but data.tokenizer is {tokenizer}: another tokenizer")
+
+
 def open_corpus(config: Config) -> Corpus:
     """The token corpus named by ``data.source`` / ``data.path`` (not for ``synthetic``)."""
     d = config.data
+    tokenizer = "" if d.tokenizer == "byte" else d.tokenizer  # one cache entry for bytes, however named
     if d.source == "stdlib":
-        return _text_corpus("stdlib", tuple(stdlib_files()), d.tokenizer, "file")
+        return _text_corpus("stdlib", tuple(stdlib_files()), tokenizer, "file")
     if d.source == "text":
         from jaxdist.data.text import expand_inputs
 
         if not d.path:
             raise JaxdistError("data.source=text needs data.path (files, globs or a directory)")
-        return _text_corpus(f"text:{d.path}", tuple(expand_inputs(d.path)), d.tokenizer, d.text_unit)
+        return _text_corpus(f"text:{d.path}", tuple(expand_inputs(d.path)), tokenizer, d.text_unit)
     if d.source == "tokens":
         if not d.path:
             raise JaxdistError("data.source=tokens needs data.path (a directory written by `python -m jaxdist.data prepare`)")
-        return _prepared_corpus(d.path)
+        return _prepared_corpus(d.path, d.tokenizer)
     raise ValueError(f"no corpus for data.source={d.source!r}")
 
 
+def record_tokenizer(config: Config) -> None:
+    """Make ``data.tokenizer`` name the tokenizer the data is made with, so that a run's
+    saved config carries it to ``generate`` and ``eval``: ``data.source=tokens`` takes the
+    prepared data's (from its meta.json) when none is given, text is ``byte`` when none is
+    given ("" stays for a model whose tokenizer is unknown, e.g. one converted without
+    one), and a relative path becomes absolute (a saved config's relative path is read
+    against its run directory)."""
+    d = config.data
+    if d.source == "tokens" and not d.tokenizer and d.path:
+        from jaxdist.data.prepare import read_meta
+
+        d.tokenizer = prepared_tokenizer(read_meta(d.path))
+        if d.tokenizer not in ("", "byte") and not Path(d.tokenizer).is_file():
+            raise JaxdistError(
+                f"prepared data {d.path} was tokenized with {d.tokenizer}, which is gone; "
+                "pass data.tokenizer=FILE (that same file) so that the run records its tokenizer"
+            )
+    elif d.source in ("stdlib", "text") and not d.tokenizer:
+        d.tokenizer = "byte"
+    if d.tokenizer and d.tokenizer != "byte" and not Path(d.tokenizer).expanduser().is_absolute():
+        d.tokenizer = str(Path(d.tokenizer).expanduser().absolute())
+
+
 def data_vocab_size(config: Config) -> int:
-    """Ids the data needs the model to embed, read without tokenizing the corpus."""
+    """Ids the data needs the model to embed, read without tokenizing the corpus: from the
+    tokenizer (a recorded one, for prepared data), so a checkpoint's tools need no data."""
     d = config.data
     if d.source == "synthetic":
         return 256
-    if d.source == "tokens":
+    if d.source == "tokens" and not d.tokenizer:
         from jaxdist.data.prepare import read_meta
 
         return int(read_meta(d.path)["vocab_size"]) if d.path else 0

@@ -61,7 +61,7 @@ class Tokenizer:
             "kind": self.kind,
             "name": self.name,
             "path": self.path,
-            "sha256": _sha256(self.path) if self.path else None,
+            "sha256": file_sha256(self.path) if self.path else None,
             "vocab_size": self.vocab_size,
             "eod_id": self.eod_id,
         }
@@ -182,7 +182,7 @@ def _invalid(path: str, error: Exception) -> JaxdistError:
     return JaxdistError(f"invalid tokenizer file {path}: {message[:300]}")
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
