@@ -3,9 +3,12 @@
     python -m jaxdist.eval --checkpoint PATH [--mesh SPEC] [--batches N] [data.* / train.* keys] [--json]
 
 The data keys default to the checkpoint's own (the held-out tail, ``data.eval_fraction``,
-of the corpus it trained on); override them to score another corpus. ``--batches N``
-(``train.eval_batches``) batches of ``train.global_batch`` x ``train.seq_len`` tokens
-are scored, the same ones for every checkpoint, so two checkpoints compare directly.
+of the corpus it trained on); override them to score another corpus. Each held-out window
+of ``train.seq_len`` tokens is scored once, in order, in at most ``--batches N``
+(``train.eval_batches``) batches of ``train.global_batch`` (the last one padded; it says
+so when the split holds fewer batches than asked), the same ones for every checkpoint,
+so two checkpoints compare directly. ``tokens`` counts the targets actually scored
+(predictions across an end of document carry no loss).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ def build_arg_parser():
 def main(argv: Sequence[str] | None = None) -> int:
     from jaxdist.inference import load, load_config
 
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
     try:
         args, config, step_dir = load_config(build_arg_parser(), argv)
         if args.batches is not None:
@@ -39,29 +45,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         import jax
         import numpy as np
 
-        from jaxdist.data.pipeline import eval_batches
+        from jaxdist.data.pipeline import eval_batches, held_out
 
         trainer = loaded.trainer
+        split = held_out(config)
+        if split.batches < split.asked:
+            say(
+                f"jaxdist: the held-out split has {split.examples} window(s) of {config.train.seq_len} tokens: "
+                f"{split.batches} batch(es) of {config.train.global_batch}, not the {split.asked} asked; each window is scored once"
+            )
         totals = np.zeros(2, np.float64)
-        for batch in eval_batches(config, trainer.layout):
+        for batch in eval_batches(config, trainer.layout, split):
             totals += np.asarray(jax.device_get(trainer.eval_step(loaded.params, batch)), np.float64)
     except JaxdistError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if totals[1] == 0:
+        print("jaxdist: error: the held-out windows hold no scored token (every target is an end of document)", file=sys.stderr)
         return EXIT_BAD_INPUT
     loss = float(totals[0] / totals[1])
     result = {
         "loss": loss,
         "perplexity": math.exp(loss),
         "tokens": int(totals[1]),
-        "batches": config.train.eval_batches,
+        "batches": split.batches,
+        "windows": split.examples,
         "checkpoint": str(step_dir),
         "step": loaded.step,
     }
     if args.json:
         print(json.dumps(result))
     else:
+        windows = f", {split.examples} windows" if split.examples is not None else ""
         print(
-            f"{step_dir}: loss {loss:.4f}, perplexity {result['perplexity']:.2f} over {result['tokens']:,} tokens ({result['batches']} batches)"
+            f"{step_dir}: loss {loss:.4f}, perplexity {result['perplexity']:.2f} over {result['tokens']:,} tokens "
+            f"({result['batches']} batches{windows})"
         )
     return EXIT_OK
 

@@ -140,14 +140,33 @@ def test_worker_processes_do_not_change_the_batches():
     _assert_same(in_process, with_workers)
 
 
-def test_eval_split_is_held_out_and_fixed():
+def test_eval_split_is_held_out_and_fixed(tmp_path):
+    """A corpus of distinct tokens (each word once): over a whole epoch of training batches
+    no token of any eval window (input or target) appears in a training window; every
+    held-out window is scored exactly once; and eval sees the same batches each time."""
+    import hf_reference as ref
+
     from jaxdist.data.pipeline import eval_batches
 
-    layout, config = _layout(), _config("train.eval_batches=2")
+    ref.write_tokenizer(tmp_path / "tok.json", 1600)
+    (tmp_path / "doc.txt").write_text(" ".join(f"w{i}" for i in range(1500)))  # ids 3..1502, then EOD 2
+    keys = ["data.source=text", f"data.path={tmp_path / 'doc.txt'}", f"data.tokenizer={tmp_path / 'tok.json'}"]
+    layout, config = _layout(), _config(*keys, "data.eval_fraction=0.2", "train.eval_batches=100")
+    n_windows = (1501 - 2) // 32
+    n_eval = round(n_windows * 0.2)
     first, again = list(eval_batches(config, layout)), list(eval_batches(config, layout))
     _assert_same(jax.tree.map(np.asarray, first), jax.tree.map(np.asarray, again))
-    train = _take(make_iterator(config, layout), 2)
-    assert not np.array_equal(np.asarray(first[0]["inputs"]), train[0]["inputs"])
+    rows = [
+        (x, y) for b in first for x, y, m in zip(*(np.asarray(b[k]) for k in ("inputs", "targets", "loss_mask")), strict=True) if m.any()
+    ]
+    eval_tokens = {int(t) for x, y in rows for t in (*x, *y)}
+    n_train = n_windows - n_eval
+    train = _take(make_iterator(config, layout), -(-n_train // 8))  # at least one whole epoch
+    train_tokens = {int(t) for b in train for key in ("inputs", "targets") for t in b[key].ravel()}
+    assert len({int(x[0]) for b in train for x in b["inputs"]}) == n_train  # every training window was seen
+    assert not eval_tokens & train_tokens
+    assert len(rows) == n_eval and len({int(x[0]) for x, _ in rows}) == n_eval  # each held-out window once
+    assert len(eval_tokens) == n_eval * 32 + 1
 
 
 def _bad(argv, tmp_path, capsys) -> str:

@@ -172,6 +172,25 @@ def test_eval_scores_the_held_out_batches(converted, capsys):
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
 
 
+def test_eval_scores_each_held_out_window_once(converted, tmp_path, capsys):
+    """A corpus whose held-out split is one window: eval scores that window once, however
+    many batches are asked, says so, and its loss is the numpy model's on that window."""
+    hf_dir, out = converted["untied"]
+    words = [f"w{i}" for i in np.random.default_rng(5).integers(0, 997, 150)]
+    (tmp_path / "doc.txt").write_text(" ".join(words))
+    keys = ["data.source=text", f"data.path={tmp_path / 'doc.txt'}", "train.global_batch=4", "train.seq_len=40"]
+    assert eval_cli.main(["--checkpoint", str(out), "--json", "--batches", "5", *keys]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert "the held-out split has 1 window(s) of 40 tokens: 1 batch(es) of 4, not the 5 asked" in captured.err
+    assert (result["batches"], result["windows"], result["tokens"]) == (1, 1, 40)
+    # the stream is the words' ids (w_i is i + 3) then "</s>" (2); 150 // 40 windows, the last held out one token past the train's
+    stream = np.asarray([int(w[1:]) + 3 for w in words] + [2])
+    window = stream[2 * 40 + 1 : 3 * 40 + 2]
+    want = ref.mean_loss(*ref.read_llama(hf_dir), window[None, :-1], window[None, 1:], np.ones((1, 40)))
+    assert result["loss"] == pytest.approx(want, rel=1e-5)
+
+
 @pytest.mark.parametrize("in_place", [True, False], ids=["gpu-path", "cpu-path"])
 def test_layer_stacks_fill_the_same_either_way(in_place):
     """A layer stack lands in its shards the same whether filled layer by layer on the

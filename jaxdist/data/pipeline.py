@@ -64,9 +64,11 @@ class PackedExamples:
 
 
 def split_corpus(corpus: Corpus, config: Config) -> tuple[PackedExamples, PackedExamples]:
-    """Train and eval examples: the last ``data.eval_fraction`` of the windows are eval."""
+    """Train and eval examples: the last ``data.eval_fraction`` of the windows are eval.
+    They start one token after the last training target (windows share a token at their
+    seams), so no token of the held-out split is ever a training input or target."""
     seq_len, d = config.train.seq_len, config.data
-    n_windows = (corpus.stream.n_tokens - 1) // seq_len
+    n_windows = (corpus.stream.n_tokens - 2) // seq_len  # seq_len + 1 tokens a window, and the one-token gap
     if n_windows < 2:
         raise JaxdistError(
             f"corpus {corpus.name} has {corpus.stream.n_tokens} tokens: shorter than two sequences of train.seq_len={seq_len} (one to train, one to evaluate)"
@@ -74,10 +76,10 @@ def split_corpus(corpus: Corpus, config: Config) -> tuple[PackedExamples, Packed
     n_eval = min(max(1, round(n_windows * d.eval_fraction)), n_windows - 1)
     n_train = n_windows - n_eval
 
-    def examples(first_window: int, n: int) -> PackedExamples:
-        return PackedExamples(corpus.stream, first_window * seq_len, n, seq_len, corpus.eod_id, d.document_mask)
+    def examples(first_token: int, n: int) -> PackedExamples:
+        return PackedExamples(corpus.stream, first_token, n, seq_len, corpus.eod_id, d.document_mask)
 
-    return examples(0, n_train), examples(n_train, n_eval)
+    return examples(0, n_train), examples(n_train * seq_len + 1, n_eval)
 
 
 def check_vocab(corpus: Corpus, config: Config) -> None:
@@ -259,28 +261,74 @@ def make_iterator(
 ) -> BatchIterator:
     """Batches for steps start_step+1, start_step+2, ... of ``split`` (``workers``
     overrides ``data.workers``)."""
+    d = config.data
+    shuffle = split == "train" and d.shuffle and d.source != "synthetic"  # synthetic examples are random already
+    return _batch_iterator(config, layout, example_source(config, split), shuffle=shuffle, start_step=start_step, workers=workers)
+
+
+def _batch_iterator(config: Config, layout: Layout, source: Any, *, shuffle: bool, start_step: int = 0, workers: int | None = None):
     d, t = config.data, config.train
     part = ProcessSlice.for_layout(layout, t.global_batch)
-    shuffle = split == "train" and d.shuffle and d.source != "synthetic"  # synthetic examples are random already
-    batches = batches_dataset(example_source(config, split), part, seed=t.seed, shuffle=shuffle)
+    batches = batches_dataset(source, part, seed=t.seed, shuffle=shuffle)
     workers = d.workers if workers is None else workers
     read_options = grain.ReadOptions(num_threads=max(1, min(d.prefetch, 8)), prefetch_buffer_size=d.prefetch)
 
     def open_dataset(start: int) -> grain.IterDataset:
         iter_ds = (batches[start:] if start else batches).to_iter_dataset(read_options)
         if workers > 0:
+            from jaxdist.lifetime import grain_worker_init
+
             _mark_absl_flags_parsed()
-            iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(1, d.prefetch)))
+            options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(1, d.prefetch))
+            iter_ds = iter_ds.mp_prefetch(options, worker_init_fn=grain_worker_init())  # workers die with this process
         return iter_ds
 
     return BatchIterator(open_dataset, layout, t.global_batch, prefetch=d.prefetch, start_step=start_step, workers=workers)
 
 
-def eval_batches(config: Config, layout: Layout) -> Iterator[dict[str, jax.Array]]:
-    """The held-out batches every periodic eval sees (the same ones each time)."""
-    iterator = make_iterator(config, layout, split="eval", workers=0)
+class PaddedExamples:
+    """A finite split padded to whole batches: the examples past its end are padding
+    (every field zero, ``loss_mask`` included), so each real example is scored once and
+    the padding adds neither loss nor tokens."""
+
+    def __init__(self, source: Any, length: int):
+        self.source, self.length = source, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        if index < len(self.source):
+            return self.source[index]
+        return {key: np.zeros_like(value) for key, value in self.source[0].items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldOut:
+    """The held-out split as eval reads it."""
+
+    source: Any  # the eval examples, padded to ``batches`` whole batches
+    batches: int  # batches scored: as many as hold the split, at most train.eval_batches
+    examples: int | None  # real (unpadded) examples in them; None: synthetic, endless
+    asked: int  # train.eval_batches
+
+
+def held_out(config: Config) -> HeldOut:
+    """Every held-out window once, in order, in at most ``train.eval_batches`` batches."""
+    source, asked, per_batch = example_source(config, "eval"), config.train.eval_batches, config.train.global_batch
+    if config.data.source == "synthetic":  # endless: every batch is new
+        return HeldOut(source, asked, None, asked)
+    batches = min(asked, -(-len(source) // per_batch))
+    return HeldOut(PaddedExamples(source, batches * per_batch), batches, min(len(source), batches * per_batch), asked)
+
+
+def eval_batches(config: Config, layout: Layout, split: HeldOut | None = None) -> Iterator[dict[str, jax.Array]]:
+    """The held-out batches every periodic eval sees (the same ones each time; each
+    window once, the last batch padded)."""
+    split = held_out(config) if split is None else split
+    iterator = _batch_iterator(config, layout, split.source, shuffle=False, workers=0)
     try:
-        for _ in range(config.train.eval_batches):
+        for _ in range(split.batches):
             yield next(iterator)
     finally:
         iterator.close()
