@@ -97,9 +97,16 @@ def summarize(run_dir: str | Path, *, write: bool = True) -> dict[str, Any]:
     are missing or unreadable."""
     run_dir = Path(run_dir)
     traces = [read_process(i, d, f) for i, d, f in find_traces(run_dir)]
-    count = traces[0].window.get("process_count")
+    count = _process_count(traces)
     if count:  # process_<i> directories left by an earlier run with more processes
-        traces = [t for t in traces if t.index < int(count)]
+        traces = [t for t in traces if t.index < count]
+        missing = sorted(set(range(count)) - {t.index for t in traces})
+        if missing:
+            where = run_dir / "profile" / f"process_{missing[0]}"
+            raise JaxdistError(
+                f"the traced run had {count} processes, but process {missing[0]}'s trace is missing "
+                f"(no {where}/plugins/profile/*/*.xplane.pb)" + (f"; {len(missing) - 1} more missing" if len(missing) > 1 else "")
+            )
     analysis = read_json(run_dir / "profile" / "analysis.json")
     items = [it for t in traces for it in report.device_steps(t)]
     if not items:
@@ -170,6 +177,15 @@ def summarize(run_dir: str | Path, *, write: bool = True) -> dict[str, Any]:
         except OSError as e:  # a read-only run directory: the report is still printed
             summary["files"] = {"summary": None, "plot": None, "note": f"could not write summary.json: {e.strerror or e}"}
     return summary
+
+
+def _process_count(traces: list) -> int | None:
+    """How many processes the traced run had: process 0's window says (another process's
+    when process 0's trace is the one missing); None for traces without window.json."""
+    counts = {t.index: t.window.get("process_count") for t in traces if t.window.get("process_count")}
+    if not counts:
+        return None
+    return int(counts.get(0) or max(counts.values()))
 
 
 def _notes(traces: list, items: list, ctx: dict[str, Any]) -> list[str]:

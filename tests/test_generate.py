@@ -76,6 +76,52 @@ def test_generation_stops_at_the_end_of_text_token(checkpoint, capsys, tmp_path)
     assert _generate(capsys, *base, f"data.tokenizer={tmp_path / 'tokenizer.json'}")["ids"] == ids[:3]
 
 
+def test_generation_stops_at_generation_config_eos_ids(checkpoint, capsys, tmp_path):
+    """generation_config.json's eos_token_id (a list, as Llama 3's) stops decoding at the
+    first of them reached, and decoding stops there rather than running --max-new-tokens."""
+    import shutil
+
+    _, out = checkpoint
+    base = ["--prompt-ids", "5,6,7"]
+    ids = _generate(capsys, "--checkpoint", str(out), *base, "--max-new-tokens", "8")["ids"]
+    stop = ids[3]
+    assert stop not in ids[:3] and 2 not in ids[:4]  # 2: config.json's and the tokenizer's end of text
+    model = tmp_path / "model"
+    shutil.copytree(out, model)
+    (model / "hf_source" / "generation_config.json").write_text(json.dumps({"eos_token_id": [999, stop]}))
+    got = _generate(capsys, "--checkpoint", str(model), *base, "--max-new-tokens", "200")
+    assert got["ids"] == ids[:3] and got["decoded"] == 4
+    assert got["stop_ids"] == [999, stop, 2]
+    (model / "hf_source" / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    assert generate_cli.main(["--checkpoint", str(model), *base]) == 2
+    assert "eos_token_id '</s>' is not a token id or a list of them" in capsys.readouterr().err
+
+
+def test_decoding_ends_when_every_sequence_has_ended():
+    """A batch of two: each sequence ends at its first stop id and repeats it from there;
+    the loop runs until the later of the two, not to max_new_tokens."""
+    from jaxdist.generate import generate_ids
+
+    cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
+    graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(1)))
+    prompt = jnp.asarray([[5, 6, 7], [40, 41, 42]], jnp.int32)
+
+    def run(stop_ids):
+        return jax.jit(lambda p: generate_ids(nnx.merge(graphdef, p), prompt, 12, stop_ids=stop_ids))(params)
+
+    free, steps = run(())
+    free = np.asarray(free)
+    assert int(steps) == 12
+    stops = (int(free[0, 2]), int(free[1, 5]))
+    ends = [next(k for k, t in enumerate(row) if t in stops) for row in free]
+    tokens, steps = run(stops)
+    tokens = np.asarray(tokens)
+    assert int(steps) == max(ends) + 1 < 12
+    for row, end, want in zip(tokens, ends, free, strict=True):
+        np.testing.assert_array_equal(row[: end + 1], want[: end + 1])  # the same tokens up to the stop
+        assert (row[end : int(steps)] == want[end]).all()  # then the stop id again
+
+
 def test_sampling_is_seeded_and_top_p_keeps_the_nucleus(checkpoint, capsys):
     _, out = checkpoint
     base = ["--checkpoint", str(out), "--prompt-ids", "5,6,7", "--max-new-tokens", "16", "--temperature", "1.5"]

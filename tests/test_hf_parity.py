@@ -74,6 +74,30 @@ def test_greedy_tokens_match_transformers_generate(pair, capsys):
     assert json.loads(capsys.readouterr().out)["ids"] == want[0, len(prompt) :].tolist()
 
 
+def test_generation_stops_where_transformers_generate_does(pair, capsys, tmp_path):
+    """A generation_config.json eos_token_id list (as Llama 3's): jaxdist stops where
+    transformers' generate does, returning its tokens before the eos."""
+    import json
+    import shutil
+
+    model, root = pair
+    prompt = [int(i) for i in np.random.default_rng(3).integers(0, VOCAB, 20)]
+    with torch.no_grad():
+        free = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    free = free[0, len(prompt) :].tolist()
+    k = next(k for k in range(1, 8) if free[k] not in free[:k])
+    eos = [next(i for i in range(VOCAB) if i not in free), free[k]]  # an id not produced, then the k-th token
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    want = want[0, len(prompt) :].tolist()
+    shutil.copytree(root / "out", tmp_path / "out")
+    (tmp_path / "out" / "hf_source" / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    argv = ["--checkpoint", str(tmp_path / "out"), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "32", "--json"]
+    assert generate_cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["ids"] == (want[:-1] if want[-1] in eos else want) and got["decoded"] == len(want)
+
+
 def test_a_jaxdist_trained_run_exports_to_transformers(tmp_path, caplog):
     from jaxdist.config import load_config
     from jaxdist.mesh import parse_mesh

@@ -175,6 +175,10 @@ BAD = {
         "llama3-70b fits no layout on 1 x H100 SXM 80GB: the smallest (data=1 mb=16 remat=full) needs 1131.1 GiB per device",
     ),
     "zero gpus": (["--gpus", "0", "--hardware", "h100"], "--gpus must be >= 1"),
+    "zero compiles": (["--gpus", "4", "--hardware", "h100", "--max-compiles", "0", *TINY], "--max-compiles must be >= 1, got 0"),
+    "negative budget": (["--gpus", "4", "--hardware", "h100", "--time-budget", "-1", *TINY], "--time-budget must be > 0 seconds, got -1"),
+    "zero top": (["--gpus", "4", "--hardware", "h100", "--top", "0", *TINY], "--top must be >= 1, got 0"),
+    "zero per node": (["--gpus", "4", "--hardware", "h100", "--gpus-per-node", "0", *TINY], "--gpus-per-node must be >= 1, got 0"),
 }
 
 

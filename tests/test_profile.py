@@ -225,6 +225,22 @@ def test_two_processes_are_both_reported(data_bound: dict, tmp_path: Path) -> No
     assert s["predicted"] == {"available": False, "note": s["predicted"]["note"]}
 
 
+def test_a_missing_process_trace_is_one_line(data_bound: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A run of 3 processes whose process 1 left no trace: the report names it instead of
+    summarising the others as if they were all."""
+    src = Path(data_bound["run_dir"]) / "profile"
+    for i in (0, 2):
+        shutil.copytree(src / "process_0", tmp_path / "profile" / f"process_{i}")
+        window = json.loads((tmp_path / "profile" / f"process_{i}" / "window.json").read_text())
+        window.update(process_index=i, process_count=3, local_device_ids=list(range(8 * i, 8 * i + 8)))
+        (tmp_path / "profile" / f"process_{i}" / "window.json").write_text(json.dumps(window))
+    (tmp_path / "profile" / "process_1").mkdir()  # its directory, but no trace in it
+    err = _error_line(capsys, [str(tmp_path)])
+    assert "the traced run had 3 processes, but process 1's trace is missing" in err and "process_1/plugins/profile" in err
+    shutil.rmtree(tmp_path / "profile" / "process_0")  # also without process 0's window
+    assert "process 0's trace is missing" in _error_line(capsys, [str(tmp_path)])
+
+
 def _error_line(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
     assert main(argv) == EXIT_BAD_INPUT
     err = capsys.readouterr().err

@@ -40,14 +40,25 @@ def build_arg_parser():
     return parser
 
 
+def check_limits(args) -> None:
+    """Raise (one line) for a limit that would make the search empty or meaningless."""
+    for flag, value in (("--gpus", args.gpus), ("--max-compiles", args.max_compiles), ("--top", args.top)):
+        if value < 1:
+            raise JaxdistError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--global-batch", args.global_batch)):
+        if value is not None and value < 1:
+            raise JaxdistError(f"{flag} must be >= 1, got {value}")
+    if not args.time_budget > 0:  # also NaN
+        raise JaxdistError(f"--time-budget must be > 0 seconds, got {args.time_budget:g}")
+
+
 def plan(args, log=print) -> dict:
     from jaxdist.config import load_config
     from jaxdist.models.llama import count_params
     from jaxdist.plan.hardware import load_hardware
     from jaxdist.plan.search import HEADROOM, enumerate_candidates, estimated_memory, estimated_time
 
-    if args.gpus < 1:
-        raise JaxdistError(f"--gpus must be >= 1, got {args.gpus}")
+    check_limits(args)
     overrides = list(args.overrides)
     if args.global_batch is not None:
         overrides.append(f"train.global_batch={args.global_batch}")
@@ -192,8 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         args = parse_args(build_arg_parser(), argv)
-        if args.gpus >= 1:
-            fake_cpu_devices(args.gpus)
+        check_limits(args)  # before JAX starts
+        fake_cpu_devices(args.gpus)
         result = plan(args, log=lambda m: print(m, file=sys.stderr))
     except JaxdistError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
