@@ -53,6 +53,7 @@ class Restored:
     config: dict
     path: Path
     data_problem: str | None = None  # why data_state is None
+    damaged: list[int] = dataclasses.field(default_factory=list)  # newer steps that did not read back
 
 
 class IncompatibleCheckpoint(JaxdistError):
@@ -80,6 +81,31 @@ def checkpoint_steps(directory: Path) -> list[int]:
     if not directory.is_dir():
         return []
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def move_aside(directory: Path, steps: list[int], kind: str) -> Path | None:
+    """Move step folders out of Orbax's sight into ``directory/KIND-TIME/`` (nothing is
+    deleted): ``superseded`` for a branch a resume from an older step replaces, ``damaged``
+    for checkpoints that would not read back. Process 0 moves; all processes wait for it.
+    Returns the folder (None when there was nothing to move)."""
+    import jax
+
+    if not steps:
+        return None
+    aside = directory / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if jax.process_index() == 0:
+        n = 1
+        while aside.exists():  # two moves within a second
+            n += 1
+            aside = directory / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+        aside.mkdir()
+        for step in steps:
+            (directory / str(step)).rename(aside / str(step))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"jaxdist: moved {kind} checkpoints aside")
+    return aside
 
 
 def saved_config(step_dir: Path) -> dict | None:
@@ -165,8 +191,16 @@ class Checkpointer:
             is_saving_in_progress=False, reached_preemption=False, multiprocessing_options=ocp.options.MultiprocessingOptions()
         )
         self._last_save_time = time.monotonic()
+        self.reload()
+
+    def reload(self) -> None:
+        """Re-read the committed steps (after some were moved aside)."""
+        self.manager.reload()
         self.last_saved_step: int | None = self.manager.latest_step()
         self._existing_steps = set(self.manager.all_steps())  # from earlier runs: never overwritten
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
     # -- saving ---------------------------------------------------------------------
 
@@ -193,11 +227,10 @@ class Checkpointer:
 
         if step == self.last_saved_step:
             return
-        if step in self._existing_steps:  # e.g. a damaged one the resume fell back from: never overwritten
-            warn(
-                f"jaxdist: warning: not saving step {step}: {self.directory / str(step)} already holds a checkpoint from an earlier run (kept as it is)"
+        if step in self._existing_steps:  # the resume moves other branches aside: this is a bug, never an overwrite
+            raise CheckpointError(
+                f"saving checkpoint at step {step} in {self.directory} refused: it already holds a checkpoint from an earlier run"
             )
-            return
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=grain_checkpoint.CheckpointSave(_IteratorState(json.dumps(data_state).encode())),
@@ -276,15 +309,18 @@ class Checkpointer:
     def restore_latest(self, abstract_state: Any, *, warn=print) -> Restored | None:
         """The newest checkpoint that reads back, or None when there is none.
 
-        A damaged one is reported and the previous one tried (nothing is deleted); one
-        that does not fit this run raises ``IncompatibleCheckpoint``; when every
-        checkpoint is damaged this raises rather than start over from step 0.
+        A damaged one is reported and the previous one tried (nothing is deleted; the
+        damaged steps are listed in ``Restored.damaged``); one that does not fit this run
+        raises ``IncompatibleCheckpoint``; when every checkpoint is damaged this raises
+        rather than start over from step 0.
         """
-        steps = self.manager.all_steps()
+        steps = sorted(self.manager.all_steps())
         damaged = []
         for step in reversed(steps):
             try:
-                return self.restore(step, abstract_state)
+                restored = self.restore(step, abstract_state)
+                restored.damaged = damaged
+                return restored
             except DamagedCheckpoint as e:
                 damaged.append(step)
                 warn(f"jaxdist: warning: checkpoint step {step} is damaged ({e}); trying the previous one (nothing is deleted)")

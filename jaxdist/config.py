@@ -7,6 +7,7 @@ costs no backend start-up and writes nothing.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -17,6 +18,8 @@ import yaml
 from jaxdist.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# A config's name becomes a folder under runs/: one path component, nothing that could climb out.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]+")
 
 
 @dataclasses.dataclass
@@ -65,6 +68,8 @@ class ModelConfig:
 @dataclasses.dataclass
 class TrainConfig:
     steps: int = 100
+    schedule_steps: int = 0  # length of the warmup + cosine schedule; 0: train.steps (saved, so a resume can keep it)
+    stop_after_step: int = 0  # end this invocation after this step, saving a checkpoint (a planned interruption); 0: off
     global_batch: int = 16
     seq_len: int = 64
     microbatches: int = 1  # gradient accumulation
@@ -229,6 +234,10 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
         raise ConfigError(f"config {path}: invalid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping at the top level")
+    section = data.get("data")
+    if isinstance(section, dict) and isinstance(section.get("tokenizer"), str) and section["tokenizer"] not in ("", "byte"):
+        # a file's tokenizer path is relative to the file (``convert from-hf`` writes hf_source/tokenizer.json): the folder can move
+        data["data"] = {**section, "tokenizer": str(path.parent.absolute() / Path(section["tokenizer"]).expanduser())}
     return config_from_dict({"name": path.stem, **data}, overrides)
 
 
@@ -275,6 +284,11 @@ def _require(condition: bool, message: str) -> None:
 
 def validate(config: Config) -> None:
     """Checks that need no devices; mesh-dependent checks live in ``validate.check_config_on_mesh``."""
+    _require(
+        bool(NAME_PATTERN.fullmatch(config.name)) and config.name not in (".", ".."),
+        f"name {config.name!r} must be one path component of letters, digits, '.', '_' and '-' (it names the run directory); "
+        "set name=... (a config file's name defaults to its file name)",
+    )
     m, t = config.model, config.train
     _require(m.kind in ("llama", "resnet"), f"model.kind must be llama or resnet, got {m.kind!r}")
     _require(
@@ -304,6 +318,10 @@ def validate(config: Config) -> None:
     _require(m.resolved_head_dim % 2 == 0, f"head dim must be even for RoPE, got {m.resolved_head_dim}")
     for name in ("steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches"):
         _require(getattr(t, name) > 0, f"train.{name} must be positive, got {getattr(t, name)}")
+    _require(t.schedule_steps >= 0, f"train.schedule_steps must be >= 0 (0: train.steps), got {t.schedule_steps}")
+    _require(
+        0 <= t.stop_after_step <= t.steps, f"train.stop_after_step must be in 0..train.steps ({t.steps}) (0: off), got {t.stop_after_step}"
+    )
     _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
     _require(t.optimizer in ("adamw", "sgd"), f"train.optimizer must be adamw or sgd, got {t.optimizer!r}")
     _require(0 <= t.momentum < 1, f"train.momentum must be in [0, 1), got {t.momentum}")

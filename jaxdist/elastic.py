@@ -18,7 +18,7 @@ from jaxdist.checkpoint import checkpoint_steps
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.mesh import format_mesh, mesh_device_count, parse_mesh, resolve_mesh, split_across_hosts
-from jaxdist.validate import batch_shards, check_config_on_mesh
+from jaxdist.validate import batch_shards, check_config_on_mesh, fitting_microbatches
 
 
 def mesh_for(config: Config, nproc: int, devices_per_proc: int) -> dict[str, int]:
@@ -36,12 +36,6 @@ def mesh_for(config: Config, nproc: int, devices_per_proc: int) -> dict[str, int
     return sizes
 
 
-def fitting_microbatches(global_batch: int, shards: int, configured: int) -> int | None:
-    """What a resume on ``shards`` batch shards runs (jaxdist.resume keeps the global
-    batch, lowering the microbatches to the largest count that divides it)."""
-    return next((m for m in range(configured, 0, -1) if global_batch % (shards * m) == 0), None)
-
-
 def check_fits(config: Config, nproc: int, devices_per_proc: int, resuming: bool) -> None:
     """Raise ``JaxdistError`` (one line) unless ``nproc`` processes can run ``config``.
 
@@ -53,7 +47,7 @@ def check_fits(config: Config, nproc: int, devices_per_proc: int, resuming: bool
     if resuming:
         t = config.train
         shards = batch_shards(sizes)
-        fitting = fitting_microbatches(t.global_batch, shards, t.microbatches)
+        fitting = fitting_microbatches(config, sizes)
         if fitting is None:
             raise JaxdistError(f"train.global_batch ({t.global_batch}) does not split over replica x data x fsdp ({shards})")
         config = copy.deepcopy(config)

@@ -60,9 +60,11 @@ def peak_flops_per_device(devices: list, override: float = 0.0) -> float:
 
 class MetricsLogger:
     """Writes one JSON object per logged step to metrics.jsonl, scalars to TensorBoard,
-    and keeps a progress bar with loss and tokens/s. A no-op on processes other than 0."""
+    and keeps a progress bar with loss and tokens/s. A no-op on processes other than 0;
+    without a run directory nothing is written, but messages are still printed."""
 
     def __init__(self, run_dir: Path | None, total_steps: int, *, enabled: bool = True, progress: bool = True, print_lines: bool = False):
+        self.speaks = enabled  # messages (warnings, notes) reach stderr on process 0, run directory or not
         self.enabled = enabled and run_dir is not None
         self.print_lines = print_lines
         self._jsonl = None
@@ -102,7 +104,7 @@ class MetricsLogger:
             self._bar.update(steps)
 
     def message(self, text: str) -> None:
-        if not self.enabled:
+        if not self.speaks:
             return
         if self._bar is not None:
             self._bar.write(text, file=sys.stderr)

@@ -9,12 +9,17 @@ from flax import nnx
 from jaxdist.config import TrainConfig
 
 
+def schedule_length(cfg: TrainConfig) -> int:
+    """Steps the warmup + cosine schedule spans: ``train.schedule_steps``, else ``train.steps``."""
+    return cfg.schedule_steps or cfg.steps
+
+
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.lr,
         warmup_steps=cfg.warmup_steps,
-        decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
+        decay_steps=max(schedule_length(cfg), cfg.warmup_steps + 1),
         end_value=cfg.lr * cfg.min_lr_ratio,
     )
 
@@ -29,9 +34,11 @@ def _decay_mask(params):
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Clip (on the averaged gradient) then AdamW, or SGD (``train.momentum``; weight decay
-    decoupled, as in AdamW). Moments mirror the parameter tree, so their layout follows
-    the same logical axes (see ``sharding.rules_for``)."""
+    """Clip (on the averaged gradient) then AdamW (weight decay decoupled: ``p -= lr * wd * p``
+    beside the Adam update), or SGD with PyTorch's coupled weight decay (``torch.optim.SGD``:
+    ``g += wd * p`` before the momentum trace, so the decay goes through the momentum too).
+    Moments mirror the parameter tree, so their layout follows the same logical axes (see
+    ``sharding.rules_for``)."""
     if cfg.optimizer == "sgd":
         update = optax.chain(
             optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask) if cfg.weight_decay else optax.identity(),

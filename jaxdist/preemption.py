@@ -17,13 +17,15 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again"; state was saved
 
 
 class Preempted(Exception):
-    """Raised by the loop once the state at ``step`` is saved and committed."""
+    """Raised by the loop once the state at ``step`` is saved and committed (``saved``
+    False: a run without a run directory stopped there with nothing to save)."""
 
     exit_code = EXIT_PREEMPTED
 
-    def __init__(self, step: int, reason: str):
-        super().__init__(f"preempted by {reason}; state saved at step {step}")
-        self.step = step
+    def __init__(self, step: int, reason: str, saved: bool = True):
+        where = f"state saved at step {step}" if saved else f"stopped after step {step}; nothing saved (no run directory)"
+        super().__init__(f"preempted by {reason}; {where}")
+        self.step, self.saved = step, saved
 
 
 class PreemptionWatcher:

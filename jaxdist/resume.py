@@ -16,19 +16,20 @@ from jaxdist.mesh import parse_mesh
 
 def adapt_microbatches_for_resume(config: Config, run_dir: Path | None, resume: str) -> None:
     """Elastic restart keeps the global batch: when the new mesh cannot split it into the
-    configured microbatches, use the largest count that fits (pure Python, before JAX)."""
+    configured microbatches (and, on a pipe axis, the pipeline's microbatches), use the
+    largest count that fits (pure Python, before JAX)."""
     from jaxdist.checkpoint import checkpoint_steps
-    from jaxdist.validate import batch_shards
+    from jaxdist.validate import batch_shards, fitting_microbatches
 
     sizes, t = parse_mesh(config.parallel.mesh), config.train
     if sizes is None or run_dir is None or resume == "never" or not checkpoint_steps(run_dir / "checkpoints"):
         return
-    shards = batch_shards(sizes)
-    if t.global_batch % shards or t.global_batch % (shards * t.microbatches) == 0:
-        return
-    fitting = max(m for m in range(1, t.microbatches + 1) if t.global_batch % (shards * m) == 0)
+    fitting = fitting_microbatches(config, sizes)
+    if fitting is None or fitting == t.microbatches:
+        return  # fits as configured, or nothing fits (check_config_on_mesh says why)
     print(
-        f"jaxdist: resuming on replica x data x fsdp = {shards}: train.microbatches {t.microbatches} -> {fitting} keeps the global batch {t.global_batch}",
+        f"jaxdist: resuming on replica x data x fsdp = {batch_shards(sizes)}: train.microbatches {t.microbatches} -> {fitting} "
+        f"keeps the global batch {t.global_batch}",
         file=sys.stderr,
     )
     t.microbatches = fitting
@@ -52,6 +53,7 @@ def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, chec
             restored = source.restore_latest(trainer.restore_target, warn=log)
         if restored is not None:
             restored.state = trainer.adapt_restored(restored.state, log)
+            _set_aside_other_branches(checkpointer, restored, own, log)
         return restored
     except DamagedCheckpoint as e:  # asked for by step: no fallback
         raise JaxdistError(f"--resume {resume}: checkpoint step {step} is damaged ({e}); nothing was deleted") from None
@@ -64,8 +66,37 @@ def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, chec
             source.close()
 
 
+def _set_aside_other_branches(checkpointer, restored, own: bool, log) -> None:
+    """The run continues from ``restored``: its own checkpoints that are not on this branch
+    (newer steps, or every step when it resumes from another run's checkpoints) and the
+    damaged ones it fell back from are moved aside, so the new branch's saves happen and
+    ``--resume auto`` never picks them (nothing is deleted)."""
+    from jaxdist.checkpoint import move_aside
+
+    damaged = restored.damaged if own else []
+    other = [s for s in checkpointer.steps() if s not in damaged and (s > restored.step or not own)]
+    for kind, steps, why in (
+        ("damaged", damaged, "they do not read back"),
+        ("superseded", other, f"the run continues from {restored.path}" if not own else f"the run continues from step {restored.step}"),
+    ):
+        aside = move_aside(checkpointer.directory, steps, kind)
+        if aside is not None:
+            log(f"jaxdist: checkpoint step(s) {', '.join(map(str, steps))} moved to {aside} ({why}; nothing was deleted)")
+    if damaged or other:
+        checkpointer.reload()
+
+
 # Keys that change between the runs of one training without changing the state's shape.
-_RESUME_NOISE = {"train.steps", "train.log_every", "train.microbatches", "train.compile_cache", "parallel.mesh", "parallel.dcn_mesh"}
+_RESUME_NOISE = {
+    "train.steps",
+    "train.schedule_steps",
+    "train.stop_after_step",
+    "train.log_every",
+    "train.microbatches",
+    "train.compile_cache",
+    "parallel.mesh",
+    "parallel.dcn_mesh",
+}
 
 
 def _config_changes(step_dir: Path, config: Config, limit: int = 4) -> str:
@@ -91,6 +122,24 @@ def _config_changes(step_dir: Path, config: Config, limit: int = 4) -> str:
         return ""
     more = f", {len(changed) - limit} more" if len(changed) > limit else ""
     return f" (config changed since: {', '.join(changed[:limit])}{more})"
+
+
+def schedule_change(restored, config: Config) -> str | None:
+    """One line when the learning-rate schedule's length differs from the checkpoint's
+    (a resume with another ``--steps`` re-stretches the cosine unless it is pinned)."""
+    from jaxdist.optim import schedule_length
+
+    saved = restored.config.get("train", {})
+    if "steps" not in saved:
+        return None
+    before = saved.get("schedule_steps") or saved["steps"]
+    now = schedule_length(config.train)
+    if before == now:
+        return None
+    return (
+        f"jaxdist: the learning-rate schedule now spans {now} steps; checkpoint step {restored.step} was trained on one of {before} "
+        f"(set train.schedule_steps={before} to keep it)"
+    )
 
 
 def weights_resume(resume: str, init_from: str | None, log) -> tuple[str, str | None]:

@@ -85,10 +85,11 @@ def settle_remaining_axis(config: Config, num_processes: int = 1, n_devices: int
 
 def resolve_vocab(config: Config) -> None:
     """``model.vocab_size=0`` follows the data's tokenizer (padded to a multiple of 128)."""
-    from jaxdist.data.sources import data_vocab_size, pad_vocab
+    from jaxdist.data.sources import data_vocab_size, pad_vocab, record_tokenizer
 
     if config.model.kind != "llama":
         return
+    record_tokenizer(config)  # the run's saved config names the data's tokenizer, for generate and eval
     needed = data_vocab_size(config)
     if config.model.vocab_size == 0:
         config.model.vocab_size = pad_vocab(needed)
@@ -120,20 +121,61 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
     return Trainer(parallelize(task, config, mesh_sizes), config, layout)
 
 
-def enable_compile_cache(config: Config, run_dir: Path | None) -> Path | None:
-    """XLA's persistent compilation cache, so a restarted run does not compile again.
+def compile_cache_dir(config: Config, run_dir: Path | None) -> Path | None:
+    """Where XLA's persistent compilation cache goes, checked (nothing is created yet).
 
     ``train.compile_cache``: ``auto`` (``RUN_DIR/xla_cache``; none without a run dir),
-    ``off``, or a directory. The cache is per process: the first run that sets it wins.
+    ``off``, or a directory. The cache holds native code that XLA loads and runs, so a
+    directory someone else can write to is refused: it must be this user's, and not
+    group- or world-writable.
     """
-    import jax
-
     choice = config.train.compile_cache
     if choice == "off" or (choice == "auto" and run_dir is None):
         return None
+    path = run_dir / "xla_cache" if choice == "auto" else Path(choice)
+    _check_private(path)
+    return path
+
+
+def _check_private(path: Path) -> None:
+    import stat
+
+    try:
+        info = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return  # created private (0700) by enable_compile_cache (or the run directory cannot be, said later)
+    except OSError as e:
+        raise JaxdistError(f"train.compile_cache {path}: {e.strerror}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise JaxdistError(f"train.compile_cache {path} is not a directory")
+    if info.st_uid != os.getuid():
+        raise JaxdistError(
+            f"train.compile_cache {path} belongs to another user (uid {info.st_uid}): XLA would run the native code it holds; "
+            "use a directory of your own (the default, train.compile_cache=auto, is RUN_DIR/xla_cache)"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise JaxdistError(
+            f"train.compile_cache {path} is writable by others (mode {stat.S_IMODE(info.st_mode):o}): XLA would run whatever native "
+            f"code is put there; chmod go-w {path}, or use a private directory"
+        )
+
+
+def enable_compile_cache(config: Config, run_dir: Path | None) -> Path | None:
+    """Turn on XLA's persistent compilation cache, so a restarted run does not compile
+    again (see ``compile_cache_dir``). The cache is per process: the first run that sets
+    it wins."""
+    import jax
+
+    path = compile_cache_dir(config, run_dir)
+    if path is None:
+        return None
     if jax.config.jax_compilation_cache_dir:
         return Path(jax.config.jax_compilation_cache_dir)
-    path = run_dir / "xla_cache" if choice == "auto" else Path(choice)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise JaxdistError(f"train.compile_cache {path}: cannot create it ({e.strerror})") from None
+    _check_private(path)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
@@ -162,11 +204,14 @@ def run(
     from jaxdist.data.pipeline import eval_batches, make_iterator
     from jaxdist.mesh import format_mesh
     from jaxdist.metrics import MetricsLogger, peak_flops_per_device
+    from jaxdist.optim import schedule_length
     from jaxdist.preemption import PreemptionWatcher
-    from jaxdist.resume import continue_data, initial_weights, restore_checkpoint, weights_resume
+    from jaxdist.resume import continue_data, initial_weights, restore_checkpoint, schedule_change, weights_resume
     from jaxdist.trainer import LoopHooks, train_loop
 
     resume, init_from = weights_resume(resume, init_from, warn)
+    compile_cache_dir(config, run_dir)  # refused before anything is written
+    config.train.schedule_steps = schedule_length(config.train)  # config.yaml and checkpoints record what the run uses
     trainer = build_trainer(config, mesh_sizes, devices)
     task, layout, mesh = trainer.task, trainer.layout, trainer.layout.mesh
     devices = list(mesh.devices.flat)
@@ -204,6 +249,9 @@ def run(
             batches = continue_data(batches, restored, config, layout, warn)
             saved_mesh = restored.config.get("parallel", {}).get("mesh", "?")
             logger.message(f"jaxdist: resumed from step {restored.step} ({restored.path}; saved on mesh {saved_mesh})")
+            change = schedule_change(restored, config)
+            if change:
+                logger.message(change)
             logger.advance(restored.step)
         logger.message(
             f"jaxdist: {config.name} | {trainer.n_params / 1e6:.2f}M params | mesh {format_mesh(dict(mesh.shape))} "
@@ -221,7 +269,7 @@ def run(
             tracer=profile_window(trainer, step_fn, run_dir, int(jax.device_get(state.step)), logger),
         )
         with PreemptionWatcher(multi_process=jax.process_count() > 1) as hooks.preemption, contextlib.closing(hooks.tracer):
-            return train_loop(
+            result = train_loop(
                 trainer,
                 state,
                 itertools.chain([first], batches),
@@ -233,6 +281,10 @@ def run(
                 tokens_per_step=task.tokens_per_example * t.global_batch,
                 hooks=hooks,
             )
+        if 0 < t.stop_after_step < t.steps:
+            saved = "; saved, run again without train.stop_after_step to continue" if checkpointer else ""
+            logger.message(f"jaxdist: stopped after step {t.stop_after_step} of {t.steps} (train.stop_after_step){saved}")
+        return result
     finally:
         batches.close()
         if checkpointer is not None:

@@ -24,6 +24,7 @@ from jaxdist.models import Batch, Task
 from jaxdist.optim import lr_schedule, make_optimizer
 from jaxdist.parallel import diloco, grad_reduce
 from jaxdist.parallel.microbatch import split_microbatches
+from jaxdist.parallel.pipeline import loss_cotangent
 from jaxdist.sharding import Layout, activation_layout, tree_shardings
 from jaxdist.tracing import StepTracer
 
@@ -59,7 +60,7 @@ class Trainer:
         mesh = layout.mesh
         replicated: dict[tuple, str] = {}  # no silent replication: one line per dimension a mesh axis cannot split
         self.param_shardings = tree_shardings(abstract_params, layout.param_rules, mesh, replicated=replicated)
-        self.reduce_plan = reduce_plan(config, mesh)
+        self.reduce_plan, self._plan_notes = reduce_plan(config, mesh)
         self.dynamic_scale = config.model.dtype == "float16" and config.train.loss_scale == "dynamic"
         abstract_residual = residual_shardings = abstract_scale = scale_shardings = None
         if self.reduce_plan is not None and self.reduce_plan.error_feedback:
@@ -142,8 +143,7 @@ class Trainer:
                 replicas = self.layout.mesh.shape[diloco.AXIS]
                 outer = diloco.OuterState(params, self.outer_tx.init(params))
                 opt_state = diloco.stack(self.tx.init(params), replicas)
-                scale = None if extras.loss_scale is None else diloco.stack(extras.loss_scale, replicas)
-                return TrainState(jnp.zeros((), jnp.int32), diloco.stack(params, replicas), opt_state, None, scale, outer)
+                return TrainState(jnp.zeros((), jnp.int32), diloco.stack(params, replicas), opt_state, None, extras.loss_scale, outer)
             return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), extras.residual, extras.loss_scale)
 
         if params is None:
@@ -156,13 +156,26 @@ class Trainer:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self._abstract_params, self.param_shardings)
 
     def _extras(self) -> TrainState:
-        """Fresh residuals (zeros) and loss scale; the rest of the state left empty."""
+        """Fresh residuals (zeros) and loss scale (one per replica under DiLoCo), shaped as
+        in the state; the rest of the state left empty."""
         residual = scale = None
         if self._abstract.residual is not None:
             residual = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._abstract.residual)
         if self._abstract.loss_scale is not None:
             scale = loss_scale.initial(self.config.train.loss_scale)
+            if self.inner_steps:
+                scale = diloco.stack(scale, self.layout.mesh.shape[diloco.AXIS])
         return TrainState(None, None, None, residual, scale)
+
+    def _loss_scale_target(self) -> Any:
+        """The loss scale as a checkpoint stores it (stacked per replica under DiLoCo), for
+        reading one whether or not this run uses it."""
+        scale = jax.eval_shape(lambda: loss_scale.initial("dynamic"))
+        shardings = jax.tree.map(lambda _: self.layout.replicated(), scale)
+        if self.inner_steps:
+            scale = diloco.stacked_shapes(scale, self.layout.mesh.shape[diloco.AXIS])
+            shardings = diloco.stacked_shardings(shardings, self.layout.mesh)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), scale, shardings)
 
     def init_extras(self) -> TrainState:
         shardings = TrainState(None, None, None, self.state_shardings.residual, self.state_shardings.loss_scale)
@@ -181,7 +194,7 @@ class Trainer:
 
     def _reduction_notes(self) -> list[str]:
         plan = self.reduce_plan
-        lines = []
+        lines = list(self._plan_notes)
         if self.inner_steps and self.microbatches > 1 and self.layout.strategy.zero in ("dp", "zero1"):
             lines.append(
                 "jaxdist: DiLoCo with train.microbatches > 1: gradients are reduced inside each replica once per microbatch, "
@@ -207,9 +220,7 @@ class Trainer:
         ``adapt_restored`` then re-spreads, initialises or drops them for this run."""
         target = self.abstract_state()
         if hasattr(saved_tree, "keys"):  # the loss scale is read when saved (adapt_restored keeps or drops it)
-            scale = jax.eval_shape(lambda: loss_scale.initial("dynamic"))
-            scale = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.layout.replicated()), scale)
-            target = dataclasses.replace(target, loss_scale=scale if saved_tree.get("loss_scale") else None)
+            target = dataclasses.replace(target, loss_scale=self._loss_scale_target() if saved_tree.get("loss_scale") else None)
         saved = _saved_residual_devices(saved_tree)
         if saved is None:
             return dataclasses.replace(target, residual=None)
@@ -242,7 +253,8 @@ class Trainer:
             log("jaxdist: the checkpoint has no error-feedback residuals (saved without compression); they start at zero")
             state = dataclasses.replace(state, residual=fresh.residual)
         if state.loss_scale is None and wants_scale:
-            log(f"jaxdist: the checkpoint has no loss scale (saved without float16); it starts at {float(fresh.loss_scale.scale):g}")
+            start = float(np.max(jax.device_get(fresh.loss_scale.scale)))
+            log(f"jaxdist: the checkpoint has no loss scale (saved without float16); it starts at {start:g}")
             state = dataclasses.replace(state, loss_scale=fresh.loss_scale)
         if state.residual is None:
             return state
@@ -283,7 +295,8 @@ class Trainer:
             return jax.value_and_grad(self._loss, has_aux=True)
 
         def objective(params, batch):
-            loss_sum, weight = self._loss(params, batch)
+            with loss_cotangent(scale):  # 1F1B runs its backward inside the forward: it needs the scale now
+                loss_sum, weight = self._loss(params, batch)
             return loss_sum * scale, (loss_sum, weight)
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -327,15 +340,25 @@ class Trainer:
         microbatched = self.microbatches > 1
         rows = jax.tree.map(self._split_microbatches, batch) if microbatched else batch
         loss_sum, weight, local = grad_reduce.per_device_gradients(self._grad_fn(scale), params, rows, self.layout.mesh, microbatched)
+        # Residuals are kept unscaled (gradient units of the loss sum): under fp16 the scale
+        # moves between steps, and a residual carried in the old scale's units would count
+        # twice after an overflow halves it (half after growth).
+        if scale is not None and residual is not None:
+            residual = jax.tree.map(lambda r: r * scale, residual)
         grads, residual = grad_reduce.reduce_gradients(local, residual, self.reduce_plan, self.param_shardings, self.layout.mesh)
+        if scale is not None and residual is not None:
+            residual = jax.tree.map(lambda r: r / scale, residual)
         return loss_sum, weight, grads, residual
 
-    def loss_and_grads(self, params: Any, batch: Batch) -> tuple[jax.Array, Any]:
+    def loss_and_grads(self, params: Any, batch: Batch, loss_scale: float | None = None) -> tuple[jax.Array, Any]:
         """Mean loss and its gradients (what one train step would apply, with zero
-        residuals), for checks."""
+        residuals), for checks. ``loss_scale``: take them of the mean loss x that scale
+        (fp16 loss scaling; the gradients are returned unscaled)."""
+        scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32) / self._targets_per_step
         with activation_layout(self.layout):
-            loss_sum, weight, grads, _ = self._reduced_grads(params, batch, self._extras().residual, None)
-        return loss_sum / weight, jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
+            loss_sum, weight, grads, _ = self._reduced_grads(params, batch, self._extras().residual, scale)
+        divisor = weight if scale is None else weight * scale
+        return loss_sum / weight, jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
 
     @property
     def _accumulate_locally(self) -> bool:
@@ -463,17 +486,26 @@ class Trainer:
         return jnp.stack([loss_sum, weight])
 
 
-def reduce_plan(config: Config, mesh) -> grad_reduce.ReducePlan | None:
-    """The compressed gradient reduction ``parallel.grad_reduce`` asks for (None: GSPMD's fp32)."""
-    if config.parallel.grad_reduce == "float32":
-        return None
+def reduce_plan(config: Config, mesh) -> tuple[grad_reduce.ReducePlan | None, list[str]]:
+    """The compressed gradient reduction ``parallel.grad_reduce`` asks for (None: GSPMD's
+    fp32), and the lines to say when it reduces less than asked."""
+    p = config.parallel
+    if p.grad_reduce == "float32":
+        return None, []
     hosts = _hosts_along_axes(mesh) if jax.process_count() > 1 else None
     try:
-        return grad_reduce.plan_reduction(config.parallel, dict(mesh.shape), hosts)
+        plan = grad_reduce.plan_reduction(p, dict(mesh.shape), hosts)
     except ValueError as e:
         from jaxdist.errors import MeshError
 
         raise MeshError(str(e)) from None
+    if p.compress_axes == "dcn" and not plan.compressed_axes:
+        where = "one process" if hosts is None else "no batch axis crosses processes"
+        return None, [
+            f"jaxdist: parallel.compress_axes=dcn on {where}: no gradient crosses hosts, so nothing is compressed "
+            f"(parallel.grad_reduce={p.grad_reduce} has no effect); gradients reduce in float32"
+        ]
+    return plan, []
 
 
 def _hosts_along_axes(mesh) -> dict[str, int]:
@@ -546,11 +578,15 @@ def train_loop(
     checkpointer, tracer = hooks.checkpointer, hooks.tracer
     n_devices = trainer.layout.mesh.size
     start_step = int(jax.device_get(state.step))
+    end = min(steps, cfg.stop_after_step or steps)  # train.stop_after_step: a planned interruption, saved like the end
     result = LoopResult(state, [], {})
     pending: list[dict[str, jax.Array]] = []
     window_start, data_wait = time.perf_counter(), 0.0
     skips_in_a_row = 0
-    for step in range(start_step + 1, steps + 1):
+    from jaxdist.heartbeat import beat  # progress for jaxdist.launch --hang-timeout (a no-op outside it)
+
+    for step in range(start_step + 1, end + 1):
+        beat(step)
         with tracer.step(step):
             with tracer.phase("data"):
                 wait_start = time.perf_counter()
@@ -562,7 +598,7 @@ def train_loop(
                 state, metrics = step_fn(state, batch)
             pending.append(metrics)
 
-            last = step == steps
+            last = step == end
             eval_now = hooks.eval_batches is not None and cfg.eval_every > 0 and step % cfg.eval_every == 0
             preempt = hooks.preemption is not None and hooks.preemption.requested(step)
             save_now = checkpointer is not None and (last or preempt or checkpointer.due(step))
@@ -601,6 +637,8 @@ def train_loop(
                             raise NonFiniteLoss(f"parameters became non-finite at step {step}; not saving them{_last_saved(checkpointer)}")
                         checkpointer.save(step, state, hooks.data_state(), hooks.config_dict, metrics=eval_metrics)
                 if preempt:
+                    if checkpointer is None:  # library use without a run directory: nothing to save
+                        raise Preempted(step, hooks.preemption.reason, saved=False)
                     checkpointer.wait()
                     raise Preempted(step, hooks.preemption.reason)
                 window_start, data_wait = time.perf_counter(), 0.0

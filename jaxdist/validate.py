@@ -34,6 +34,7 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
     else:
         _check_resnet(config, sizes)
     _check_diloco(config, sizes)
+    warnings.extend(unused_keys(config, sizes))
     if sizes["pipe"] > 1:
         _check_pipeline(config, sizes)
         if config.parallel.grad_reduce != "float32":
@@ -44,6 +45,16 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
 def batch_shards(sizes: MeshSizes) -> int:
     """How many ways the global batch is split: replica x data x fsdp."""
     return sizes.get("replica", 1) * sizes["data"] * sizes["fsdp"]
+
+
+def fitting_microbatches(config: Config, sizes: MeshSizes) -> int | None:
+    """The largest ``train.microbatches`` up to the configured count whose microbatches
+    still split over the batch axes and, on a pipe axis, into the pipeline's microbatches
+    (what a resume on another mesh uses to keep the global batch); None if none does."""
+    t = config.train
+    spec = pipeline_spec(config.parallel, sizes.get("pipe", 1))
+    per_microbatch = batch_shards(sizes) * (spec.microbatches if spec else 1)
+    return next((m for m in range(t.microbatches, 0, -1) if t.global_batch % (per_microbatch * m) == 0), None)
 
 
 def _check_batch(config: Config, sizes: MeshSizes) -> None:
@@ -63,6 +74,11 @@ def _check_diloco(config: Config, sizes: MeshSizes) -> None:
         )
     if p.diloco_inner_steps == 0:
         return
+    if sizes.get("replica", 1) == 1:
+        raise ConfigError(
+            f"parallel.diloco_inner_steps={p.diloco_inner_steps} needs a replica mesh axis of size > 1 (e.g. --mesh replica=2,data=-1); "
+            "with one replica it would be a different optimizer (an outer step every H steps), not data parallelism"
+        )
     if p.grad_reduce != "float32":
         raise ConfigError(
             f"parallel.grad_reduce={p.grad_reduce} with DiLoCo: inner steps reduce inside a replica in float32; "
@@ -133,3 +149,39 @@ def _check_pipeline(config: Config, sizes: MeshSizes) -> None:
             f"train.global_batch ({t.global_batch}) must be divisible by data x fsdp ({shards}) x train.microbatches "
             f"({t.microbatches}) x parallel.pipeline_microbatches ({spec.microbatches})"
         )
+
+
+def unused_keys(config: Config, sizes: MeshSizes) -> list[str]:
+    """One warning line per key set away from its default that this config and mesh
+    ignore (a key must never be accepted and silently do nothing)."""
+    defaults = Config()
+    m, t, p = config.model, config.train, config.parallel
+    found: list[tuple[str, str]] = []
+
+    def changed(section: str, key: str) -> bool:
+        return getattr(getattr(config, section), key) != getattr(getattr(defaults, section), key)
+
+    if t.optimizer != "sgd" and changed("train", "momentum"):
+        found.append(("train.momentum", f"train.optimizer={t.optimizer} (momentum is SGD's; AdamW uses train.beta1)"))
+    if m.dtype != "float16" and changed("train", "loss_scale"):
+        found.append(("train.loss_scale", f"model.dtype={m.dtype} (loss scaling is for float16)"))
+    if p.grad_reduce == "float32":
+        for key in ("error_feedback", "grad_topk_fraction", "compress_axes"):
+            if changed("parallel", key):
+                found.append((f"parallel.{key}", "parallel.grad_reduce=float32 (nothing is compressed)"))
+    elif p.grad_reduce != "topk" and changed("parallel", "grad_topk_fraction"):
+        found.append(("parallel.grad_topk_fraction", f"parallel.grad_reduce={p.grad_reduce} (it is topk's)"))
+    if sizes.get("pipe", 1) == 1:
+        for key in ("schedule", "pipeline_microbatches", "virtual_stages"):
+            if changed("parallel", key):
+                found.append((f"parallel.{key}", "a mesh without a pipe axis"))
+    if p.diloco_inner_steps == 0:
+        for key in ("diloco_outer_lr", "diloco_outer_momentum", "diloco_reduce"):
+            if changed("parallel", key):
+                found.append((f"parallel.{key}", "parallel.diloco_inner_steps=0 (DiLoCo is off)"))
+    return [f"jaxdist: warning: {key}={_show(config, key)} has no effect with {why}" for key, why in found]
+
+
+def _show(config: Config, key: str) -> str:
+    section, name = key.split(".")
+    return str(getattr(getattr(config, section), name))

@@ -1,5 +1,10 @@
 """Checkpoints: exact resume, restore onto another mesh, corrupt-latest fallback,
-non-finite policies, and a run directory that cannot be written."""
+branches retrained from an older step, non-finite policies, and a run directory that
+cannot be written.
+
+Interruptions are real ones past the warmup: the runs stop with ``train.stop_after_step``
+inside a 10-step schedule (2 warmup steps), so a resume that re-stretched the cosine or
+lost the optimizer's step count would change the losses."""
 
 import jax
 import numpy as np
@@ -13,9 +18,13 @@ from jaxdist.run import build_trainer, run
 
 from helpers import TINY
 
+STEPS = 10  # the schedule every run here shares; shorter runs stop early with train.stop_after_step
 
-def _run(run_dir, mesh: str, steps: int, *overrides: str, resume: str = "auto"):
-    config = load_config(None, [*TINY, f"train.steps={steps}", "checkpoint.every_steps=4", *overrides])
+
+def _run(run_dir, mesh: str, stop: int = STEPS, *overrides: str, resume: str = "auto"):
+    """The 10-step training on ``mesh``, stopped (and saved) after step ``stop``."""
+    overrides = (f"train.steps={STEPS}", "train.warmup_steps=2", "checkpoint.every_steps=4", f"train.stop_after_step={stop}", *overrides)
+    config = load_config(None, [*TINY, *overrides])
     sizes = parse_mesh(mesh)
     return run(config, sizes, run_dir, devices=jax.devices()[: mesh_device_count(sizes)], progress=False, resume=resume)
 
@@ -23,20 +32,20 @@ def _run(run_dir, mesh: str, steps: int, *overrides: str, resume: str = "auto"):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """Ten steps in one go on data=2,fsdp=4: the reference every resumed run must meet."""
-    return _run(tmp_path_factory.mktemp("reference"), "data=2,fsdp=4", 10).losses
+    return _run(tmp_path_factory.mktemp("reference"), "data=2,fsdp=4").losses
 
 
 def test_resume_is_exact(tmp_path, uninterrupted):
     first = _run(tmp_path, "data=2,fsdp=4", 6)
     assert checkpoint_steps(tmp_path / "checkpoints") == [4, 6]
-    resumed = _run(tmp_path, "data=2,fsdp=4", 10)
+    resumed = _run(tmp_path, "data=2,fsdp=4")
     np.testing.assert_array_equal(first.losses + resumed.losses, uninterrupted)  # bitwise, fp32 on CPU
 
 
 @pytest.mark.parametrize("new_mesh", ["fsdp=4", "tensor=2,fsdp=2", "data=8"])
 def test_resume_on_another_mesh(tmp_path, uninterrupted, new_mesh):
     _run(tmp_path, "data=2,fsdp=4", 6)
-    resumed = _run(tmp_path, new_mesh, 10)
+    resumed = _run(tmp_path, new_mesh)
     np.testing.assert_allclose(resumed.losses, uninterrupted[6:], rtol=1e-5)
 
 
@@ -63,14 +72,23 @@ def _files(directory) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def test_corrupt_latest_falls_back_to_previous(tmp_path, uninterrupted, capsys):
+def test_corrupt_latest_falls_back_to_previous_and_is_moved_aside(tmp_path, uninterrupted, capsys):
     _run(tmp_path, "data=2,fsdp=4", 8)
     _corrupt(tmp_path / "checkpoints" / "8")
-    resumed = _run(tmp_path, "data=2,fsdp=4", 10)
+    damaged_files = _files(tmp_path / "checkpoints" / "8")
+    resumed = _run(tmp_path, "data=2,fsdp=4")
     np.testing.assert_array_equal(resumed.losses, uninterrupted[4:10])  # resumed from step 4
-    warning = [line for line in capsys.readouterr().err.splitlines() if "checkpoint step 8" in line]
+    err = capsys.readouterr().err.splitlines()
+    warning = [line for line in err if "checkpoint step 8" in line]
     assert len(warning) == 1 and "damaged" in warning[0] and str(tmp_path / "checkpoints" / "8") in warning[0], warning
-    assert (tmp_path / "checkpoints" / "8").exists()  # nothing deleted
+    # moved aside in one line, files untouched, so --resume auto never picks it again
+    (aside,) = (tmp_path / "checkpoints").glob("damaged-*")
+    moved = [line for line in err if "moved to" in line]
+    assert len(moved) == 1 and "step(s) 8" in moved[0] and str(aside) in moved[0], moved
+    assert _files(aside / "8") == damaged_files
+    assert checkpoint_steps(tmp_path / "checkpoints") == [4, 8, 10]  # the new branch saved its own step 8
+    again = _run(tmp_path, "data=2,fsdp=4", 10, resume="8")  # the new step 8 is the resumed run's, not the damaged one
+    np.testing.assert_array_equal(again.losses, uninterrupted[8:10])
 
 
 def test_every_checkpoint_damaged_is_an_error_and_nothing_is_deleted(tmp_path):
@@ -130,10 +148,41 @@ def test_explicit_resume_step_and_never(tmp_path, uninterrupted):
     _run(tmp_path, "data=2,fsdp=4", 8)
     from_four = _run(tmp_path, "data=2,fsdp=4", 6, resume="4")
     np.testing.assert_array_equal(from_four.losses, uninterrupted[4:6])
+    assert checkpoint_steps(tmp_path / "checkpoints") == [4, 6]  # step 8 of the first branch was moved aside
     with pytest.raises(JaxdistError, match="already has checkpoints"):
         _run(tmp_path, "data=2,fsdp=4", 6, resume="never")
     with pytest.raises(JaxdistError, match="no checkpoint at step 5"):
         _run(tmp_path, "data=2,fsdp=4", 6, resume="5")
+
+
+def _saved_params(step_dir, like) -> list:
+    """The parameters stored in one step folder, read onto one device."""
+    from jaxdist.weights import restore_params
+
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), like)
+    return jax.tree.leaves(jax.device_get(restore_params(step_dir, target)))
+
+
+def test_a_branch_retrained_from_an_older_step_is_saved_and_the_old_one_kept_aside(tmp_path, capsys):
+    """--resume 4 with another lr on a run that reached 8: the new branch's step 8 is
+    saved (it was silently skipped), and the old branch's step 8 moves aside untouched."""
+    old = _run(tmp_path, "data=2", 8)
+    old_files = _files(tmp_path / "checkpoints" / "8")
+    capsys.readouterr()
+    new = _run(tmp_path, "data=2", 8, "train.lr=1e-4", resume="4")
+    moved = [line for line in capsys.readouterr().err.splitlines() if "moved to" in line]
+    (aside,) = (tmp_path / "checkpoints").glob("superseded-*")
+    assert len(moved) == 1 and "step(s) 8" in moved[0] and "continues from step 4" in moved[0], moved
+    assert _files(aside / "8") == old_files
+    assert checkpoint_steps(tmp_path / "checkpoints") == [4, 8]
+    for saved, final in zip(
+        _saved_params(tmp_path / "checkpoints" / "8", new.state.params), jax.tree.leaves(jax.device_get(new.state.params)), strict=True
+    ):
+        np.testing.assert_array_equal(saved, final)  # the new branch
+    old_params = jax.tree.leaves(jax.device_get(old.state.params))
+    for saved, final in zip(_saved_params(aside / "8", new.state.params), old_params, strict=True):
+        np.testing.assert_array_equal(saved, final)  # the old branch, kept
 
 
 EXPLODE = ("train.lr=1e30", "train.warmup_steps=0", "train.grad_clip=0")
@@ -177,10 +226,10 @@ def test_failed_save_is_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, un
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full)
     with pytest.raises(CheckpointError, match=r"No space left on device.*last good checkpoint: step 4"):
-        _run(tmp_path, "data=2,fsdp=4", 10)
+        _run(tmp_path, "data=2,fsdp=4")
     monkeypatch.undo()
     assert checkpoint_steps(tmp_path / "checkpoints") == [4]
-    resumed = _run(tmp_path, "data=2,fsdp=4", 10)
+    resumed = _run(tmp_path, "data=2,fsdp=4")
     np.testing.assert_array_equal(resumed.losses, uninterrupted[4:])
 
 
@@ -203,3 +252,21 @@ def test_time_based_saves_wait_for_the_interval(tmp_path, monkeypatch):
         assert checkpointer.due(2)
     finally:
         checkpointer.close()
+
+
+def test_resume_adapts_microbatches_with_a_pipeline_too(tmp_path, capsys):
+    """Saved with global batch 16, 2 microbatches of 4 pipeline microbatches each; resumed
+    on data=4,pipe=2, 2 x 4 x 4 rows do not fit 16 but 1 x 4 x 4 do: microbatches 1, said
+    in one line (the pipeline's microbatches used to be left out, and the resume refused)."""
+    from jaxdist.elastic import fit_problem
+    from jaxdist.resume import adapt_microbatches_for_resume
+    from jaxdist.validate import check_config_on_mesh
+
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    overrides = [*TINY, "train.global_batch=16", "train.microbatches=2", "parallel.pipeline_microbatches=4", "parallel.mesh=data=4,pipe=2"]
+    config = load_config(None, overrides)
+    assert fit_problem(config, 4, 2, resuming=True) is None  # the elastic launcher agrees (4 processes x 2 devices)
+    adapt_microbatches_for_resume(config, tmp_path, "auto")
+    assert config.train.microbatches == 1
+    assert "train.microbatches 2 -> 1 keeps the global batch 16" in capsys.readouterr().err
+    check_config_on_mesh(config, parse_mesh("data=4,pipe=2"))  # and the run accepts it

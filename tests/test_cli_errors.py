@@ -41,6 +41,10 @@ BAD_INPUTS = {
     "unknown optimizer": (["train.optimizer=lion"], "train.optimizer must be adamw or sgd"),
     "replica axis without diloco": (["--mesh", "replica=2,data=2"], "the replica mesh axis is for DiLoCo"),
     "negative diloco inner steps": (["parallel.diloco_inner_steps=-1"], "parallel.diloco_inner_steps must be >= 0"),
+    "diloco without a replica axis": (["--mesh", "data=2", "parallel.diloco_inner_steps=4"], "needs a replica mesh axis of size > 1"),
+    "name climbing out of runs/": (["name=../../x"], "must be one path component"),
+    "negative schedule steps": (["train.schedule_steps=-1"], "train.schedule_steps must be >= 0"),
+    "stop after the last step": (["train.stop_after_step=5"], "train.stop_after_step must be in 0..train.steps (1)"),
     "diloco with compressed inner reduction": (
         ["--mesh", "replica=2", "parallel.diloco_inner_steps=4", "parallel.grad_reduce=int8"],
         "compress the outer average with parallel.diloco_reduce",

@@ -113,7 +113,7 @@ def test_two_replicas_every_20_steps_train_like_ddp():
     assert dl_bytes / ddp_bytes == pytest.approx(1 / 20, rel=0.1)
 
 
-ROUND = ("parallel.diloco_inner_steps=3", "checkpoint.every_steps=100", *SMALL_TEXT)
+ROUND = ("parallel.diloco_inner_steps=3", "checkpoint.every_steps=100", "train.warmup_steps=2", *SMALL_TEXT)
 LINK = ("parallel.replica_link_latency_ms=40", "parallel.replica_link_gbps=1")
 
 
@@ -134,11 +134,29 @@ def test_resume_mid_round_is_exact(tmp_path):
     replica link: its delay is paid after each outer step only."""
     whole, paid = _uninterrupted()
     assert len(paid) == 2 and paid[0] == paid[1] > 0.04  # outer steps at 3 and 6; latency + bytes / bandwidth
-    _run("replica=2", *ROUND, steps=5, run_dir=tmp_path / "run")
+    _run("replica=2", *ROUND, "train.stop_after_step=5", steps=8, run_dir=tmp_path / "run")
     resumed = _run("replica=2", *ROUND, steps=8, run_dir=tmp_path / "run")
     assert resumed.losses == whole.losses[5:]
     for a, b in ((resumed.state.outer, whole.state.outer), (resumed.state.params, whole.state.params)):
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+
+
+def test_float16_diloco_resumes_and_float16_can_be_turned_on(tmp_path, capsys):
+    """The loss scale is per replica ([R]): a float16 DiLoCo run resumes exactly (its
+    restore target was unstacked), and a float32 DiLoCo checkpoint resumed in float16
+    starts a fresh per-replica scale, saying so (it crashed on the stacked shardings)."""
+    fp16 = ("model.dtype=float16",)
+    whole = _run("replica=2", *ROUND, *fp16, steps=6)
+    _run("replica=2", *ROUND, *fp16, "train.stop_after_step=4", steps=6, run_dir=tmp_path / "a")
+    resumed = _run("replica=2", *ROUND, *fp16, steps=6, run_dir=tmp_path / "a")
+    assert resumed.losses == whole.losses[4:]
+    assert resumed.state.loss_scale.scale.shape == (2,)
+
+    _run("replica=2", *ROUND, "train.stop_after_step=4", steps=6, run_dir=tmp_path / "b")
+    capsys.readouterr()
+    turned_on = _run("replica=2", *ROUND, *fp16, steps=6, run_dir=tmp_path / "b")
+    assert "the checkpoint has no loss scale (saved without float16); it starts at 65536" in capsys.readouterr().err
+    np.testing.assert_allclose(turned_on.losses, whole.losses[4:], rtol=0.02)  # fp16 from step 4 on: close to fp16 all along
 
 
 @pytest.mark.heavy

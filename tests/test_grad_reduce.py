@@ -7,8 +7,6 @@ plain sum of the per-device gradients, XLA's compiled program, an uninterrupted 
 import json
 import subprocess
 import sys
-import sysconfig
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +20,7 @@ from jaxdist.mesh import build_mesh, mesh_device_count, parse_mesh
 from jaxdist.parallel.grad_reduce import ReducePlan, reduce_gradients
 from jaxdist.run import build_trainer, enable_compile_cache, run
 
-from helpers import TINY, train_losses
+from helpers import SMALL_TEXT, TINY, train_losses
 
 MODES = {"float32": (), "bfloat16": (), "int8": (), "topk": ()}
 
@@ -110,6 +108,41 @@ def test_hierarchical_reduction_compresses_only_the_outer_axis():
     assert "s8" in dtypes[("data",)], dtypes
 
 
+def test_dcn_compression_on_one_process_says_nothing_crosses_hosts(capsys):
+    """compress_axes=dcn compresses only what crosses hosts; on one process nothing does:
+    one line says so and the run reduces in fp32 (it used to compress every batch axis)."""
+    overrides = ("parallel.grad_reduce=int8", "parallel.compress_axes=dcn")
+    trainer = build_trainer(_config("data=2", *overrides), parse_mesh("data=2"), jax.devices()[:2])
+    lines = [x for x in capsys.readouterr().err.splitlines() if "compress_axes=dcn" in x]
+    assert len(lines) == 1 and "on one process" in lines[0] and "reduce in float32" in lines[0], lines
+    assert trainer.reduce_plan is None and trainer.abstract_state().residual is None
+    assert train_losses("data=2", overrides, 3) == train_losses("data=2", (), 3)  # GSPMD's fp32 reduction, bitwise
+
+
+def test_error_feedback_residuals_do_not_depend_on_the_loss_scale():
+    """fp16 + int8 with error feedback: after a step at scale S, the next step's update is
+    the same whether the scale stayed S or an overflow halved it (residuals are stored
+    unscaled; in scale units they counted twice after the halving)."""
+    from jaxdist.loss_scale import LossScale
+
+    sgd = ("train.optimizer=sgd", "train.grad_clip=0", "train.warmup_steps=0", "train.lr=0.1", "train.weight_decay=0")
+    trainer = build_trainer(_config("data=2", "model.dtype=float16", "parallel.grad_reduce=int8", *sgd), parse_mesh("data=2"))
+    state, _ = trainer.train_step(trainer.init_state(0), _batch(trainer, 0))
+    assert any(float(np.abs(np.asarray(r)).max()) > 0 for r in jax.tree.leaves(state.residual))
+    before = _flat(state.params)
+
+    def next_update(scale: float) -> np.ndarray:
+        s = state.loss_scale
+        at = state.__class__(**{**vars(state), "loss_scale": LossScale(jnp.asarray(scale, jnp.float32), s.clean_steps, s.overflows)})
+        at = jax.tree.map(jnp.copy, at)  # the step donates its input
+        after, metrics = trainer.train_step(at, _batch(trainer, 1))
+        assert not bool(metrics["skipped"])
+        return _flat(after.params) - before
+
+    kept, halved = next_update(2.0**16), next_update(2.0**15)
+    assert np.linalg.norm(halved - kept) <= 1e-4 * np.linalg.norm(kept), np.linalg.norm(halved - kept) / np.linalg.norm(kept)
+
+
 def test_convergence_of_each_mode_against_float32():
     """200 steps of ``tiny`` on the stdlib corpus, fp32 compute, data=2 (mean of the losses
     logged every 10 steps over the last 100; no sync in between). The issue's goal for topk 1% (within 5%) is not met with AdamW -- see the
@@ -131,37 +164,39 @@ def test_convergence_of_each_mode_against_float32():
     assert gap["topk"] < 0.25, gap
 
 
-def _run(tmp_path, name: str, mesh: str, steps: int, *overrides: str):
-    config = _config(mesh, f"train.steps={steps}", "checkpoint.every_steps=3", "checkpoint.async_save=false", *overrides)
+def _run(tmp_path, name: str, mesh: str, stop: int, *overrides: str, resume: str = "auto"):
+    """10 steps of int8 reduction with error feedback (2 warmup), stopped after ``stop``."""
+    config = _config(
+        mesh,
+        "train.steps=10",
+        "train.warmup_steps=2",
+        f"train.stop_after_step={stop}",
+        "checkpoint.every_steps=3",
+        "checkpoint.async_save=false",
+        "parallel.grad_reduce=int8",
+        *overrides,
+    )
     sizes = parse_mesh(mesh)
-    return run(config, sizes, tmp_path / name, devices=jax.devices()[: mesh_device_count(sizes)], progress=False)
+    return run(config, sizes, tmp_path / name, devices=jax.devices()[: mesh_device_count(sizes)], progress=False, resume=resume)
 
 
 def test_resume_with_residuals_is_exact_and_survives_a_mesh_change(tmp_path, capsys):
-    int8 = ("parallel.grad_reduce=int8",)
-    whole = _run(tmp_path, "whole", "data=4", 6, *int8)
-    _run(tmp_path, "split", "data=4", 3, *int8)
-    resumed = _run(tmp_path, "split", "data=4", 6, *int8)
+    whole = _run(tmp_path, "whole", "data=4", 10)
+    _run(tmp_path, "split", "data=4", 3)
+    resumed = _run(tmp_path, "split", "data=4", 10)
     assert resumed.losses == whole.losses[3:]  # bitwise
     for a, b in zip(jax.tree.leaves(whole.state.residual), jax.tree.leaves(resumed.state.residual), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert any(np.abs(np.asarray(r)).max() > 0 for r in jax.tree.leaves(whole.state.residual))
 
-    # onto 2 devices: the residuals' sum over devices is what the model is owed; it is kept
-    from jaxdist.checkpoint import Checkpointer, warn
-    from jaxdist.resume import restore_checkpoint
-
-    config = _config("data=2", "train.steps=9", *int8)
-    trainer = build_trainer(config, parse_mesh("data=2"), jax.devices()[:2])
-    checkpointer = Checkpointer(tmp_path / "whole" / "checkpoints", config.checkpoint)
-    restored = restore_checkpoint(trainer, config, tmp_path / "whole", "auto", checkpointer, warn)
-    checkpointer.close()
+    # Step 6 of the 4-device run, continued on 2 devices: the residuals' sum (what the
+    # devices still owe the model) is spread over the 2, and steps 7-10 follow the
+    # uninterrupted 4-device run. Measured: 4.8e-6 relative at most; with the residuals
+    # dropped on restore 1.9e-5, doubled 9.7e-5, fp32 instead of int8 1.0e-4.
+    capsys.readouterr()
+    moved = _run(tmp_path, "moved", "data=2", 10, resume=str(tmp_path / "whole" / "checkpoints" / "6"))
     assert "their sum is spread evenly over this run's 2" in capsys.readouterr().err
-    for saved, now in zip(jax.tree.leaves(whole.state.residual), jax.tree.leaves(restored.state.residual), strict=True):
-        assert now.shape[0] == 2
-        np.testing.assert_allclose(np.asarray(now).sum(0), np.asarray(saved).sum(0), rtol=1e-5, atol=1e-7)
-    after = _run(tmp_path, "whole", "data=2", 8, *int8)  # and training goes on
-    assert len(after.losses) == 2 and all(np.isfinite(after.losses))
+    np.testing.assert_allclose(moved.losses, whole.losses[6:], rtol=1e-5, atol=0)
 
 
 @pytest.mark.heavy
@@ -190,8 +225,7 @@ def test_dcn_compression_on_two_processes(tmp_path):
         "--profile-steps",
         "2:2",
         *TINY,
-        "data.source=text",  # 5 files, not the whole standard library: each process tokenizes its corpus
-        f"data.path={Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}",
+        *SMALL_TEXT,
         "parallel.strategy=dp",
         "parallel.grad_reduce=int8",
         "parallel.compress_axes=dcn",

@@ -58,11 +58,13 @@ def test_an_injected_overflow_is_skipped_and_the_scale_backs_off(capsys):
 
 
 def test_loss_scale_is_logged_and_checkpointed(tmp_path):
-    def train(steps: int):
-        config = load_config(None, (*TINY, *FP16, f"train.steps={steps}", "checkpoint.every_steps=2", "checkpoint.async_save=false"))
-        return run(config, parse_mesh("data=2"), tmp_path / "run", devices=jax.devices()[:2], progress=False)
+    schedule = ("train.steps=4", "train.warmup_steps=1")  # the interruption at step 2 is past the warmup
 
-    whole_config = load_config(None, (*TINY, *FP16, "train.steps=4"))
+    def train(stop: int):
+        overrides = (*TINY, *FP16, *schedule, f"train.stop_after_step={stop}", "checkpoint.every_steps=2", "checkpoint.async_save=false")
+        return run(load_config(None, overrides), parse_mesh("data=2"), tmp_path / "run", devices=jax.devices()[:2], progress=False)
+
+    whole_config = load_config(None, (*TINY, *FP16, *schedule))
     whole = run(whole_config, parse_mesh("data=2"), None, devices=jax.devices()[:2], progress=False)
     train(2)
     resumed = train(4)
@@ -74,8 +76,9 @@ def test_loss_scale_is_logged_and_checkpointed(tmp_path):
 
 
 def test_switching_float16_on_and_off_between_runs(tmp_path, capsys):
-    def train(steps: int, *overrides: str):
-        config = load_config(None, (*TINY, f"train.steps={steps}", "checkpoint.every_steps=2", "checkpoint.async_save=false", *overrides))
+    def train(stop: int, *overrides: str):
+        schedule = ("train.steps=6", f"train.stop_after_step={stop}", "checkpoint.every_steps=2", "checkpoint.async_save=false")
+        config = load_config(None, (*TINY, *schedule, *overrides))
         return run(config, parse_mesh("data=2"), tmp_path / "run", devices=jax.devices()[:2], progress=False)
 
     train(2)

@@ -46,6 +46,36 @@ def test_gradients_match_the_plain_model(schedule):
         assert np.linalg.norm(g - r) <= 1e-5 * np.linalg.norm(r), (np.linalg.norm(g - r), np.linalg.norm(r))
 
 
+def test_one_f_one_b_carries_the_float16_loss_scale_into_its_backward():
+    """fp16 gradients against fp32's: a tiny loss scale (0.0625) lets small cotangents
+    underflow, a large one (65536) does not, so the error must grow as the scale shrinks
+    -- for 1F1B as for GPipe. 1F1B ran its backward from the unscaled loss and multiplied
+    the scale in at the end, so its error did not move with the scale (0.0015 at both)."""
+    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.mesh import mesh_device_count
+    from jaxdist.run import build_trainer
+
+    def flat_grads(mesh: str, *overrides: str, scale: float | None = None) -> np.ndarray:
+        config = load_config(None, [*TINY, "model.n_layers=2", *overrides])
+        resolve_vocab(config)
+        sizes = parse_mesh(mesh)
+        trainer = build_trainer(config, sizes, jax.devices()[: mesh_device_count(sizes)])
+        batch = next(make_iterator(config, trainer.layout))
+        _, grads = jax.jit(lambda p, b: trainer.loss_and_grads(p, b, loss_scale=scale))(trainer.init_state(0).params, batch)
+        return np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(grads))])
+
+    reference = flat_grads("data=1")
+    error = {}
+    for schedule in ("gpipe", "1f1b"):
+        for scale in (2.0**16, 2.0**-4):
+            fp16 = ("model.dtype=float16", f"parallel.schedule={schedule}", "parallel.pipeline_microbatches=2")
+            g = flat_grads("pipe=2", *fp16, scale=scale)
+            error[schedule, scale] = float(np.linalg.norm(g - reference) / np.linalg.norm(reference))
+    for schedule in ("gpipe", "1f1b"):
+        assert error[schedule, 2.0**-4] > 2 * error[schedule, 2.0**16], error
+    assert error["1f1b", 2.0**16] < 2e-3 and error["1f1b", 2.0**-4] > 0.5 * error["gpipe", 2.0**-4], error
+
+
 def test_composes_with_remat_and_gradient_accumulation():
     extra = (*EIGHT_LAYERS, *SCHEDULES["1f1b"], "parallel.pipeline_microbatches=2", "model.remat=full", "train.microbatches=2")
     np.testing.assert_allclose(train_losses("data=2,pipe=2", extra), train_losses("data=1", EIGHT_LAYERS), rtol=1e-5)

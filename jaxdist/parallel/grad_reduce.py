@@ -58,10 +58,13 @@ class ReducePlan:
 
 def plan_reduction(parallel_cfg, mesh_sizes: dict[str, int], dcn_sizes: dict[str, int] | None) -> ReducePlan:
     """The reduction ``parallel.*`` asks for on this mesh (``dcn_sizes``: the across-host
-    part, None on one host). Raises ValueError for a DCN split the scheme cannot follow."""
+    part, None on one host; ``compress_axes=dcn`` then compresses nothing). Raises
+    ValueError for a DCN split the scheme cannot follow."""
     batch = tuple(a for a in BATCH_AXES if mesh_sizes.get(a, 1) > 1)
-    if parallel_cfg.compress_axes == "all" or not dcn_sizes:
+    if parallel_cfg.compress_axes == "all":
         compressed = batch
+    elif not dcn_sizes:  # one process: nothing crosses hosts
+        compressed = ()
     else:
         compressed = tuple(a for a in batch if dcn_sizes.get(a, 1) > 1)
         split = [a for a in compressed if dcn_sizes[a] != mesh_sizes[a]]

@@ -23,6 +23,8 @@ stage (and, in 1F1B, cotangents to the previous one).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -124,8 +126,25 @@ def pipeline_forward(
 HeadLossFn = Callable[[Any, jax.Array, dict[str, jax.Array]], jax.Array]  # (head params, y, targets) -> loss sum
 
 
-def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_params, head_params, x, aux, targets):
-    """(loss sum, d loss / d layer params, d loss / d head params, d loss / d x)."""
+# The cotangent the loss sum's gradient is taken with while a loss is traced (fp16 loss
+# scaling: the objective is loss x scale). 1F1B computes its backward inside the forward
+# pass, before autodiff hands it that cotangent, so the scale has to reach it this way:
+# otherwise its fp16 cotangents would run unscaled and underflow.
+_COTANGENT = contextvars.ContextVar("jaxdist_loss_cotangent", default=None)
+
+
+@contextlib.contextmanager
+def loss_cotangent(scale: jax.Array | None):
+    """Trace a loss whose gradient will be taken of ``loss sum x scale`` (None: 1)."""
+    token = _COTANGENT.set(scale)
+    try:
+        yield
+    finally:
+        _COTANGENT.reset(token)
+
+
+def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_params, head_params, x, aux, targets, seed):
+    """(loss sum, and the gradients of loss sum x ``seed`` by layer params, head params and x)."""
     S, M = spec.stages, spec.microbatches
     ring_size = 2 * S
     staged = jax.tree.map(lambda p: p[:, 0], stage_major(layer_params, spec))  # [S, K, ...]
@@ -133,10 +152,13 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
     aux_mb = {k: split_microbatches(v, M) for k, v in aux.items()}
     targets_mb = {k: split_microbatches(v, M) for k, v in targets.items()}
 
-    def per_stage(params, head_params, x_mb, aux_mb, targets_mb):
+    def per_stage(params, head_params, x_mb, aux_mb, targets_mb, seed):
         params = jax.tree.map(lambda p: p[0], params)
         s = jax.lax.axis_index("pipe")
-        head_grad = jax.value_and_grad(head_loss_fn, argnums=(0, 1))
+
+        def head_grad(head_params, y, targets):  # the backward starts from ``seed``, as autodiff's would
+            value, vjp = jax.vjp(lambda hp, yy: head_loss_fn(hp, yy, targets), head_params, y)
+            return value, vjp(seed.astype(value.dtype))
 
         def tick(carry, t):
             ring, act_in, cot_in, loss, g_params, g_head, dx = carry
@@ -194,12 +216,12 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
     run = jax.shard_map(
         per_stage,
         mesh=mesh,
-        in_specs=(PartitionSpec("pipe"), PartitionSpec(), rows, rows, rows),
+        in_specs=(PartitionSpec("pipe"), PartitionSpec(), rows, rows, rows, PartitionSpec()),
         out_specs=(PartitionSpec(), PartitionSpec("pipe"), PartitionSpec(), rows),
         axis_names={"pipe", "data"},
         check_vma=False,
     )
-    loss, g_staged, g_head, dx = run(staged, head_params, x_mb, aux_mb, targets_mb)
+    loss, g_staged, g_head, dx = run(staged, head_params, x_mb, aux_mb, targets_mb, seed)
     # back to the [L, ...] layer layout of the parameters
     g_layers = jax.tree.map(lambda g, p: g.reshape(p.shape).astype(p.dtype), g_staged, layer_params)
     g_head = jax.tree.map(lambda g, p: g.astype(p.dtype), g_head, head_params)
@@ -207,29 +229,32 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
 
 
 def one_f_one_b_loss(stage_fn: StageFn, head_loss_fn: HeadLossFn, spec: PipelineSpec, mesh: Mesh):
-    """loss(layer_params, head_params, x, aux, targets) -> summed loss, whose gradient
-    comes from the explicit 1F1B schedule (computed together with the loss)."""
+    """loss(layer_params, head_params, x, aux, targets, seed) -> summed loss, whose gradient
+    comes from the explicit 1F1B schedule (computed together with the loss), started from
+    the cotangent ``seed`` (the loss scale autodiff will bring; its own cotangent then
+    only rescales, by g / seed)."""
 
     @jax.custom_vjp
-    def loss(layer_params, head_params, x, aux, targets):
-        return _one_f_one_b(stage_fn, head_loss_fn, spec, mesh, layer_params, head_params, x, aux, targets)[0]
+    def loss(layer_params, head_params, x, aux, targets, seed):
+        return _one_f_one_b(stage_fn, head_loss_fn, spec, mesh, layer_params, head_params, x, aux, targets, seed)[0]
 
-    def forward(layer_params, head_params, x, aux, targets):
-        value, g_layers, g_head, dx = _one_f_one_b(stage_fn, head_loss_fn, spec, mesh, layer_params, head_params, x, aux, targets)
-        return value, (g_layers, g_head, dx, aux, targets)
+    def forward(layer_params, head_params, x, aux, targets, seed):
+        value, g_layers, g_head, dx = _one_f_one_b(stage_fn, head_loss_fn, spec, mesh, layer_params, head_params, x, aux, targets, seed)
+        return value, (g_layers, g_head, dx, aux, targets, seed)
 
     def backward(residuals, g):
-        g_layers, g_head, dx, aux, targets = residuals
+        g_layers, g_head, dx, aux, targets, seed = residuals
+        factor = g / seed  # 1 when autodiff brings the seed itself
 
         def scale(tree):
-            return jax.tree.map(lambda x: (x * g).astype(x.dtype), tree)
+            return jax.tree.map(lambda x: (x * factor).astype(x.dtype), tree)
 
         def no_gradient(tree):  # integer inputs (positions, targets) take float0 zeros
             return jax.tree.map(
                 lambda x: np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros_like(x), tree
             )
 
-        return scale(g_layers), scale(g_head), scale(dx), no_gradient(aux), no_gradient(targets)
+        return scale(g_layers), scale(g_head), scale(dx), no_gradient(aux), no_gradient(targets), jnp.zeros_like(seed)
 
     loss.defvjp(forward, backward)
     return loss
@@ -266,7 +291,9 @@ def pipelined_loss(spec: PipelineSpec) -> Callable[[StagedModel, dict[str, jax.A
         targets, weight = model.loss_targets(batch)
         mesh = active_layout().mesh
         if spec.schedule == "1f1b":
-            return one_f_one_b_loss(stage, model.head_loss, spec, mesh)(stacked, model.head_params(), x, aux, targets), weight
+            seed = _COTANGENT.get()
+            seed = jnp.ones((), jnp.float32) if seed is None else jnp.asarray(seed, jnp.float32)
+            return one_f_one_b_loss(stage, model.head_loss, spec, mesh)(stacked, model.head_params(), x, aux, targets, seed), weight
         y = pipeline_forward(stage, stacked, x, aux, spec, mesh)
         return model.head_loss(model.head_params(), y, targets), weight
 

@@ -1,0 +1,140 @@
+"""The optimizers against hand computations (PyTorch's SGD, AdamW's decoupled decay), and
+the learning-rate schedule across a resume: its length is saved, a resume that changes it
+says so, and ``train.schedule_steps`` keeps it."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxdist.config import load_config
+from jaxdist.mesh import parse_mesh
+from jaxdist.optim import make_optimizer
+from jaxdist.run import run
+
+from helpers import TINY
+
+LR, WD, MOMENTUM, MIN_RATIO, STEPS = 0.1, 0.05, 0.9, 0.1, 4
+
+
+class _Two(nnx.Module):
+    """A matrix (decayed) and a norm scale (not decayed)."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.asarray([[1.0, -2.0], [0.5, 3.0]]))
+        self.scale = nnx.Param(jnp.asarray([1.0, 2.0]), no_decay=True)
+
+
+GRADS = [np.asarray(g, np.float32) for g in ([[0.3, -0.1], [0.2, 0.4]], [[-0.2, 0.5], [0.1, 0.0]], [[0.05, 0.05], [-0.3, 0.2]])]
+SCALE_GRADS = [np.asarray(g, np.float32) for g in ([0.1, -0.2], [0.3, 0.1], [-0.1, 0.0])]
+
+
+def _with(w, scale) -> _Two:
+    model = _Two()
+    model.w[...], model.scale[...] = jnp.asarray(w), jnp.asarray(scale)
+    return model
+
+
+def _cosine(t: int) -> float:
+    """warmup 0, cosine from LR down to LR * MIN_RATIO over STEPS updates (count t from 0)."""
+    return LR * (MIN_RATIO + (1 - MIN_RATIO) * 0.5 * (1 + math.cos(math.pi * min(t, STEPS) / STEPS)))
+
+
+def _optax_run(optimizer: str) -> tuple[np.ndarray, np.ndarray]:
+    cfg = load_config(
+        None,
+        [
+            f"train.optimizer={optimizer}",
+            f"train.lr={LR}",
+            f"train.weight_decay={WD}",
+            f"train.momentum={MOMENTUM}" if optimizer == "sgd" else "train.beta1=0.9",
+            "train.warmup_steps=0",
+            "train.grad_clip=0",
+            f"train.min_lr_ratio={MIN_RATIO}",
+            f"train.steps={STEPS}",
+        ],
+    ).train
+    params = nnx.state(_Two(), nnx.Param)
+    tx = make_optimizer(cfg)
+    state = tx.init(params)
+    for g, gs in zip(GRADS, SCALE_GRADS, strict=True):
+        grads = nnx.state(_with(g, gs), nnx.Param)
+        updates, state = tx.update(grads, state, params)
+        params = jax.tree.map(lambda p, u: p + u, params, updates)
+    return np.asarray(params["w"][...]), np.asarray(params["scale"][...])
+
+
+def test_sgd_weight_decay_is_pytorchs_coupled_decay():
+    """torch.optim.SGD(lr, momentum, weight_decay): g += wd * p; buf = mu * buf + g (buf = g
+    at the first step); p -= lr * buf. The decay goes through the momentum; norm scales
+    are not decayed."""
+    w, scale = np.asarray([[1.0, -2.0], [0.5, 3.0]]), np.asarray([1.0, 2.0])
+    buf_w = buf_s = None
+    for t, (g, gs) in enumerate(zip(GRADS, SCALE_GRADS, strict=True)):
+        g = g + WD * w
+        buf_w = g if buf_w is None else MOMENTUM * buf_w + g
+        buf_s = gs if buf_s is None else MOMENTUM * buf_s + gs
+        w, scale = w - _cosine(t) * buf_w, scale - _cosine(t) * buf_s
+    got_w, got_scale = _optax_run("sgd")
+    np.testing.assert_allclose(got_w, w, rtol=1e-6)
+    np.testing.assert_allclose(got_scale, scale, rtol=1e-6)
+
+
+def test_adamw_weight_decay_is_decoupled():
+    """AdamW (Loshchilov & Hutter): p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p); the
+    decay is never seen by the moments."""
+    b1, b2, eps = 0.9, 0.95, 1e-8
+    w = np.asarray([[1.0, -2.0], [0.5, 3.0]])
+    m = v = np.zeros_like(w)
+    for t, g in enumerate(GRADS):
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        m_hat, v_hat = m / (1 - b1 ** (t + 1)), v / (1 - b2 ** (t + 1))
+        w = w - _cosine(t) * (m_hat / (np.sqrt(v_hat) + eps) + WD * w)
+    np.testing.assert_allclose(_optax_run("adamw")[0], w, rtol=1e-5)
+
+
+# -- the schedule across a resume ----------------------------------------------------------
+
+SCHEDULE = (*TINY, "train.warmup_steps=2", "checkpoint.every_steps=100")
+
+
+def _lrs(run_dir, *overrides: str, resume: str = "auto", capsys=None) -> tuple[list[float], str]:
+    config = load_config(None, [*SCHEDULE, *overrides])
+    run(config, parse_mesh("data=1"), run_dir, devices=jax.devices()[:1], progress=False, resume=resume)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x["lr"] for x in lines if "lr" in x], capsys.readouterr().err if capsys else ""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[float]:
+    return _lrs(tmp_path_factory.mktemp("whole"), "train.steps=10")[0]
+
+
+def test_a_stop_after_step_resumes_on_the_same_schedule(tmp_path, uninterrupted, capsys):
+    _lrs(tmp_path, "train.steps=10", "train.stop_after_step=4", capsys=capsys)
+    lrs, err = _lrs(tmp_path, "train.steps=10", capsys=capsys)
+    assert lrs == uninterrupted  # bitwise: steps 1-4, then 5-10 on the same cosine
+    assert "learning-rate schedule" not in err
+    assert uninterrupted[4] > uninterrupted[9]  # past the warmup: the cosine matters here
+
+
+def test_a_resume_with_other_steps_says_the_schedule_changed(tmp_path, uninterrupted, capsys):
+    _lrs(tmp_path, "train.steps=4", capsys=capsys)
+    lrs, err = _lrs(tmp_path, "train.steps=10", capsys=capsys)
+    lines = [x for x in err.splitlines() if "learning-rate schedule" in x]
+    assert len(lines) == 1 and "now spans 10 steps" in lines[0] and "one of 4" in lines[0] and "train.schedule_steps=4" in lines[0], lines
+    assert lrs[4:] == uninterrupted[4:]  # re-stretched to 10 steps: the uninterrupted 10-step run's rates
+
+
+def test_schedule_steps_keeps_the_saved_schedule(tmp_path, capsys):
+    first, _ = _lrs(tmp_path, "train.steps=4", capsys=capsys)
+    lrs, err = _lrs(tmp_path, "train.steps=8", "train.schedule_steps=4", capsys=capsys)
+    assert "learning-rate schedule" not in err
+    lr, floor = 3e-3, 3e-3 * 0.1  # the TINY lr and its cosine floor (min_lr_ratio 0.1)
+    assert (
+        lrs[:4] == first and lrs[4:] == pytest.approx([floor] * 4, rel=1e-6) and first[2] == pytest.approx(lr)
+    )  # warmup 0, 1/2, then the peak
