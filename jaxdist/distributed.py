@@ -188,10 +188,17 @@ def initialize(group: ProcessGroup | None) -> None:
         )
     local_devices = None
     if group.coordinator is None:
-        group, local_devices = _detected(group)
+        try:
+            group, local_devices = _detected(group)
+        except (ImportError, AttributeError, TypeError) as e:  # JAX moved its private detection: let it detect alone
+            print(
+                f"jaxdist: warning: cannot ask JAX for the cluster's coordinator ahead ({type(e).__name__}); "
+                "process 0's coordinator listens on every interface: pass --coordinator HOST:PORT to choose one",
+                file=sys.stderr,
+            )
     # JAX would listen on every interface ([::]) and crashes (SIGSEGV) when a given address is
     # taken, so process 0 picks the address and checks the port first.
-    bind = bind_address(group) if group.process_id == 0 else None
+    bind = bind_address(group) if group.coordinator and group.process_id == 0 else None
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
     try:
@@ -204,8 +211,9 @@ def initialize(group: ProcessGroup | None) -> None:
             coordinator_bind_address=bind,
         )
     except Exception as e:  # noqa: BLE001 - a connection failure surfaces as various runtime errors
-        who = f"process {group.process_id} of {group.num_processes}"
+        who = f"process {group.process_id} of {group.num_processes}" if group.num_processes else "this process"
+        where = group.coordinator or "the cluster's coordinator"
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         if "Failed to start RPC server" in reason:  # the port was taken after the check
             raise CoordinatorPortTaken(f"coordinator port of {group.coordinator} was taken before it could listen ({reason})") from None
-        raise JaxdistError(f"{who} could not join the run at {group.coordinator} within {group.timeout_s}s ({reason})") from None
+        raise JaxdistError(f"{who} could not join the run at {where} within {group.timeout_s}s ({reason})") from None

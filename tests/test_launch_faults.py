@@ -58,14 +58,15 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
-def _gone_within(procs: list[psutil.Process], seconds: float) -> list[psutil.Process]:
-    """Those of ``procs`` still running after ``seconds`` (each left one is then killed)."""
+def _left_after(procs: list[psutil.Process], seconds: float) -> list[str]:
+    """Those of ``procs`` still running after ``seconds`` ("PID COMMAND"; each is then killed)."""
     deadline = time.monotonic() + seconds
     while _alive(procs) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = _alive(procs)
-    for p in left:
+    left = []
+    for p in _alive(procs):
         with contextlib.suppress(psutil.NoSuchProcess):
+            left.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
             p.kill()
     return left
 
@@ -138,7 +139,9 @@ def _group(coordinator: str, bind: str | None = None) -> distributed.ProcessGrou
 
 def test_the_coordinator_binds_one_address(monkeypatch):
     monkeypatch.delenv("JAXDIST_COORDINATOR_BIND", raising=False)
-    port = 40000 + os.getpid() % 20000
+    with socket.socket() as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     assert distributed.bind_address(_group(f"localhost:{port}")) == f"127.0.0.1:{port}"  # the coordinator host's address, not [::]
     assert distributed.bind_address(_group(f"127.0.0.1:{port}", "0.0.0.0")) == f"0.0.0.0:{port}"  # every interface only when asked
     monkeypatch.setenv("JAXDIST_COORDINATOR_BIND", "127.0.0.1")  # what jaxdist.launch sets
@@ -147,6 +150,20 @@ def test_the_coordinator_binds_one_address(monkeypatch):
         _group(f"localhost:{port}", "127.0.0.1:80")
     with pytest.raises(JaxdistError, match="cannot listen on 192.0.2.1"):  # TEST-NET-1: not this machine's
         distributed.bind_address(_group(f"localhost:{port}", "192.0.2.1"))
+    # SLURM (JAX's detection): process 0 listens on the address of the step's first node.
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_NODELIST": "localhost,node2",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    group, local_devices = distributed._detected(distributed.ProcessGroup(None, None, None, 30))
+    slurm_port = 4242 % 2**12 + 65535 - 2**12 + 1  # JAX's port for the job
+    assert (group.coordinator, group.num_processes, group.process_id, local_devices) == (f"localhost:{slurm_port}", 2, 0, [0])
+    assert distributed.bind_address(group) == f"127.0.0.1:{slurm_port}"
 
 
 def test_the_jobset_admits_only_its_own_pods():
@@ -284,7 +301,8 @@ def _run_stub_launcher(tmp_path: Path, body: str, launch_args: list[str], *, tim
     return proc.returncode, out
 
 
-def test_a_rank_that_exits_75_lets_the_others_finish_their_save(tmp_path):
+@pytest.mark.parametrize("mode", ["plain", "elastic"])
+def test_a_rank_that_exits_75_lets_the_others_finish_their_save(mode, tmp_path):
     body = """
     if rank == 1:
         sys.exit(75)  # saved its part first
@@ -293,7 +311,9 @@ def test_a_rank_that_exits_75_lets_the_others_finish_their_save(tmp_path):
     open(f"{log}/rank0.saved", "w").close()
     sys.exit(75)
     """
-    code, out = _run_stub_launcher(tmp_path, body, ["--nproc", "2", "--", "--steps", "5"], patch="L.GRACE_S = 0.5")
+    flags = ["--nproc", "2"] if mode == "plain" else ["--nproc", "2", "--min-nproc", "1", "--devices-per-proc", "2"]
+    train = ["--steps", "5"] if mode == "plain" else [*ELASTIC_TRAIN_ARGS, "--run-dir", str(tmp_path / "run")]
+    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *train], patch="L.GRACE_S = 0.5")
     assert code == EXIT_PREEMPTED, out
     assert (tmp_path / "log/rank0.saved").exists(), out  # not killed mid-commit
     assert not (tmp_path / "log/rank0.signalled").exists()  # nor asked to stop
@@ -500,8 +520,7 @@ def test_killing_the_launcher_alone_ends_every_process_it_started(running_launch
     assert sum("spawn_main" in c for c in commands) >= 2 and any("resource_tracker" in c for c in commands), commands  # Grain workers
     os.kill(proc.pid, signal.SIGKILL)  # the launcher alone, not its process group
     proc.wait(timeout=30)
-    left = _gone_within(family, 5.0)
-    assert not left, [(p.pid, " ".join(p.cmdline())[:120]) for p in left]
+    assert not _left_after(family, 5.0)
 
 
 @pytest.mark.heavy
@@ -519,8 +538,7 @@ def test_killing_the_supervisor_alone_ends_its_run(tmp_path, started):
     assert sum("jaxdist.train" in c for c in commands) == 1 and any("spawn_main" in c for c in commands), commands
     os.kill(sup.pid, signal.SIGKILL)
     sup.wait(timeout=30)
-    left = _gone_within(family, 5.0)
-    assert not left, [(p.pid, " ".join(p.cmdline())[:120]) for p in left]
+    assert not _left_after(family, 5.0)
 
 
 @pytest.mark.heavy
