@@ -6,8 +6,8 @@ Each process joins through a coordinator that listens on 127.0.0.1 only, on a fr
 the launcher holds for the run (gloo collectives on CPU fake devices); every output line
 is prefixed with its rank; SIGINT / SIGTERM are forwarded; when one process fails the
 others are stopped and the launcher exits with the first failure's code. A process that
-exits 75 has saved its part of a checkpoint: the others get ``--save-grace`` seconds
-(default 120) to finish theirs, then the launcher exits 75. When process 0 finds the
+exits 75 has saved its part of a checkpoint: nobody is signalled, the others get 120 s
+to finish theirs, then the launcher exits 75. When process 0 finds the
 coordinator's port taken (exit 76, nothing ran) the set starts again on another port,
 not counted as a failure. Every process the run starts (trainers, their Grain workers)
 dies within a second of the launcher, even when it is killed with SIGKILL.
@@ -48,8 +48,9 @@ also the largest count the run takes.
   ``to``, ``reason`` (start | failure | hang | grow | shrink; the first start has ``from`` null),
   ``step``, ``failed_rank``, ``exit_code``, ``mesh``, ``restarts``.
 
-Exit codes: 0 the run finished; 2 bad input (nothing started); 137 a hang (plain launch); a process's own exit code
-when it is one relaunching cannot fix (2 bad input, 3 non-finite loss, 4 checkpoint not
+Exit codes: 0 the run finished; 2 bad input (nothing started); 137 a hang (plain launch);
+76 the coordinator's port was taken 5 times in a row; a process's own exit code when it
+is one relaunching cannot fix (2 bad input, 3 non-finite loss, 4 checkpoint not
 written, 75 preempted from outside) or after a user's SIGINT / SIGTERM (forwarded; no
 relaunch; 75 once the run saved); the failure's code (128 + signal when killed) when a
 failure leaves no usable count >= ``--min-nproc`` or ``--max-restarts`` is used up; 75
