@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from jaxdist.errors import JaxdistError
+
 ENV_DIR = "JAXDIST_HEARTBEAT_DIR"
 ENV_STALL = "JAXDIST_FAULT_STALL_AT"  # test-only fault injection: "RANK:STEP"
 ENV_RANK = "JAXDIST_PROCESS_ID"  # set by jaxdist.launch (jaxdist.distributed.ENV_PROCESS_ID)
@@ -63,6 +65,8 @@ def _stall_step(rank: int) -> int | None:
     if not spec:
         return None
     stall_rank, _, step = spec.partition(":")
+    if not (stall_rank.isdigit() and step.isdigit()):
+        raise JaxdistError(f"{ENV_STALL}={spec!r}: expected RANK:STEP (a fault-injection hook for tests)")
     return int(step) if int(stall_rank) == rank else None
 
 
