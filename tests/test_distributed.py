@@ -31,13 +31,16 @@ MESH = "data=2,fsdp=4"
 
 
 def _overrides(steps: int) -> list[str]:
-    return [*TINY, *SMALL_TEXT, f"train.steps={steps}", "checkpoint.every_steps=3"]
+    """Every run here trains on one 10-step schedule (2 warmup steps), whatever its
+    train.steps, so a run stopped early and resumed must land on the same learning rates."""
+    return [*TINY, *SMALL_TEXT, f"train.steps={steps}", "train.warmup_steps=2", "train.schedule_steps=10", "checkpoint.every_steps=3"]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compile_cache(tmp_path_factory):
     """XLA's persistent compilation cache in this process (as any run with a run directory
-    turns it on; an earlier one is kept): the in-process runs of one config compile once."""
+    turns it on; an earlier one is kept): the in-process runs of one config compile once.
+    The launches below use it too: process 0 of each finds the parameter init compiled."""
     return enable_compile_cache(load_config(None, []), tmp_path_factory.mktemp("compile_cache"))
 
 
@@ -45,7 +48,7 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
-def _launch(run_dir: Path, steps: int, *, nproc: int = 2) -> subprocess.Popen:
+def _launch(run_dir: Path, steps: int, cache: Path, *, nproc: int = 2) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -60,6 +63,7 @@ def _launch(run_dir: Path, steps: int, *, nproc: int = 2) -> subprocess.Popen:
         "--run-dir",
         str(run_dir),
         *_overrides(steps),
+        f"train.compile_cache={cache}",
     ]
     return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -100,7 +104,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def _start_skewed(run_dir: Path, steps: int, *overrides: str) -> list[tuple[subprocess.Popen, Path]]:
+def _start_skewed(run_dir: Path, steps: int, cache: Path, *overrides: str) -> list[tuple[subprocess.Popen, Path]]:
     """Two processes of one run, started without the launcher so that each can run a
     wrapper (see SKEWED_CLOCK); each writes its output to RUN_DIR/../NAME-rankI.log."""
     script = run_dir.parent / "skewed_clock.py"
@@ -116,7 +120,8 @@ def _start_skewed(run_dir: Path, steps: int, *overrides: str) -> list[tuple[subp
             "PYTHONUNBUFFERED": "1",
         }
         log = run_dir.parent / f"{run_dir.name}-rank{rank}.log"
-        cmd = [sys.executable, str(script), str(rank), "--mesh", MESH, "--run-dir", str(run_dir), *_overrides(steps), *overrides]
+        cmd = [sys.executable, str(script), str(rank), "--mesh", MESH, "--run-dir", str(run_dir), *_overrides(steps)]
+        cmd += [f"train.compile_cache={cache}", *overrides]
         with open(log, "w") as out:
             procs.append((subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True), log))
     return procs
@@ -139,11 +144,11 @@ def _finish_all(procs: list[tuple[subprocess.Popen, Path]], timeout: float = 240
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory):
+def two_process_run(tmp_path_factory, compile_cache):
     """Six steps by 2 processes x 4 fake devices (checkpoints at 3 and 6), saving every
     hour too, by clocks that disagree (SKEWED_CLOCK)."""
     run_dir = tmp_path_factory.mktemp("two-procs") / "run"
-    procs = _start_skewed(run_dir, 6, "checkpoint.every_minutes=60", "checkpoint.keep=10")
+    procs = _start_skewed(run_dir, 6, compile_cache, "checkpoint.every_minutes=60", "checkpoint.keep=10")
     start = time.monotonic()
     outputs = _finish_all(procs)
     took = time.monotonic() - start
@@ -209,11 +214,11 @@ def test_two_process_checkpoint_resumes_in_one_process_twice(two_process_run, re
     np.testing.assert_allclose(second.losses, reference_losses[8:10], rtol=1e-5)
 
 
-def test_two_process_run_saves_on_ctrl_c_and_resumes(tmp_path, reference_losses):
+def test_two_process_run_saves_on_ctrl_c_and_resumes(tmp_path, reference_losses, compile_cache):
     """Ctrl-C (SIGINT, forwarded by the launcher to every process) takes the SIGTERM path:
     JAX's preemption sync point picks one step for all processes, they save it and exit
     with the preempted code, and the run resumes from it exactly."""
-    proc = _launch(tmp_path, 500)
+    proc = _launch(tmp_path, 500, compile_cache)
     deadline = time.monotonic() + 180
     while not ((tmp_path / "metrics.jsonl").exists() and len(_losses(tmp_path)) >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
@@ -227,17 +232,17 @@ def test_two_process_run_saves_on_ctrl_c_and_resumes(tmp_path, reference_losses)
     files = sorted(p.name for p in (tmp_path / "checkpoints" / str(saved) / "data").glob("process_*.json"))
     assert files == ["process_0-of-2.json", "process_1-of-2.json"]
     target = saved + 3
-    out = _finish(_launch(tmp_path, target))
+    out = _finish(_launch(tmp_path, target, compile_cache))
     assert f"resumed from step {saved}" in out and f"done at step {target}" in out, out[-3000:]
     losses = _losses(tmp_path)
-    # Runs of up to 11 steps share one schedule (cosine decay over max(steps, warmup 10 + 1)),
-    # so the module's 10-step reference is this run's too (one in-process reference run, not two).
+    # Both launches train on the 10-step schedule (train.schedule_steps), so the module's
+    # reference is this run's too (one in-process reference run, not two).
     reference = reference_losses if target <= 10 else _reference(target)
     np.testing.assert_allclose([losses[s] for s in range(saved + 1, target + 1)], reference[saved:target], rtol=1e-5)
 
 
-def test_one_failing_process_stops_the_launch(tmp_path):
-    proc = _launch(tmp_path, 5000)
+def test_one_failing_process_stops_the_launch(tmp_path, compile_cache):
+    proc = _launch(tmp_path, 5000, compile_cache)
     deadline = time.monotonic() + 180
     while not (tmp_path / "metrics.jsonl").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
