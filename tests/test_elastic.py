@@ -18,12 +18,13 @@ import psutil
 import pytest
 
 import jaxdist.launch as launch
-from jaxdist.checkpoint import checkpoint_steps
+from jaxdist.cluster import elastic_launch, launcher
+from jaxdist.cluster.elastic import NprocFile, fit_problem, largest_usable
 from jaxdist.config import load_config
-from jaxdist.elastic import NprocFile, fit_problem, largest_usable
-from jaxdist.mesh import parse_mesh
-from jaxdist.preemption import EXIT_PREEMPTED
-from jaxdist.run import run
+from jaxdist.layout.mesh import parse_mesh
+from jaxdist.training.checkpoint import checkpoint_steps
+from jaxdist.training.preemption import EXIT_PREEMPTED
+from jaxdist.training.run import run
 
 from helpers import SMALL_TEXT, TINY
 
@@ -82,13 +83,13 @@ def test_nproc_file_reports_each_rewrite_and_warns_once(tmp_path, capsys):
     assert "cannot read --nproc-file" in capsys.readouterr().err
 
 
-def _planned(tmp_path, *flags: str) -> launch.Elastic:
+def _planned(tmp_path, *flags: str) -> elastic_launch.Elastic:
     argv = ["--nproc", "4", "--min-nproc", "2", "--devices-per-proc", "2", *flags, "--", "--mesh", MESH, *OVERRIDES]
-    return launch.Elastic(launch.elastic_plan(launch.parse_args([*argv, "--run-dir", str(tmp_path / "run")])))
+    return elastic_launch.Elastic(launch.elastic_plan(launch.parse_args([*argv, "--run-dir", str(tmp_path / "run")])))
 
 
 def test_each_failure_loses_a_slot_until_min_or_the_restarts_run_out(tmp_path, capsys):
-    killed = launch.Ended("failure", 137, rank=3, raw_code=-signal.SIGKILL)
+    killed = launcher.Ended("failure", 137, rank=3, raw_code=-signal.SIGKILL)
     elastic = _planned(tmp_path)
     assert elastic._next_count(killed, 4) == 2  # 3 cannot split the batch
     assert elastic._next_count(killed, 2) is None
@@ -103,7 +104,7 @@ def test_each_failure_loses_a_slot_until_min_or_the_restarts_run_out(tmp_path, c
 
 def test_a_save_for_the_file_picks_the_largest_usable_count(tmp_path):
     elastic = _planned(tmp_path, "--nproc-file", str(tmp_path / "nproc"))
-    saved = launch.Ended("saved", EXIT_PREEMPTED, raw_code=EXIT_PREEMPTED)
+    saved = launcher.Ended("saved", EXIT_PREEMPTED, raw_code=EXIT_PREEMPTED)
     elastic.capacity = 3
     assert elastic._next_count(saved, 4) == 2 and elastic.restarts == 0  # asked for: not a restart
     elastic.capacity = 1
@@ -132,7 +133,7 @@ def no_processes(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the launcher started a process")
 
-    monkeypatch.setattr(launch.subprocess, "Popen", refuse)
+    monkeypatch.setattr(launcher.subprocess, "Popen", refuse)
 
 
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))

@@ -30,12 +30,12 @@ import yaml
 
 import jaxdist
 import jaxdist.train as train_cli
-from jaxdist import distributed, supervise
-from jaxdist.checkpoint import checkpoint_steps
-from jaxdist.elastic import NprocFile
+from jaxdist.cli import train_arg_parser
+from jaxdist.cluster import distributed, supervise
+from jaxdist.cluster.elastic import NprocFile
 from jaxdist.errors import JaxdistError
-from jaxdist.preemption import EXIT_PREEMPTED
-from jaxdist.train import build_arg_parser
+from jaxdist.training.checkpoint import checkpoint_steps
+from jaxdist.training.preemption import EXIT_PREEMPTED
 
 from helpers import SMALL_TEXT, TINY
 
@@ -106,7 +106,7 @@ def test_a_non_utf8_nproc_file_is_one_warning_and_keeps_the_count(tmp_path, caps
 
 
 def test_the_hang_watch_gives_the_first_step_its_own_allowance(tmp_path):
-    from jaxdist.heartbeat import ProgressWatch, beat_path
+    from jaxdist.cluster.heartbeat import ProgressWatch, beat_path
 
     def beat(rank: int, step: int, age_s: float) -> None:
         beat_path(tmp_path, rank).write_text(f"{step}\n")
@@ -132,7 +132,7 @@ def test_the_hang_watch_gives_the_first_step_its_own_allowance(tmp_path):
 
 
 def _group(coordinator: str, bind: str | None = None) -> distributed.ProcessGroup:
-    args = build_arg_parser().parse_args(["--coordinator", coordinator, "--num-processes", "2", "--process-id", "0"])
+    args = train_arg_parser().parse_args(["--coordinator", coordinator, "--num-processes", "2", "--process-id", "0"])
     args.coordinator_bind = bind
     return distributed.process_group_from(args)
 
@@ -282,7 +282,7 @@ def _run_stub_launcher(tmp_path: Path, body: str, launch_args: list[str], *, tim
     stub.write_text(STUB_HEAD + textwrap.dedent(body))
     stub.chmod(stat.S_IRWXU)
     (tmp_path / "log").mkdir(exist_ok=True)
-    code = f"import sys, jaxdist.launch as L\nsys.executable = {str(stub)!r}\n{patch}\nsys.exit(L.main(sys.argv[1:]))"
+    code = f"import sys, jaxdist.cluster.launcher as L, jaxdist.launch as launch_cli\nsys.executable = {str(stub)!r}\n{patch}\nsys.exit(launch_cli.main(sys.argv[1:]))"
     cmd = [sys.executable, "-c", code, *launch_args]
     proc = subprocess.Popen(
         cmd,
@@ -400,10 +400,10 @@ def test_a_coordinator_that_could_not_bind_starts_again_on_a_new_port(mode, tmp_
 
 def test_an_elastic_run_restarts_without_a_stalled_rank(tmp_path):
     """The hang watch in the elastic loop: rank 1 stalls at step 3 (the fault-injection hook
-    of jaxdist.heartbeat); its stacks are printed, the set is stopped, and the run goes on
+    of jaxdist.cluster.heartbeat); its stacks are printed, the set is stopped, and the run goes on
     with one process (the stalled rank's slot is lost, as a crashed one's)."""
     body = """
-    from jaxdist.heartbeat import beat, install_stack_dump
+    from jaxdist.cluster.heartbeat import beat, install_stack_dump
     install_stack_dump()
     for step in range(1, 6):
         beat(step)
@@ -436,7 +436,7 @@ def test_process_0_reports_a_taken_coordinator_port(tmp_path):
         cmd = [sys.executable, "-m", "jaxdist.train", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"]
         cmd += ["--dist-timeout", "10", "--mesh", "data=2", "--run-dir", str(tmp_path / "run"), *TINY]
         proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 76, proc.stderr[-2000:]  # jaxdist.distributed.EXIT_PORT_TAKEN
+    assert proc.returncode == 76, proc.stderr[-2000:]  # jaxdist.cluster.distributed.EXIT_PORT_TAKEN
     errors = [line for line in proc.stderr.splitlines() if line.startswith("jaxdist: error: ")]
     assert errors == [
         f"jaxdist: error: coordinator port {port} on 127.0.0.1 is taken: another program listens there (--coordinator 127.0.0.1:{port})"

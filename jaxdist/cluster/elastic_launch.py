@@ -1,0 +1,239 @@
+"""The elastic launch: generations of ``Launcher`` that shrink on a failure and follow the
+``--nproc-file`` (save, then more or fewer processes), all in one run directory, each
+start after the first resuming from the newest checkpoint. ``python -m jaxdist.launch``'s
+module doc describes the rules and exit codes; ``jaxdist.cluster.elastic`` decides which
+process counts fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import time
+from pathlib import Path
+
+from jaxdist.cluster import elastic
+from jaxdist.cluster.distributed import EXIT_PORT_TAKEN
+from jaxdist.cluster.launcher import PORT_ATTEMPTS, SAVE_GRACE_S, Ended, HangLimits, Launcher, describe_exit, exit_status, note, note_error
+from jaxdist.config import Config
+from jaxdist.errors import EXIT_BAD_INPUT, EXIT_NONFINITE, JaxdistError
+from jaxdist.layout.mesh import format_mesh
+from jaxdist.training.checkpoint import CheckpointError
+from jaxdist.training.preemption import EXIT_PREEMPTED
+
+POLL_S = 0.5  # how often the --nproc-file is read
+# Exit codes a relaunch would not fix: they end an elastic run.
+FINAL_CODES = {EXIT_BAD_INPUT, EXIT_NONFINITE, CheckpointError.exit_code, EXIT_PREEMPTED}
+
+
+@dataclasses.dataclass
+class ElasticPlan:
+    """Everything the elastic loop needs, checked before anything starts."""
+
+    config: Config
+    run_dir: Path
+    child_args: list[str]  # train args with --run-dir RUN_DIR --resume auto at the end
+    first_resume: str  # the user's --resume, for the first start only
+    max_nproc: int
+    min_nproc: int
+    devices_per_proc: int
+    max_restarts: int
+    nproc_file: Path | None
+    port: int | None
+    hang: HangLimits | None = None
+
+
+class Elastic:
+    """Generations of ``Launcher``: relaunch on failure (smaller) or when the
+    ``--nproc-file`` changes (save, then larger or smaller); see the module doc."""
+
+    def __init__(self, plan: ElasticPlan):
+        self.plan = plan
+        self.nproc_file = elastic.NprocFile(plan.nproc_file) if plan.nproc_file else None
+        self.capacity = plan.max_nproc
+        self.restarts = 0
+        self.interrupted: int | None = None
+        self.gen: Launcher | None = None
+
+    def on_signal(self, signum: int, frame=None) -> None:
+        self.interrupted = signum
+        if self.gen is not None:
+            self.gen.signal_all(signum)
+
+    def _resuming(self, resume: str) -> bool:
+        """Whether the next start restores a checkpoint (then its microbatches adapt)."""
+        return resume != "never" and elastic.latest_step(self.plan.run_dir) is not None
+
+    def _largest_usable(self, resume: str = "auto") -> int | None:
+        p = self.plan
+        return elastic.largest_usable(p.config, p.devices_per_proc, p.min_nproc, self.capacity, self._resuming(resume))
+
+    def _no_usable_count(self) -> str:
+        if self.capacity < self.plan.min_nproc:
+            return f"--min-nproc {self.plan.min_nproc} cannot be met"
+        return f"no process count from --min-nproc {self.plan.min_nproc} to {self.capacity} can run this training"
+
+    def first_count(self) -> int | None:
+        """The first start's process count: --nproc, or fewer if the --nproc-file says so.
+        Raises JaxdistError when --nproc itself cannot run the training."""
+        p = self.plan
+        problem = elastic.fit_problem(p.config, p.max_nproc, p.devices_per_proc, self._resuming(p.first_resume))
+        if problem:
+            raise JaxdistError(f"--nproc {p.max_nproc} cannot run this training: {problem}")
+        value = self.nproc_file.changed() if self.nproc_file else None
+        if value is not None:
+            self.capacity = min(value, p.max_nproc)
+        n = self._largest_usable(p.first_resume)
+        if n is None:
+            note_error(f"--nproc-file says {_processes(value)}, {self._no_usable_count()}; nothing started")
+        return n
+
+    def run(self) -> int:
+        n = self.first_count()
+        if n is None:
+            return EXIT_PREEMPTED  # "try again later"
+        resume, port, port_taken = self.plan.first_resume, self.plan.port, 0
+        first = True
+        while True:
+            # child_args ends with "--resume auto": the first start keeps the user's --resume.
+            self.gen = Launcher(n, [*self.plan.child_args[:-1], resume], self.plan.devices_per_proc, port, self.plan.hang)
+            if first:  # after the port is held (a taken --port is bad input: nothing written)
+                self._change(None, n, "start")
+                first = False
+            if self.interrupted is not None:  # before this set started: nothing to forward to
+                self.gen.close()
+                return 128 + self.interrupted
+            self.gen.start()
+            ended = self._watch(self.gen, n)
+            self.gen.close()
+            port = None  # later sets: a fresh port
+            if ended.kind == "port":  # nothing ran: start the same set again, not a failure
+                port_taken += 1
+                if port_taken >= PORT_ATTEMPTS:
+                    note_error(f"the coordinator's port was taken {port_taken} times in a row; {self._stopped_at()}")
+                    return EXIT_PORT_TAKEN
+                note(f"the coordinator's port {self.gen.port} was taken before it could listen; starting again on another port")
+                continue
+            resume, port_taken = "auto", 0  # later sets: the newest checkpoint
+            if ended.kind in ("done", "final", "interrupted"):
+                return ended.code
+            target = self._next_count(ended, n)
+            if target is None:
+                return ended.code if ended.kind in ("failure", "hang") else EXIT_PREEMPTED
+            reason = ended.kind if ended.kind in ("failure", "hang") else ("grow" if target > n else "shrink")
+            self._change(n, target, reason, ended.rank, ended.raw_code)
+            n = target
+
+    def _next_count(self, ended: Ended, n: int) -> int | None:
+        """The count to relaunch with after a failure or a save; None (said why) to stop."""
+        failure = ended.kind in ("failure", "hang")
+        if failure:
+            self.restarts += 1
+            self.capacity = n - 1  # that slot is lost (a hung process's machine is as suspect as a dead one's)
+            if self.restarts > self.plan.max_restarts:
+                used = f"--max-restarts {self.plan.max_restarts} are used up"
+                note_error(f"{ended.describe()} and {used}; {self._stopped_at()}")
+                return None
+        target = self._largest_usable()
+        if target is None:
+            left = f"{_processes(self.capacity)} left" if failure else f"--nproc-file allows {_processes(self.capacity)}"
+            note_error(f"{left}, {self._no_usable_count()}; {self._stopped_at()}")
+        return target
+
+    def _watch(self, gen: Launcher, n: int) -> Ended:
+        """Until the set ends: done, a failure, a hang, a user's signal, or a membership change."""
+        next_poll = time.monotonic() + POLL_S
+        while True:
+            if self.interrupted is not None:
+                return Ended("interrupted", gen.wait().code)
+            ended = gen.poll()
+            if ended is not None and ended.kind == "failure":
+                return self._on_failure(gen, ended.failed)
+            if ended is not None and ended.kind == "saved":  # preempted from outside: every process saved
+                return Ended("final", EXIT_PREEMPTED)
+            if ended is not None:  # done, hang (already stopped), port (the others wait for nothing)
+                gen.kill_all()
+                return ended
+            if self.nproc_file is not None and time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + POLL_S
+                value = self.nproc_file.changed()
+                if value is not None:
+                    self.capacity = min(value, self.plan.max_nproc)
+                    target = self._largest_usable()
+                    if target != n:
+                        return self._save(gen, value, target)
+            time.sleep(0.1)
+
+    def _on_failure(self, gen: Launcher, failed: list[tuple[int, int]]) -> Ended:
+        lost = [(rank, c) for rank, c in failed if c not in FINAL_CODES]
+        if not lost:  # e.g. bad input or a NaN loss: it would recur on any count
+            rank, code = failed[0]
+            note(f"rank {rank} {describe_exit(code)}; stopping the others")
+            gen.stop_all()
+            return Ended("final", exit_status(code), rank, code)
+        # Peers of a dead process fail soon after it: blame one killed by a signal first.
+        rank, code = min(lost, key=lambda rc: (rc[1] >= 0, rc[0]))
+        note(f"rank {rank} {describe_exit(code)}; killing the others")
+        gen.kill_all()  # with a dead peer they cannot save consistently; the last checkpoint stands
+        return Ended("failure", exit_status(code), rank, code)
+
+    def _save(self, gen: Launcher, value: int, target: int | None) -> Ended:
+        """Ask the run to save (SIGTERM: every process saves the same step and exits 75)."""
+        then = f"restarting with {target}" if target else f"stopping (--min-nproc {self.plan.min_nproc})"
+        print(f"jaxdist.launch: --nproc-file says {value}: asking the run to save, then {then}", file=sys.stderr, flush=True)
+        gen.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + SAVE_GRACE_S
+        while any(c is None for c in gen.codes()) and time.monotonic() < deadline:
+            if any(c not in (None, 0, EXIT_PREEMPTED) for c in gen.codes()):
+                break  # one died (e.g. the signal came before it set up JAX): the others cannot save
+            time.sleep(0.1)
+        gen.kill_all()
+        codes = gen.codes()
+        if self.interrupted is not None:
+            return Ended("interrupted", next((exit_status(c) for c in codes if c), 0))
+        if all(c == 0 for c in codes):  # it finished before the save
+            return Ended("done", 0)
+        final = [c for c in codes if c in FINAL_CODES - {EXIT_PREEMPTED}]
+        if final:
+            return Ended("final", final[0])
+        unsaved = [c for c in codes if c != EXIT_PREEMPTED]  # killed after the grace, or crashed while saving
+        code = unsaved[0] if unsaved else EXIT_PREEMPTED
+        return Ended("saved", exit_status(code), raw_code=code)
+
+    def _stopped_at(self) -> str:
+        step = elastic.latest_step(self.plan.run_dir)
+        if step is None:
+            return "the run stopped before its first checkpoint: rerun to start it again"
+        return f"the run stopped at its last checkpoint (step {step}): rerun to resume"
+
+    def _change(self, old: int | None, new: int, reason: str, rank: int | None = None, code: int | None = None) -> None:
+        step = elastic.latest_step(self.plan.run_dir) or 0
+        if old is not None:
+            print(f"jaxdist.launch: elastic: {old} -> {new} processes, resuming at step {step}", file=sys.stderr, flush=True)
+        fields = {"from": old, "to": new, "reason": reason, "step": step, "failed_rank": rank, "exit_code": code}
+        mesh = format_mesh(elastic.mesh_for(self.plan.config, new, self.plan.devices_per_proc))
+        elastic.record(self.plan.run_dir, **fields, mesh=mesh, restarts=self.restarts)
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def run_elastic(plan: ElasticPlan) -> int:
+    """The elastic run ``plan`` describes, until it ends; the exit status. SIGINT / SIGTERM
+    are forwarded to the running set (no relaunch after them)."""
+    loop = Elastic(plan)
+    forwarded = {s: signal.signal(s, loop.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return loop.run()
+    except JaxdistError as e:  # the first start does not fit (nothing started), or the run dir is not writable
+        print(f"jaxdist: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        for s, handler in forwarded.items():
+            signal.signal(s, handler)
+        if loop.gen is not None and any(p.poll() is None for p in loop.gen.procs):
+            loop.gen.stop_all()
+        if loop.gen is not None:
+            loop.gen.close()

@@ -1,0 +1,281 @@
+"""A set of training processes on this machine: start them, forward signals, watch their
+progress, stop them (the work of ``python -m jaxdist.launch``; its module doc says what a
+run does, step by step, and what each exit code means).
+
+The coordinator listens on 127.0.0.1 only, on a port held for the whole set
+(``reserve_port``); every trainer dies with the launcher (``die_with_parent``) and beats
+once per step into a directory the hang watch reads (``jaxdist.cluster.heartbeat``).
+``run_plain`` is one set, started again on another port when the coordinator's was taken;
+the elastic loop (``jaxdist.cluster.elastic_launch``) runs generations of ``Launcher``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from jaxdist.cluster.distributed import ENV_COORDINATOR, ENV_COORDINATOR_BIND, ENV_NUM_PROCESSES, ENV_PROCESS_ID, EXIT_PORT_TAKEN
+from jaxdist.cluster.heartbeat import DUMP_SIGNAL, ENV_DIR, ProgressWatch, Stall
+from jaxdist.cluster.lifetime import die_with_parent
+from jaxdist.errors import EXIT_BAD_INPUT, JaxdistError
+from jaxdist.training.preemption import EXIT_PREEMPTED
+
+LOOPBACK = "127.0.0.1"  # where the coordinator listens: the processes all run on this machine
+GRACE_S = 10.0  # after asking the others to stop, how long before they are killed
+SAVE_GRACE_S = 120.0  # for the others to finish a save (a membership change's or one that exited 75); a compile may come first
+DUMP_WAIT_S = 1.0  # after asking a stalled set for its stacks, before killing it
+PORT_ATTEMPTS = 5  # starts in a row whose coordinator port was taken
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port that nothing on ``host`` uses now (bind-probed on that address)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def reserve_port(host: str, port: int | None = None) -> socket.socket:
+    """Hold ``host:port`` (a free port when None) for a set of processes: a bound socket
+    that never listens, with SO_REUSEPORT, so that the coordinator (gRPC binds with
+    SO_REUSEPORT too) can listen there while no other program binds it in the meantime."""
+    for _ in range(PORT_ATTEMPTS):
+        candidate = port or free_port(host)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((host, candidate))
+            return sock
+        except OSError as e:
+            sock.close()
+            if port is not None or e.errno != errno.EADDRINUSE:
+                raise JaxdistError(f"--port {candidate}: cannot use {host}:{candidate} for the coordinator ({e.strerror})") from None
+    raise JaxdistError(f"found no free port on {host} for the coordinator in {PORT_ATTEMPTS} tries")
+
+
+def _pump(rank: int, stream, out) -> None:
+    for line in iter(stream.readline, ""):
+        out.write(f"[rank {rank}] {line}")
+        out.flush()
+
+
+def exit_status(code: int) -> int:
+    """A child's return code as an exit status: killed by signal S -> 128 + S."""
+    return code if code >= 0 else 128 - code
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+@dataclasses.dataclass(frozen=True)
+class HangLimits:
+    """``--hang-timeout`` / ``--first-step-timeout`` in seconds."""
+
+    hang_timeout_s: float
+    first_step_timeout_s: float
+
+
+@dataclasses.dataclass
+class Ended:
+    """How one set of processes ended."""
+
+    kind: str  # done | saved (every process exited 0 or 75) | final | interrupted | failure | hang | port
+    code: int  # an exit status (0 done)
+    rank: int | None = None  # the failed rank
+    raw_code: int | None = None  # its return code as Popen gives it (negative: a signal)
+    failed: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # failure: every failed (rank, return code)
+    cause: str | None = None  # hang: what the watch saw
+
+    def describe(self) -> str:
+        return self.cause or f"rank {self.rank} {describe_exit(self.raw_code)}"
+
+
+class Launcher:
+    """One set of processes: start, forward signals, watch their progress, stop."""
+
+    def __init__(self, nproc: int, train_args: list[str], devices_per_proc: int | None, port: int | None, hang: HangLimits | None = None):
+        self.nproc, self.train_args, self.devices_per_proc = nproc, train_args, devices_per_proc
+        self.host = LOOPBACK
+        self.reservation = reserve_port(self.host, port)  # held until close(): nothing else can take the port
+        self.port = self.reservation.getsockname()[1]
+        self.beats = Path(tempfile.mkdtemp(prefix="jaxdist-beats-"))
+        self.watch = ProgressWatch(self.beats, nproc, hang.hang_timeout_s, hang.first_step_timeout_s) if hang else None
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
+        self.forwarded: int | None = None  # a signal forwarded before every process had started
+        self.saving_since: float | None = None  # when the first process exited 75
+
+    def _env(self, rank: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({ENV_COORDINATOR: f"{self.host}:{self.port}", ENV_NUM_PROCESSES: str(self.nproc), ENV_PROCESS_ID: str(rank)})
+        env.update({ENV_COORDINATOR_BIND: self.host, ENV_DIR: str(self.beats)})
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.devices_per_proc:
+            flags = " ".join(t for t in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in t)
+            env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={self.devices_per_proc}".strip()
+        return env
+
+    def start(self) -> None:
+        if self.watch is not None:
+            self.watch.started = time.time()
+        for rank in range(self.nproc):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "jaxdist.train", *self.train_args],
+                env=self._env(rank),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                preexec_fn=die_with_parent(os.getpid()),  # started from the main thread, which lives as long as the launcher
+            )
+            self.procs.append(proc)
+            if self.forwarded is not None:  # the signal came while this one was starting
+                proc.send_signal(self.forwarded)
+            pump = threading.Thread(target=_pump, args=(rank, proc.stdout, sys.stdout), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
+
+    def signal_all(self, signum: int) -> None:
+        self.forwarded = signum
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+
+    def stop_all(self) -> None:
+        """SIGTERM (a jaxdist run saves and exits), then SIGKILL after ``GRACE_S``."""
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.kill_all()
+
+    def close(self) -> None:
+        """After the processes ended: print the rest of their output, free the port."""
+        deadline = time.monotonic() + 5.0  # a Grain worker holds the output pipe until it notices its parent died
+        for pump in self.pumps:
+            pump.join(max(0.0, deadline - time.monotonic()))
+        self.reservation.close()
+        shutil.rmtree(self.beats, ignore_errors=True)
+
+    def codes(self) -> list[int | None]:
+        return [p.poll() for p in self.procs]
+
+    def poll(self) -> Ended | None:
+        """One look at the set: None while it runs, else how it ended. Processes still
+        running after a failure are left to the caller (stopped after a hang)."""
+        codes = self.codes()
+        if codes[0] == EXIT_PORT_TAKEN:
+            return Ended("port", EXIT_PORT_TAKEN, 0, EXIT_PORT_TAKEN)
+        failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0, EXIT_PREEMPTED)]
+        if failed:
+            rank, code = failed[0]
+            return Ended("failure", exit_status(code), rank, code, failed)
+        if all(c is not None for c in codes):
+            return Ended("saved", EXIT_PREEMPTED) if EXIT_PREEMPTED in codes else Ended("done", 0)
+        if EXIT_PREEMPTED in codes:
+            self._let_them_save(codes)
+        stall = self.watch.stalled([c is None for c in codes]) if self.watch is not None else None
+        return self._stop_stalled(stall) if stall is not None else None
+
+    def _let_them_save(self, codes: list[int | None]) -> None:
+        """A process exited 75: its part of a checkpoint is saved and the others are saving
+        theirs (they agreed on the step); give them ``SAVE_GRACE_S``, never a kill mid-commit."""
+        now = time.monotonic()
+        if self.saving_since is None:
+            self.saving_since = now
+            saved = ", ".join(str(rank) for rank, c in enumerate(codes) if c == EXIT_PREEMPTED)
+            note(f"rank {saved} saved and exited ({EXIT_PREEMPTED}); waiting up to {SAVE_GRACE_S:.0f}s for the others to finish saving")
+        elif now - self.saving_since > SAVE_GRACE_S:
+            late = ", ".join(str(rank) for rank, c in enumerate(codes) if c is None)
+            note(f"rank {late} did not finish saving within {SAVE_GRACE_S:.0f}s; stopping it")
+            self.stop_all()
+
+    def _stop_stalled(self, stall: Stall) -> Ended:
+        if stall.first:
+            cause = f"rank {stall.rank} has not finished its first step after {stall.idle_s:.0f}s (--first-step-timeout {stall.limit_s:g})"
+        else:
+            cause = f"rank {stall.rank} made no progress for {stall.idle_s:.0f}s at step {stall.step} (--hang-timeout {stall.limit_s:g})"
+        note(f"{cause}; every rank's Python stacks follow, then the run is stopped")
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(DUMP_SIGNAL)
+        time.sleep(DUMP_WAIT_S)
+        self.kill_all()
+        return Ended("hang", 128 + signal.SIGKILL, stall.rank, -signal.SIGKILL, cause=cause)
+
+    def wait(self) -> Ended:
+        """Until the set ends; after a failure the others are stopped (SIGTERM, then SIGKILL)."""
+        while (ended := self.poll()) is None:
+            time.sleep(0.1)
+        if ended.kind == "failure" and any(c is None for c in self.codes()):
+            note(f"{ended.describe()}; stopping the others")
+            self.stop_all()
+        elif ended.kind == "port":
+            self.kill_all()  # the others wait for a coordinator that will never listen
+        return ended
+
+
+def note(message: str) -> None:
+    """One line on stderr, prefixed as every launcher message is."""
+    print(f"jaxdist.launch: {message}", file=sys.stderr, flush=True)
+
+
+def note_error(message: str) -> None:
+    print(f"jaxdist.launch: error: {message}", file=sys.stderr, flush=True)
+
+
+def run_plain(nproc: int, train_args: list[str], devices_per_proc: int | None, port: int | None, hang: HangLimits | None) -> int:
+    """``nproc`` trainers as one run until they end; the exit status. Started again on
+    another port (up to ``PORT_ATTEMPTS`` times) when process 0 finds the coordinator's
+    port taken; SIGINT / SIGTERM are forwarded while it runs."""
+    current: list[Launcher] = []
+    received: list[int] = []
+
+    def forward(signum: int, frame) -> None:  # noqa: ARG001
+        received.append(signum)
+        if current:
+            current[-1].signal_all(signum)
+
+    forwarded = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for _ in range(PORT_ATTEMPTS):
+            current.append(Launcher(nproc, train_args, devices_per_proc, port, hang))
+            if received:  # a signal came while no set ran
+                current[-1].forwarded = received[-1]
+            current[-1].start()
+            ended = current[-1].wait()
+            current[-1].close()
+            if ended.kind != "port" or received:
+                return ended.code
+            note(f"the coordinator's port {current[-1].port} was taken before it could listen; starting again on another port")
+            port = None
+        note_error(f"the coordinator's port was taken {PORT_ATTEMPTS} times in a row")
+        return EXIT_PORT_TAKEN
+    except JaxdistError as e:  # --port cannot be used: nothing started
+        print(f"jaxdist: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        for s, handler in forwarded.items():
+            signal.signal(s, handler)
+        if current and any(p.poll() is None for p in current[-1].procs):
+            current[-1].stop_all()
+        if current:
+            current[-1].close()
