@@ -11,7 +11,7 @@ import numpy as np
 import psutil
 import pytest
 
-from jaxdist.plan import measure
+from jaxdist.plan import allreduce, measure
 
 
 def _new_children(before: set[int]) -> list[psutil.Process]:
@@ -128,7 +128,7 @@ def test_quick_profile_is_sane(quick_profile):
 def test_failed_worker_is_reported_and_all_are_reaped(monkeypatch):
     """Process 1 fails at once; process 0 would wait for it at the coordinator forever:
     one line names the failure, and both are gone afterwards."""
-    real = measure._worker_command
+    real = allreduce._worker_command
 
     def broken_second(args):
         args = list(args)
@@ -136,7 +136,7 @@ def test_failed_worker_is_reported_and_all_are_reaped(monkeypatch):
             args[0] = "bogus"
         return real(args)
 
-    monkeypatch.setattr(measure, "_worker_command", broken_second)
+    monkeypatch.setattr(allreduce, "_worker_command", broken_second)
     before = _children()
     with pytest.raises(RuntimeError) as info:
         measure.measure_collective("gloo", 2, [4096, 65536], repeats=2, timeout_s=60)
@@ -157,7 +157,7 @@ def test_timeout_kills_and_reaps_workers():
 
 def test_worker_env_sets_its_own_devices(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_use_thunk_runtime=true")
-    env = measure.worker_env(1)
+    env = allreduce.worker_env(1)
     assert env["XLA_FLAGS"].split() == ["--xla_cpu_use_thunk_runtime=true", "--xla_force_host_platform_device_count=1"]
     assert env["JAX_PLATFORMS"] == "cpu"
 
