@@ -14,7 +14,6 @@ so two checkpoints compare directly. ``tokens`` counts the targets actually scor
 from __future__ import annotations
 
 import json
-import math
 import sys
 from collections.abc import Sequence
 
@@ -22,7 +21,7 @@ from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError
 
 
 def build_arg_parser():
-    from jaxdist.inference import checkpoint_arg_parser
+    from jaxdist.hf.inference import checkpoint_arg_parser
 
     parser = checkpoint_arg_parser("python -m jaxdist.eval", "Loss and perplexity of a checkpoint on held-out data.")
     parser.add_argument("--batches", type=int, default=None, help="batches to score (train.eval_batches)")
@@ -30,7 +29,8 @@ def build_arg_parser():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxdist.inference import load, load_config
+    from jaxdist.hf.evaluation import evaluate
+    from jaxdist.hf.inference import load_config
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -41,44 +41,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.batches < 1:
                 raise JaxdistError(f"--batches must be positive, got {args.batches}")
             config.train.eval_batches = args.batches
-        loaded = load(config, step_dir)
-        import jax
-        import numpy as np
-
-        from jaxdist.data.pipeline import eval_batches, held_out
-
-        trainer = loaded.trainer
-        split = held_out(config)
-        if split.batches < split.asked:
-            say(
-                f"jaxdist: the held-out split has {split.examples} window(s) of {config.train.seq_len} tokens: "
-                f"{split.batches} batch(es) of {config.train.global_batch}, not the {split.asked} asked; each window is scored once"
-            )
-        totals = np.zeros(2, np.float64)
-        for batch in eval_batches(config, trainer.layout, split):
-            totals += np.asarray(jax.device_get(trainer.eval_step(loaded.params, batch)), np.float64)
+        result = evaluate(config, step_dir, log=say)
     except JaxdistError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if totals[1] == 0:
-        print("jaxdist: error: the held-out windows hold no scored token (every target is an end of document)", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    loss = float(totals[0] / totals[1])
-    result = {
-        "loss": loss,
-        "perplexity": math.exp(loss),
-        "tokens": int(totals[1]),
-        "batches": split.batches,
-        "windows": split.examples,
-        "checkpoint": str(step_dir),
-        "step": loaded.step,
-    }
     if args.json:
         print(json.dumps(result))
     else:
-        windows = f", {split.examples} windows" if split.examples is not None else ""
+        windows = f", {result['windows']} windows" if result["windows"] is not None else ""
         print(
-            f"{step_dir}: loss {loss:.4f}, perplexity {result['perplexity']:.2f} over {result['tokens']:,} tokens "
+            f"{step_dir}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} over {result['tokens']:,} tokens "
             f"({result['batches']} batches{windows})"
         )
     return EXIT_OK

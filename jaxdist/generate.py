@@ -22,112 +22,8 @@ from collections.abc import Sequence
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError
 
 
-def sample(logits, key, temperature: float, top_p: float):
-    """Next ids [batch] from last-position logits [batch, vocab] (float32)."""
-    import jax
-    import jax.numpy as jnp
-
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_p < 1:
-        # Nucleus: keep the most likely ids whose probabilities, before their own, sum to < top_p.
-        order = jnp.argsort(-logits, axis=-1)
-        probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
-        keep_sorted = jnp.cumsum(probs, axis=-1) - probs < top_p
-        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
-        logits = jnp.where(keep, logits, -jnp.inf)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
-def generate_ids(model, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, key=None, stop_ids=()):
-    """([batch, max_new_tokens] ids sampled after ``prompt`` [batch, t], the number of
-    tokens decoded) (trace under jit). Decoding ends once every sequence has produced one
-    of ``stop_ids``; a sequence that ended holds its stop id from there on."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxdist.models.llama import KVCache
-
-    key = jax.random.key(0) if key is None else key
-    batch = prompt.shape[0]
-    cache = KVCache.zeros(model.cfg, batch, prompt.shape[1] + max_new_tokens, model.dtype)
-    logits, cache = model.decode(prompt, cache)
-    keys = jax.random.split(key, max_new_tokens)  # token i draws with keys[i], whenever decoding stops
-    stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
-
-    def running(carry) -> jax.Array:
-        i, _, _, _, ended = carry
-        return (i < max_new_tokens) & ~jnp.all(ended)
-
-    def step(carry):
-        i, cache, last, tokens, ended = carry
-        token = sample(last, keys[i], temperature, top_p)
-        token = jnp.where(ended, tokens[:, jnp.maximum(i - 1, 0)], token)  # an ended sequence repeats its stop id
-        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
-        ended = ended | jnp.isin(token, stops)
-        logits, cache = model.decode(token[:, None], cache)
-        return i + 1, cache, logits[:, -1], tokens, ended
-
-    start = (jnp.int32(0), cache, logits[:, -1], jnp.zeros((batch, max_new_tokens), jnp.int32), jnp.zeros((batch,), bool))
-    steps, _, _, tokens, _ = jax.lax.while_loop(running, step, start)
-    return tokens, steps
-
-
-def compile_generate(loaded, prompt_shape: tuple[int, int], max_new_tokens: int, temperature: float, top_p: float, stop_ids=()):
-    """The compiled program: (params, prompt ids, key) -> (new ids, tokens decoded)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxdist.sharding import activation_layout
-
-    trainer = loaded.trainer
-
-    def run(params, prompt, key):
-        with activation_layout(trainer.layout):
-            model = nnx.merge(trainer.graphdef, params)
-            return generate_ids(model, prompt, max_new_tokens, temperature=temperature, top_p=top_p, key=key, stop_ids=stop_ids)
-
-    replicated = trainer.layout.replicated()
-    jitted = jax.jit(run, in_shardings=(trainer.param_shardings, replicated, replicated), out_shardings=replicated)
-    return jitted.lower(trainer.abstract_params(), jax.ShapeDtypeStruct(prompt_shape, jnp.int32), jax.random.key(0)).compile()
-
-
-def stop_ids(config, step_dir, tokenizer) -> list[int]:
-    """Where generation ends: the imported model's ``eos_token_id`` (its
-    generation_config.json, else config.json: one id or several) and, when the run names
-    its tokenizer, that tokenizer's end-of-document id."""
-    from jaxdist.hf_files import eos_ids, source_dir
-
-    ids = eos_ids(source_dir(config, step_dir))
-    if tokenizer is not None and tokenizer.eod_id not in ids:
-        ids.append(tokenizer.eod_id)
-    return ids
-
-
-def _prompt_ids(args, tokenizer, valid: int) -> list[int]:
-    if (args.prompt is None) == (args.prompt_ids is None):
-        raise JaxdistError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-    if args.prompt is not None:
-        if tokenizer is None:
-            raise JaxdistError("the checkpoint names no tokenizer (converted without one): give --prompt-ids, or data.tokenizer=FILE")
-        ids = [int(i) for i in tokenizer.encode_prompt(args.prompt)]
-    else:
-        try:
-            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise JaxdistError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers") from None
-    if not ids:
-        raise JaxdistError("the prompt is empty")
-    bad = [i for i in ids if not 0 <= i < valid]
-    if bad:
-        raise JaxdistError(f"prompt ids {bad[:3]} are outside the model's vocab (0..{valid - 1})")
-    return ids
-
-
 def build_arg_parser():
-    from jaxdist.inference import checkpoint_arg_parser
+    from jaxdist.hf.inference import checkpoint_arg_parser
 
     parser = checkpoint_arg_parser("python -m jaxdist.generate", "Generate text from a checkpoint (KV-cached sampling).")
     parser.add_argument("--prompt", default=None, help="text, encoded with the model's tokenizer")
@@ -142,37 +38,31 @@ def build_arg_parser():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxdist.data.tokenizers import load_tokenizer
-    from jaxdist.inference import load, load_config
+    from jaxdist.hf.generation import generate
+    from jaxdist.hf.inference import load_config
 
     try:
         args, config, step_dir = load_config(build_arg_parser(), argv)
         if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
             raise JaxdistError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
-        tokenizer = load_tokenizer(config.data.tokenizer) if config.data.tokenizer else None  # None: ids in, ids out
-        m = config.model
-        ids = _prompt_ids(args, tokenizer, m.valid_vocab or m.vocab_size)
-        stops = stop_ids(config, step_dir, tokenizer)
-        loaded = load(config, step_dir)
+        result = generate(
+            config,
+            step_dir,
+            prompt=args.prompt,
+            ids_text=args.prompt_ids,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
     except JaxdistError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    import jax
-    import numpy as np
-
-    compiled = compile_generate(loaded, (1, len(ids)), args.max_new_tokens, args.temperature, args.top_p, stops)
-    tokens, steps = jax.device_get(compiled(loaded.params, np.asarray([ids], np.int32), jax.random.key(args.seed)))
-    new = [int(i) for i in np.asarray(tokens)[0, : int(steps)]]
-    ended = next((k for k, i in enumerate(new) if i in stops), None)
-    if ended is not None:  # the stop id ends the text and is not part of it
-        new = new[:ended]
-    text = tokenizer.decode(new) if tokenizer is not None else None
     if args.json:
-        print(
-            json.dumps({"ids": new, "text": text, "prompt_ids": ids, "stop_ids": stops, "decoded": int(steps), "checkpoint": str(step_dir)})
-        )
+        print(json.dumps(result))
     else:
-        print((args.prompt or "") + text if text is not None else ",".join(map(str, new)))
+        text = result["text"]
+        print((args.prompt or "") + text if text is not None else ",".join(map(str, result["ids"])))
     return EXIT_OK
 
 

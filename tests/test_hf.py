@@ -17,6 +17,7 @@ import pytest
 
 from jaxdist import convert
 from jaxdist import eval as eval_cli
+from jaxdist.hf import convert as hf_convert
 
 from helpers import load_model
 
@@ -74,7 +75,7 @@ def test_to_hf_reproduces_every_tensor(converted, variant, tmp_path):
 def _first_batch_loss(hf_dir: Path, config, sizes) -> float:
     """The Hugging Face model's mean loss (numpy) on the run's first batch."""
     from jaxdist.data.pipeline import make_iterator
-    from jaxdist.run import build_trainer
+    from jaxdist.training.run import build_trainer
 
     first = next(make_iterator(config, build_trainer(config, sizes).layout))
     inputs, targets = (np.asarray(jax.device_get(first[k])) for k in ("inputs", "targets"))
@@ -84,8 +85,8 @@ def _first_batch_loss(hf_dir: Path, config, sizes) -> float:
 def test_resume_from_a_weights_checkpoint_starts_from_its_weights(converted, tmp_path, capsys):
     """``--resume OUT`` of a converted model: as ``--init-from OUT``, saying so."""
     from jaxdist.config import load_config
-    from jaxdist.mesh import parse_mesh
-    from jaxdist.run import run
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.training.run import run
 
     hf_dir, out = converted["tied"]
     config = load_config(str(out / "config.yaml"), ["data.source=synthetic", "train.global_batch=2", "train.seq_len=32", "train.steps=1"])
@@ -97,7 +98,7 @@ def test_resume_from_a_weights_checkpoint_starts_from_its_weights(converted, tmp
 
 def test_to_hf_shards_and_casts(converted, tmp_path, monkeypatch):
     hf_dir, out = converted["untied"]
-    monkeypatch.setattr(convert, "MAX_SHARD_BYTES", 100_000)
+    monkeypatch.setattr(hf_convert, "MAX_SHARD_BYTES", 100_000)
     assert convert.main(["to-hf", str(out), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     files = set(json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())["weight_map"].values())
     assert len(files) > 2 and files == {p.name for p in (tmp_path / "bf16").glob("*.safetensors")}
@@ -113,7 +114,7 @@ def test_diloco_checkpoints_give_their_outer_weights(tmp_path):
     readers take the outer."""
     import orbax.checkpoint as ocp
 
-    from jaxdist.weights import restore_params
+    from jaxdist.training.weights import restore_params
 
     outer, replicas = np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros((2, 2, 3), np.float32)
     state = {"step": np.int32(4), "params": {"w": {"value": replicas}}, "outer": {"params": {"w": {"value": outer}}, "opt_state": {}}}
@@ -128,8 +129,8 @@ def test_init_from_on_three_axes_starts_at_the_converted_loss(converted, tmp_pat
     """Fine-tuning on data=2,fsdp=2,tensor=2 from the converted weights: the first step's
     loss is the Hugging Face model's on that batch; the run then resumes as its own."""
     from jaxdist.config import load_config
-    from jaxdist.mesh import parse_mesh
-    from jaxdist.run import run
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.training.run import run
 
     hf_dir, out = converted["untied"]
     overrides = ["data.source=synthetic", "train.global_batch=8", "train.seq_len=48", "train.steps=2", "checkpoint.every_steps=2"]
@@ -156,8 +157,8 @@ def test_init_from_on_three_axes_starts_at_the_converted_loss(converted, tmp_pat
 def test_eval_scores_the_held_out_batches(converted, capsys):
     from jaxdist.config import load_config
     from jaxdist.data.pipeline import eval_batches
-    from jaxdist.mesh import parse_mesh
-    from jaxdist.run import build_trainer
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.training.run import build_trainer
 
     hf_dir, out = converted["untied"]
     keys = ["data.source=synthetic", "train.global_batch=4", "train.seq_len=40", "train.eval_batches=2"]
@@ -195,8 +196,8 @@ def test_eval_scores_each_held_out_window_once(converted, tmp_path, capsys):
 def test_layer_stacks_fill_the_same_either_way(in_place):
     """A layer stack lands in its shards the same whether filled layer by layer on the
     devices (GPU) or assembled once on the host (CPU)."""
-    from jaxdist.convert import _to_device
-    from jaxdist.hf_llama import Stacked
+    from jaxdist.hf.convert import _to_device
+    from jaxdist.hf.llama import Stacked
 
     layers = [np.random.default_rng(i).standard_normal((16, 4, 8)).astype(np.float32) for i in range(3)]
     mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices()[:8])

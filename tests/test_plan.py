@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxdist.analyze import CollectiveOp
 from jaxdist.config import load_config
+from jaxdist.inspect.collectives import CollectiveOp
 from jaxdist.plan import __main__ as plan_cli
 from jaxdist.plan.cost import collective_time, node_split, predict, ring_steps
 from jaxdist.plan.hardware import Link, load_hardware
@@ -120,9 +120,10 @@ def test_the_loops_collectives_hide_behind_compute_and_tensor_ones_do_not():
 def test_more_devices_never_need_more_memory_under_fsdp():
     """The screen's estimate and the compiled program agree: memory per device falls as
     the fsdp axis grows (compiled: the argument bytes, i.e. the sharded train state)."""
-    from jaxdist.analyze import _memory, compile_train_step
-    from jaxdist.mesh import parse_mesh
+    from jaxdist.inspect.step_report import memory as _memory
+    from jaxdist.layout.mesh import parse_mesh
     from jaxdist.plan.search import Candidate
+    from jaxdist.training.compiled import compile_train_step
 
     config = load_config(None, TINY)
     config.model.vocab_size = 256

@@ -19,9 +19,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK
-from jaxdist.profile import main, summarize
-from jaxdist.profiling import report
-from jaxdist.profiling.trace import collective_kind
+from jaxdist.inspect import bottleneck as report
+from jaxdist.inspect.profile_report import summarize
+from jaxdist.inspect.trace import collective_kind
+from jaxdist.profile import main
 
 DEVICES = 8
 STEPS = 3
@@ -393,8 +394,8 @@ PROFILED = ("model.dtype=float32", "data.source=synthetic", "checkpoint.every_st
 def _profiled_run(run_dir: Path, *overrides: str) -> dict:
     """A traced in-process run on one device; returns the summary it wrote."""
     from jaxdist.config import load_config
-    from jaxdist.mesh import parse_mesh
-    from jaxdist.run import run
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.training.run import run
 
     config = load_config(None, [*PROFILED, *overrides])
     run(config, parse_mesh("data=1"), run_dir, devices=jax.devices()[:1], progress=False)
