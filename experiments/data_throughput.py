@@ -29,8 +29,8 @@ from jaxdist.config import load_config  # noqa: E402
 from jaxdist.data.pipeline import make_iterator  # noqa: E402
 from jaxdist.data.prepare import prepare  # noqa: E402
 from jaxdist.data.sources import stdlib_files  # noqa: E402
-from jaxdist.mesh import parse_mesh  # noqa: E402
-from jaxdist.run import build_trainer, run  # noqa: E402
+from jaxdist.layout.mesh import parse_mesh  # noqa: E402
+from jaxdist.training.run import build_trainer, run  # noqa: E402
 
 
 def loader_tokens_per_sec(config, layout, batches: int) -> float:

@@ -25,10 +25,11 @@ from flax import nnx  # noqa: E402
 
 from jaxdist.config import load_config  # noqa: E402
 from jaxdist.data.pipeline import make_iterator  # noqa: E402
-from jaxdist.metrics import peak_flops_per_device  # noqa: E402
+from jaxdist.data.sources import resolve_vocab  # noqa: E402
 from jaxdist.models import build_task  # noqa: E402
-from jaxdist.optim import make_optimizer  # noqa: E402
-from jaxdist.run import build_trainer, resolve_vocab  # noqa: E402
+from jaxdist.training.metrics import peak_flops_per_device  # noqa: E402
+from jaxdist.training.optim import make_optimizer  # noqa: E402
+from jaxdist.training.run import build_trainer  # noqa: E402
 
 
 def hand_written_step(task, config):
@@ -61,7 +62,7 @@ def time_steps(run_one, steps: int) -> float:
 
 
 def jaxdist_runner(config, devices, mesh: str | None):
-    from jaxdist.mesh import parse_mesh
+    from jaxdist.layout.mesh import parse_mesh
 
     trainer = build_trainer(config, parse_mesh(mesh) if mesh else None, devices)
     state = trainer.init_state(config.train.seed)

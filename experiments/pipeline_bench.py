@@ -23,9 +23,9 @@ import jax  # noqa: E402
 
 from jaxdist.config import load_config  # noqa: E402
 from jaxdist.data.pipeline import make_iterator  # noqa: E402
-from jaxdist.mesh import mesh_device_count, parse_mesh  # noqa: E402
+from jaxdist.layout.mesh import mesh_device_count, parse_mesh  # noqa: E402
 from jaxdist.models import pipeline_spec  # noqa: E402
-from jaxdist.run import build_trainer  # noqa: E402
+from jaxdist.training.run import build_trainer  # noqa: E402
 
 CASES = [  # (schedule, S, M, V)
     ("gpipe", 2, 2, 1),

@@ -233,8 +233,8 @@ def check_point(preset: Preset, mode: str, n: int, mesh: str, extra: list[str]) 
     """jaxdist's own config-vs-mesh validation (pure Python, no JAX): the reason a point cannot run."""
     from jaxdist.config import load_config
     from jaxdist.errors import JaxdistError
-    from jaxdist.mesh import parse_mesh
-    from jaxdist.validate import check_config_on_mesh
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.layout.validate import check_config_on_mesh
 
     try:
         check_config_on_mesh(load_config(None, [*preset.overrides(mode, n), *extra]), parse_mesh(mesh))
@@ -470,7 +470,7 @@ def apply_analysis(row: dict, report: dict) -> None:
     coll = {k: v for k, v in sorted((report.get("collectives") or {}).items()) if v.get("count")}
     wire = [v.get("wire_bytes") for v in coll.values()]
     row["comm_buffer_bytes_per_step"] = int(sum(v.get("bytes", 0) for v in coll.values()))
-    # on the wire (ring formulas, jaxdist/wire.py); buffer bytes where a group size was not printed
+    # on the wire (ring formulas, jaxdist/inspect/wire.py); buffer bytes where a group size was not printed
     row["comm_bytes_per_step"] = int(sum(w if w is not None else v["bytes"] for w, v in zip(wire, coll.values(), strict=True)))
     row["collectives"] = {k: {"count": v.get("count"), "bytes": v.get("bytes"), "wire_bytes": v.get("wire_bytes")} for k, v in coll.items()}
     row["comm_by_axes"] = report.get("collectives_by_axes")
@@ -880,7 +880,7 @@ def _memory_tables(model: str, rows: list[dict]) -> list[str]:
             "Cells, MiB per device: total · states · wire. jaxdist (`jaxdist.analyze`, compile only): total = arguments + "
             "outputs + temp less aliased buffers (states and activations), states = the step's arguments (weights and Adam "
             "moments as sharded, plus the batch), wire = the bytes its collectives send per step (ring formulas, "
-            "`jaxdist/wire.py`). PyTorch: states = params + grads + Adam moments per process (no activations, so no total), "
+            "`jaxdist/inspect/wire.py`). PyTorch: states = params + grads + Adam moments per process (no activations, so no total), "
             "wire = its gradient all-reduce (DDP) or all-gather + reduce-scatter payload (FSDP2) on a ring. Formula rows: "
             "weights + Adam moments in fp32 (`experiments/scaling_analytic.py`), comparable with the states.",
             "",

@@ -45,3 +45,25 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if getattr(args, "dcn_mesh", None) is not None:
         overrides.append(f"parallel.dcn_mesh={args.dcn_mesh}")
     return load_config(args.config, overrides)
+
+
+def train_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.ArgumentParser:
+    """``python -m jaxdist.train``'s flags (the launchers parse a run's arguments with it too)."""
+    parser = config_arg_parser(prog, "Train a model on a device mesh.")
+    parser.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go (default runs/NAME-TIME)")
+    parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for a multi-process run")
+    parser.add_argument(
+        "--coordinator-bind",
+        default=None,
+        metavar="ADDRESS",
+        help="the one address process 0's coordinator listens on (default: what the coordinator's host resolves to; 0.0.0.0: every interface)",
+    )
+    parser.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    parser.add_argument("--process-id", type=int, default=None, help="this process's rank")
+    parser.add_argument("--dist-timeout", type=int, default=300, help="seconds to wait for all processes to join")
+    parser.add_argument("--resume", default="auto", help="auto (latest checkpoint in the run dir, if any) | never | STEP | PATH")
+    parser.add_argument("--init-from", default=None, metavar="CKPT", help="start from this checkpoint's weights (fresh optimizer, step 0)")
+    parser.add_argument("--max-restarts", type=int, default=0, help="restart a crashed run from its latest checkpoint up to N times")
+    parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds before the first restart; doubles each time")
+    parser.add_argument("--profile-steps", default=None, metavar="A:B", help="trace steps A..B into RUN_DIR/profile (train.profile_steps)")
+    return parser

@@ -11,10 +11,11 @@ from flax import nnx
 
 from jaxdist.config import load_config
 from jaxdist.data.pipeline import make_iterator
-from jaxdist.mesh import mesh_device_count, parse_mesh
+from jaxdist.data.sources import resolve_vocab
+from jaxdist.layout.mesh import mesh_device_count, parse_mesh
 from jaxdist.models.llama import Llama
-from jaxdist.run import build_trainer, resolve_vocab, run
-from jaxdist.weights import checkpoint_config, find_checkpoint, restore_params
+from jaxdist.training.run import build_trainer, run
+from jaxdist.training.weights import checkpoint_config, find_checkpoint, restore_params
 
 # Real text, but the 5 files of the stdlib's json package (~50 KB) rather than the whole
 # standard library: every process a test starts tokenizes its corpus (~4 s of CPU for 31M tokens).

@@ -13,21 +13,13 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxdist.analyze import (
-    COLLECTIVE_KINDS,
-    build_report,
-    collective_kind,
-    collective_ops,
-    compile_train_step,
-    hlo_collectives,
-    loops_without_trip_count,
-    main,
-    parse_hlo,
-    parse_instruction,
-    shape_bytes,
-)
+from jaxdist.analyze import main
 from jaxdist.config import load_config
-from jaxdist.mesh import mesh_device_count, parse_mesh
+from jaxdist.inspect.collectives import COLLECTIVE_KINDS, collective_kind, collective_ops, hlo_collectives
+from jaxdist.inspect.hlo import loops_without_trip_count, parse_hlo, parse_instruction, shape_bytes
+from jaxdist.inspect.step_report import build_report
+from jaxdist.layout.mesh import mesh_device_count, parse_mesh
+from jaxdist.training.compiled import compile_train_step
 
 from helpers import TINY
 

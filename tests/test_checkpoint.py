@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdist.checkpoint import Checkpointer, checkpoint_steps
 from jaxdist.config import load_config
 from jaxdist.errors import JaxdistError, NonFiniteLoss
-from jaxdist.mesh import mesh_device_count, parse_mesh
-from jaxdist.run import build_trainer, run
+from jaxdist.layout.mesh import mesh_device_count, parse_mesh
+from jaxdist.training.checkpoint import Checkpointer, checkpoint_steps
+from jaxdist.training.run import build_trainer, run
 
 from helpers import TINY
 
@@ -157,7 +157,7 @@ def test_explicit_resume_step_and_never(tmp_path, uninterrupted):
 
 def _saved_params(step_dir, like) -> list:
     """The parameters stored in one step folder, read onto one device."""
-    from jaxdist.weights import restore_params
+    from jaxdist.training.weights import restore_params
 
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), like)
@@ -217,7 +217,7 @@ def test_unwritable_run_dir_is_a_clear_error(tmp_path):
 def test_failed_save_is_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, uninterrupted, monkeypatch):
     import orbax.checkpoint as ocp
 
-    from jaxdist.checkpoint import CheckpointError
+    from jaxdist.training.checkpoint import CheckpointError
 
     _run(tmp_path, "data=2,fsdp=4", 4)
 
@@ -239,10 +239,10 @@ def test_time_based_saves_wait_for_the_interval(tmp_path, monkeypatch):
     tests/test_distributed.py.)"""
     import types
 
-    import jaxdist.checkpoint
+    import jaxdist.training.checkpoint
 
     now = [1000.0]
-    monkeypatch.setattr(jaxdist.checkpoint, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(jaxdist.training.checkpoint, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     config = load_config(None, ["checkpoint.every_steps=0", "checkpoint.every_minutes=2"])
     checkpointer = Checkpointer(tmp_path / "checkpoints", config.checkpoint)
     try:
@@ -258,9 +258,9 @@ def test_resume_adapts_microbatches_with_a_pipeline_too(tmp_path, capsys):
     """Saved with global batch 16, 2 microbatches of 4 pipeline microbatches each; resumed
     on data=4,pipe=2, 2 x 4 x 4 rows do not fit 16 but 1 x 4 x 4 do: microbatches 1, said
     in one line (the pipeline's microbatches used to be left out, and the resume refused)."""
-    from jaxdist.elastic import fit_problem
-    from jaxdist.resume import adapt_microbatches_for_resume
-    from jaxdist.validate import check_config_on_mesh
+    from jaxdist.cluster.elastic import fit_problem
+    from jaxdist.layout.validate import check_config_on_mesh
+    from jaxdist.training.resume import adapt_microbatches_for_resume
 
     (tmp_path / "checkpoints" / "4").mkdir(parents=True)
     overrides = [*TINY, "train.global_batch=16", "train.microbatches=2", "parallel.pipeline_microbatches=4", "parallel.mesh=data=4,pipe=2"]

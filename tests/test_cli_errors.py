@@ -7,7 +7,7 @@ import pytest
 
 from jaxdist.config import load_config
 from jaxdist.errors import ConfigError, MeshError
-from jaxdist.mesh import format_mesh, parse_mesh, resolve_mesh
+from jaxdist.layout.mesh import format_mesh, parse_mesh, resolve_mesh
 from jaxdist.train import main
 
 BAD_INPUTS = {
@@ -184,7 +184,7 @@ def test_dimensions_a_mesh_axis_cannot_split_are_errors(case, tmp_path, capsys):
 
 
 def test_zero1_with_nothing_to_shard_over_warns():
-    from jaxdist.validate import check_config_on_mesh
+    from jaxdist.layout.validate import check_config_on_mesh
 
     config = load_config(None, ["parallel.strategy=zero1"])
     warnings = check_config_on_mesh(config, parse_mesh("tensor=2"))
@@ -199,8 +199,9 @@ def test_a_custom_model_dimension_that_does_not_divide_is_reported(capsys):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxdist.mesh import build_mesh
-    from jaxdist.sharding import Strategy, rules_for, tree_shardings
+    from jaxdist.layout.mesh import build_mesh
+    from jaxdist.layout.sharding import rules_for, tree_shardings
+    from jaxdist.layout.strategy import Strategy
 
     class Odd(nnx.Module):
         def __init__(self):

@@ -9,11 +9,11 @@ from flax import nnx
 
 from jaxdist.config import ModelConfig, load_config
 from jaxdist.data.pipeline import PackedExamples, ProcessSlice, batches_dataset, make_iterator, pack_window
-from jaxdist.data.sources import ArrayStream
-from jaxdist.mesh import build_mesh, parse_mesh
+from jaxdist.data.sources import ArrayStream, resolve_vocab
+from jaxdist.layout.mesh import build_mesh, parse_mesh
+from jaxdist.layout.sharding import Layout
+from jaxdist.layout.strategy import resolve_strategy
 from jaxdist.models.llama import Llama
-from jaxdist.run import resolve_vocab
-from jaxdist.sharding import Layout, resolve_strategy
 from jaxdist.train import main
 
 EOD = 999

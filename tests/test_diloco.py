@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist.analyze import build_report, compile_train_step
 from jaxdist.config import load_config
-from jaxdist.mesh import mesh_device_count, parse_mesh
-from jaxdist.parallel import diloco
-from jaxdist.run import enable_compile_cache, run
+from jaxdist.inspect.step_report import build_report
+from jaxdist.layout.mesh import mesh_device_count, parse_mesh
+from jaxdist.parallel import slow_link
+from jaxdist.training.compile_cache import enable_compile_cache
+from jaxdist.training.compiled import compile_train_step
+from jaxdist.training.run import run
 
 from helpers import SMALL_TEXT, TINY
 
@@ -121,11 +123,11 @@ LINK = ("parallel.replica_link_latency_ms=40", "parallel.replica_link_gbps=1")
 def _uninterrupted() -> tuple:
     """8 steps, H=3, over a simulated replica link: (the run, the link delays paid)."""
     paid: list[float] = []
-    real, diloco.wait_for_link = diloco.wait_for_link, lambda state, seconds: paid.append(seconds)
+    real, slow_link.wait_for_link = slow_link.wait_for_link, lambda state, seconds: paid.append(seconds)
     try:
         return _run("replica=2", *ROUND, *LINK, steps=8), paid
     finally:
-        diloco.wait_for_link = real
+        slow_link.wait_for_link = real
 
 
 def test_resume_mid_round_is_exact(tmp_path):

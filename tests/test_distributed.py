@@ -15,13 +15,14 @@ import numpy as np
 import psutil
 import pytest
 
-from jaxdist.checkpoint import checkpoint_steps
+from jaxdist.cluster.launcher import free_port
 from jaxdist.config import load_config
-from jaxdist.launch import free_port
-from jaxdist.mesh import parse_mesh
-from jaxdist.preemption import EXIT_PREEMPTED
-from jaxdist.run import enable_compile_cache, run
-from jaxdist.xla_flags import with_gpu_defaults
+from jaxdist.layout.mesh import parse_mesh
+from jaxdist.layout.xla_flags import with_gpu_defaults
+from jaxdist.training.checkpoint import checkpoint_steps
+from jaxdist.training.compile_cache import enable_compile_cache
+from jaxdist.training.preemption import EXIT_PREEMPTED
+from jaxdist.training.run import run
 
 from helpers import SMALL_TEXT, TINY
 
@@ -92,14 +93,14 @@ def _reference(steps: int, tmp_path_factory=None) -> list[float]:
 # clock every step is an hour after the last save, on process 0's none is.
 SKEWED_CLOCK = """
 import sys, time, types
-import jaxdist.checkpoint
+import jaxdist.training.checkpoint
 from jaxdist.train import main
 
 if sys.argv[1] == "1":
     real, start = time.monotonic, time.monotonic()
     fast = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
     fast.monotonic = lambda: start + (real() - start) * 1e6
-    jaxdist.checkpoint.time = fast
+    jaxdist.training.checkpoint.time = fast
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -185,7 +186,7 @@ def test_two_process_checkpoint_resumes_in_one_process_twice(two_process_run, re
     import shutil
 
     from jaxdist.data.pipeline import make_iterator
-    from jaxdist.run import build_trainer
+    from jaxdist.training.run import build_trainer
 
     run_dir = tmp_path / "one-proc"
     shutil.copytree(two_process_run, run_dir)

@@ -17,11 +17,11 @@ import numpy as np
 import psutil
 import pytest
 
-from jaxdist.checkpoint import checkpoint_steps
 from jaxdist.config import load_config
-from jaxdist.mesh import parse_mesh
-from jaxdist.preemption import EXIT_PREEMPTED
-from jaxdist.run import run
+from jaxdist.layout.mesh import parse_mesh
+from jaxdist.training.checkpoint import checkpoint_steps
+from jaxdist.training.preemption import EXIT_PREEMPTED
+from jaxdist.training.run import run
 
 from helpers import TINY
 

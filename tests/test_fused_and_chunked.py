@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist.analyze import analyze, collective_ops, compile_train_step, parse_hlo
 from jaxdist.config import ModelConfig, load_config
-from jaxdist.mesh import parse_mesh
+from jaxdist.data.sources import resolve_vocab
+from jaxdist.inspect.collectives import collective_ops
+from jaxdist.inspect.hlo import parse_hlo
+from jaxdist.layout.mesh import parse_mesh
 from jaxdist.models.llama import Llama, count_params
-from jaxdist.run import resolve_vocab
+from jaxdist.training.compiled import analyze, compile_train_step
 
 from helpers import TINY, first_batch_grads
 

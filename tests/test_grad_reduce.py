@@ -13,12 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist.analyze import analyze, collective_ops, parse_hlo
+from jaxdist.cluster.launcher import free_port
 from jaxdist.config import load_config
-from jaxdist.launch import free_port
-from jaxdist.mesh import build_mesh, mesh_device_count, parse_mesh
+from jaxdist.inspect.collectives import collective_ops
+from jaxdist.inspect.hlo import parse_hlo
+from jaxdist.layout.mesh import build_mesh, mesh_device_count, parse_mesh
 from jaxdist.parallel.grad_reduce import ReducePlan, reduce_gradients
-from jaxdist.run import build_trainer, enable_compile_cache, run
+from jaxdist.training.compile_cache import enable_compile_cache
+from jaxdist.training.compiled import analyze
+from jaxdist.training.run import build_trainer, run
 
 from helpers import SMALL_TEXT, TINY, train_losses
 
@@ -123,7 +126,7 @@ def test_error_feedback_residuals_do_not_depend_on_the_loss_scale():
     """fp16 + int8 with error feedback: after a step at scale S, the next step's update is
     the same whether the scale stayed S or an overflow halved it (residuals are stored
     unscaled; in scale units they counted twice after the halving)."""
-    from jaxdist.loss_scale import LossScale
+    from jaxdist.training.loss_scale import LossScale
 
     sgd = ("train.optimizer=sgd", "train.grad_clip=0", "train.warmup_steps=0", "train.lr=0.1", "train.weight_decay=0")
     trainer = build_trainer(_config("data=2", "model.dtype=float16", "parallel.grad_reduce=int8", *sgd), parse_mesh("data=2"))
@@ -165,7 +168,7 @@ def test_convergence_of_each_mode_against_float32():
 
 
 def _run(tmp_path, name: str, mesh: str, stop: int, *overrides: str, resume: str = "auto"):
-    """10 steps of int8 reduction with error feedback (2 warmup), stopped after ``stop``."""
+    """10 steps (2 warmup), stopped after ``stop``."""
     config = _config(
         mesh,
         "train.steps=10",
@@ -173,7 +176,6 @@ def _run(tmp_path, name: str, mesh: str, stop: int, *overrides: str, resume: str
         f"train.stop_after_step={stop}",
         "checkpoint.every_steps=3",
         "checkpoint.async_save=false",
-        "parallel.grad_reduce=int8",
         *overrides,
     )
     sizes = parse_mesh(mesh)
@@ -181,9 +183,10 @@ def _run(tmp_path, name: str, mesh: str, stop: int, *overrides: str, resume: str
 
 
 def test_resume_with_residuals_is_exact_and_survives_a_mesh_change(tmp_path, capsys):
-    whole = _run(tmp_path, "whole", "data=4", 10)
-    _run(tmp_path, "split", "data=4", 3)
-    resumed = _run(tmp_path, "split", "data=4", 10)
+    int8 = ("parallel.grad_reduce=int8",)
+    whole = _run(tmp_path, "whole", "data=4", 10, *int8)
+    _run(tmp_path, "split", "data=4", 3, *int8)
+    resumed = _run(tmp_path, "split", "data=4", 10, *int8)
     assert resumed.losses == whole.losses[3:]  # bitwise
     for a, b in zip(jax.tree.leaves(whole.state.residual), jax.tree.leaves(resumed.state.residual), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -194,7 +197,7 @@ def test_resume_with_residuals_is_exact_and_survives_a_mesh_change(tmp_path, cap
     # uninterrupted 4-device run. Measured: 4.8e-6 relative at most; with the residuals
     # dropped on restore 1.9e-5, doubled 9.7e-5, fp32 instead of int8 1.0e-4.
     capsys.readouterr()
-    moved = _run(tmp_path, "moved", "data=2", 10, resume=str(tmp_path / "whole" / "checkpoints" / "6"))
+    moved = _run(tmp_path, "moved", "data=2", 10, *int8, resume=str(tmp_path / "whole" / "checkpoints" / "6"))
     assert "their sum is spread evenly over this run's 2" in capsys.readouterr().err
     np.testing.assert_allclose(moved.losses, whole.losses[6:], rtol=1e-5, atol=0)
 

@@ -100,8 +100,8 @@ def test_generation_stops_where_transformers_generate_does(pair, capsys, tmp_pat
 
 def test_a_jaxdist_trained_run_exports_to_transformers(tmp_path, caplog):
     from jaxdist.config import load_config
-    from jaxdist.mesh import parse_mesh
-    from jaxdist.run import run
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.training.run import run
 
     config = load_config(None, (*TINY, "train.steps=3", "checkpoint.every_steps=3", "model.rope_theta=50000"))
     run(config, parse_mesh("data=2,tensor=2"), tmp_path / "run", progress=False)

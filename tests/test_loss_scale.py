@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.config import load_config
-from jaxdist.mesh import parse_mesh
-from jaxdist.run import build_trainer, run
+from jaxdist.layout.mesh import parse_mesh
+from jaxdist.training.run import build_trainer, run
 
 from helpers import TINY, train_losses
 

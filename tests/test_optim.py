@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 
 from jaxdist.config import load_config
-from jaxdist.mesh import parse_mesh
-from jaxdist.optim import make_optimizer
-from jaxdist.run import run
+from jaxdist.layout.mesh import parse_mesh
+from jaxdist.training.optim import make_optimizer
+from jaxdist.training.run import run
 
 from helpers import TINY
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from jaxdist.config import load_config
+from jaxdist.data.sources import resolve_vocab
 from jaxdist.errors import MeshError
-from jaxdist.mesh import parse_mesh
-from jaxdist.run import resolve_vocab
+from jaxdist.layout.mesh import parse_mesh
 
 from helpers import TINY, first_batch_grads, train_losses
 
@@ -52,8 +52,8 @@ def test_one_f_one_b_carries_the_float16_loss_scale_into_its_backward():
     -- for 1F1B as for GPipe. 1F1B ran its backward from the unscaled loss and multiplied
     the scale in at the end, so its error did not move with the scale (0.0015 at both)."""
     from jaxdist.data.pipeline import make_iterator
-    from jaxdist.mesh import mesh_device_count
-    from jaxdist.run import build_trainer
+    from jaxdist.layout.mesh import mesh_device_count
+    from jaxdist.training.run import build_trainer
 
     def flat_grads(mesh: str, *overrides: str, scale: float | None = None) -> np.ndarray:
         config = load_config(None, [*TINY, "model.n_layers=2", *overrides])
@@ -82,7 +82,7 @@ def test_composes_with_remat_and_gradient_accumulation():
 
 
 def test_one_f_one_b_keeps_less_alive_than_gpipe():
-    from jaxdist.analyze import analyze
+    from jaxdist.training.compiled import analyze
 
     def temp(schedule: str) -> int:
         config = load_config(
@@ -115,7 +115,7 @@ def test_one_f_one_b_keeps_less_alive_than_gpipe():
     ],
 )
 def test_pipeline_errors(overrides, message):
-    from jaxdist.validate import check_config_on_mesh
+    from jaxdist.layout.validate import check_config_on_mesh
 
     config = load_config(None, [*TINY, "model.n_layers=4", *overrides])
     with pytest.raises(MeshError, match=re.escape(message)):
@@ -123,7 +123,7 @@ def test_pipeline_errors(overrides, message):
 
 
 def test_resnet_cannot_be_staged():
-    from jaxdist.validate import check_config_on_mesh
+    from jaxdist.layout.validate import check_config_on_mesh
 
     with pytest.raises(MeshError, match="cannot be staged"):
         check_config_on_mesh(load_config("resnet"), parse_mesh("data=2,pipe=2"))

@@ -8,10 +8,11 @@ import pytest
 
 from jaxdist.config import load_config
 from jaxdist.data.pipeline import DataStateMismatch, make_iterator
-from jaxdist.mesh import build_mesh, parse_mesh
-from jaxdist.resume import continue_data
-from jaxdist.run import resolve_vocab
-from jaxdist.sharding import Layout, resolve_strategy
+from jaxdist.data.sources import resolve_vocab
+from jaxdist.layout.mesh import build_mesh, parse_mesh
+from jaxdist.layout.sharding import Layout
+from jaxdist.layout.strategy import resolve_strategy
+from jaxdist.training.resume import continue_data
 
 
 @pytest.fixture(scope="module")

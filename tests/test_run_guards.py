@@ -13,10 +13,10 @@ import pytest
 
 from jaxdist.config import load_config
 from jaxdist.errors import ConfigError, JaxdistError
-from jaxdist.mesh import parse_mesh
-from jaxdist.run import build_trainer, run
+from jaxdist.layout.mesh import parse_mesh
+from jaxdist.layout.validate import check_config_on_mesh
 from jaxdist.train import main
-from jaxdist.validate import check_config_on_mesh
+from jaxdist.training.run import build_trainer, run
 
 from helpers import TINY
 
@@ -49,7 +49,7 @@ def test_a_compile_cache_others_can_write_is_refused(kind, tmp_path, capsys):
 
 
 def test_the_default_compile_cache_is_private_to_the_run(tmp_path):
-    from jaxdist.run import compile_cache_dir
+    from jaxdist.training.compile_cache import compile_cache_dir
 
     config = load_config(None, [])
     path = compile_cache_dir(config, tmp_path / "run")
@@ -63,7 +63,7 @@ def test_the_default_compile_cache_is_private_to_the_run(tmp_path):
 
 def test_enabled_cache_directory_is_created_private(tmp_path):
     code = (
-        "import sys; from jaxdist.config import load_config; from jaxdist.run import enable_compile_cache;"
+        "import sys; from jaxdist.config import load_config; from jaxdist.training.compile_cache import enable_compile_cache;"
         "print(enable_compile_cache(load_config(None, []), __import__('pathlib').Path(sys.argv[1])))"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
@@ -133,9 +133,9 @@ def test_sigterm_without_a_run_directory_stops_cleanly():
     """No run directory, nothing to save: the loop stops after the step it is in and says
     so (it used to crash waiting on a checkpointer that does not exist)."""
     from jaxdist.data.pipeline import make_iterator
-    from jaxdist.metrics import MetricsLogger
-    from jaxdist.preemption import Preempted, PreemptionWatcher
-    from jaxdist.trainer import LoopHooks, train_loop
+    from jaxdist.training.loop import LoopHooks, train_loop
+    from jaxdist.training.metrics import MetricsLogger
+    from jaxdist.training.preemption import Preempted, PreemptionWatcher
 
     config = load_config(None, [*TINY, "train.steps=10"])
     trainer = build_trainer(config, parse_mesh("data=1"), jax.devices()[:1])

@@ -14,8 +14,8 @@ import yaml
 
 from jaxdist.config import load_config
 from jaxdist.errors import NonFiniteLoss
-from jaxdist.mesh import parse_mesh
-from jaxdist.run import build_trainer, run
+from jaxdist.layout.mesh import parse_mesh
+from jaxdist.training.run import build_trainer, run
 
 from helpers import SMALL_TEXT, TINY
 
@@ -138,7 +138,7 @@ def test_skipped_steps_do_not_advance_the_logged_learning_rate(tmp_path):
     lrs = [line["lr"] for line in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "lr" in line]
     assert result.skipped_steps == 4 and len(lrs) == 5
     assert lrs[1] < lrs[0] and lrs[1:] == [lrs[1]] * 4, lrs  # cosine decay moved once, then the count stood still
-    from jaxdist.trainer import optimizer_step
+    from jaxdist.training.state import optimizer_step
 
     assert int(optimizer_step(result.state.opt_state)) == 1
 
@@ -150,7 +150,7 @@ def test_too_many_skips_in_a_row_halt_the_run():
 
 
 def test_metrics_are_strict_json_with_null_for_unknown(tmp_path):
-    from jaxdist.metrics import MetricsLogger
+    from jaxdist.training.metrics import MetricsLogger
 
     logger = MetricsLogger(tmp_path, 1, progress=False, print_lines=True)
     logger.log(1, {"loss": 2.5, "mfu": float("nan"), "grad_norm": np.float32(np.inf)})
@@ -176,7 +176,7 @@ def test_metrics_are_strict_json_with_null_for_unknown(tmp_path):
 def test_peak_flops_by_device_kind(kind, peak):
     from types import SimpleNamespace
 
-    from jaxdist.metrics import peak_flops_per_device
+    from jaxdist.training.metrics import peak_flops_per_device
 
     found = peak_flops_per_device([SimpleNamespace(device_kind=kind, platform="gpu", process_index=0)])
     assert found == peak if peak else math.isnan(found)
@@ -188,9 +188,9 @@ def test_logged_mfu_matches_xla_flops_and_the_wall_clock(tmp_path, monkeypatch):
     op once; XLA also counts elementwise work, the optimizer and causal attention's masked
     half, hence a little more), and each logged step time against the wall clock this test
     reads at every log line."""
-    from jaxdist.analyze import compile_train_step
-    from jaxdist.metrics import MetricsLogger
-    from jaxdist.run import resolve_vocab
+    from jaxdist.data.sources import resolve_vocab
+    from jaxdist.training.compiled import compile_train_step
+    from jaxdist.training.metrics import MetricsLogger
 
     peak = 1e12
     overrides = [*TINY, "model.scan_layers=false", f"train.peak_flops={peak}", "checkpoint.every_steps=0"]
@@ -242,7 +242,7 @@ def test_compilation_cache_is_reused_by_the_next_start(tmp_path):
 def test_compilation_cache_off_and_without_a_run_dir(tmp_path):
     import jax
 
-    from jaxdist.run import enable_compile_cache
+    from jaxdist.training.compile_cache import enable_compile_cache
 
     before = jax.config.jax_compilation_cache_dir
     assert enable_compile_cache(load_config(None, ["train.compile_cache=off"]), tmp_path) is None

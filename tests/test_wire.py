@@ -1,10 +1,10 @@
-"""``jaxdist/wire.py``: a collective's groups, mesh axes and wire bytes, from each way XLA prints them."""
+"""``jaxdist/inspect/wire.py``: a collective's groups, mesh axes and wire bytes, from each way XLA prints them."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxdist.wire import device_groups, group_size, spanned_axes, wire_bytes
+from jaxdist.inspect.wire import device_groups, group_size, spanned_axes, wire_bytes
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}  # partition i sits at unravel_index(i, (2, 2, 2))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxdist.sharding import Layout
+from jaxdist.layout.sharding import Layout
 
 
 def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> slice:

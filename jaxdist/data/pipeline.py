@@ -25,7 +25,7 @@ from jaxdist.data.loader import process_rows, to_global
 from jaxdist.data.sources import Corpus, TokenStream, open_corpus
 from jaxdist.data.synthetic import SlowReads, SyntheticImages, SyntheticTokens
 from jaxdist.errors import JaxdistError
-from jaxdist.sharding import Layout
+from jaxdist.layout.sharding import Layout
 
 
 def pack_window(window: np.ndarray, eod_id: int, document_mask: bool) -> dict[str, np.ndarray]:
@@ -276,7 +276,7 @@ def _batch_iterator(config: Config, layout: Layout, source: Any, *, shuffle: boo
     def open_dataset(start: int) -> grain.IterDataset:
         iter_ds = (batches[start:] if start else batches).to_iter_dataset(read_options)
         if workers > 0:
-            from jaxdist.lifetime import grain_worker_init
+            from jaxdist.cluster.lifetime import grain_worker_init
 
             _mark_absl_flags_parsed()
             options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(1, d.prefetch))

@@ -242,3 +242,15 @@ def data_vocab_size(config: Config) -> int:
 def pad_vocab(n: int, multiple: int = 128) -> int:
     """Round the embedding up so it splits evenly over tensor-parallel devices."""
     return -(-n // multiple) * multiple
+
+
+def resolve_vocab(config: Config) -> None:
+    """``model.vocab_size=0`` follows the data's tokenizer (padded to a multiple of 128)."""
+    if config.model.kind != "llama":
+        return
+    record_tokenizer(config)  # the run's saved config names the data's tokenizer, for generate and eval
+    needed = data_vocab_size(config)
+    if config.model.vocab_size == 0:
+        config.model.vocab_size = pad_vocab(needed)
+    elif config.model.vocab_size < needed:
+        raise JaxdistError(f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's {needed} ids")

@@ -1,6 +1,6 @@
 """A LLaMA-family decoder in Flax NNX: RMSNorm, RoPE, SwiGLU, grouped-query attention.
 
-Every parameter carries ``axes`` metadata (logical names, see ``jaxdist.sharding``); key
+Every parameter carries ``axes`` metadata (logical names, see ``jaxdist.layout.sharding``); key
 activations are pinned with ``constrain``. The layers are stacked on a leading
 ``layers`` axis and run with ``jax.lax.scan``, so compile time does not grow with depth.
 
@@ -24,8 +24,8 @@ import optax
 from flax import nnx
 
 from jaxdist.config import ModelConfig
+from jaxdist.layout.sharding import constrain
 from jaxdist.models.attention import causal_attention
-from jaxdist.sharding import constrain
 
 Initializer = Callable[..., jax.Array]
 
@@ -38,15 +38,20 @@ def _fan_in_init(fan_in: int) -> Initializer:
     return jax.nn.initializers.normal(stddev=fan_in**-0.5)
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype=None) -> jax.Array:
+    """x / rms(x) * scale, computed in fp32, returned in ``dtype`` (default x's)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype if dtype is None else dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("embed",), no_decay=True)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
 
 
 def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -70,7 +75,7 @@ def rope(x: jax.Array, positions: jax.Array, freqs) -> jax.Array:
 
     The one place the RoPE layout is decided: dimension i is paired with i + head_dim/2
     ("rotate half"), the convention of Hugging Face's Llama, so its q_proj / k_proj load
-    as they are (``jaxdist.hf_llama``). Meta's original checkpoints pair 2i with 2i+1
+    as they are (``jaxdist.hf.llama``). Meta's original checkpoints pair 2i with 2i+1
     (interleaved); Hugging Face's conversion script permutes their rows into this order.
     """
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(freqs, jnp.float32)  # [b, t, half]
@@ -346,9 +351,7 @@ class Llama(nnx.Module):
         return {"targets": batch["targets"], "loss_mask": mask}, jnp.sum(mask).astype(jnp.float32)
 
     def _logits(self, head: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
-        x = (normed * head["norm"].astype(jnp.float32)).astype(self.dtype)
+        x = rms_norm(x, head["norm"], self.cfg.norm_eps, self.dtype)
         logits = jnp.einsum("btd,dv->btv", x, head["head"].astype(self.dtype)).astype(jnp.float32)
         valid = self.cfg.valid_vocab
         if valid and valid < logits.shape[-1]:  # padding rows of an imported vocab: never predicted, never sampled

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxdist.config import Config
-from jaxdist.mesh import MeshSizes
+from jaxdist.layout.mesh import MeshSizes
 from jaxdist.parallel.schedule import pipeline_spec
 
 

@@ -1,6 +1,6 @@
 """Gradient reduction across the batch axes in bfloat16, int8 or top-k, with error feedback.
 
-``parallel.grad_reduce=float32`` is GSPMD's own reduction (``jaxdist.trainer``). The
+``parallel.grad_reduce=float32`` is GSPMD's own reduction (``jaxdist.training.trainer``). The
 other modes need to choose what crosses the wire, so here each device first computes
 its own, unreduced gradient (``per_device_gradients``: a ``shard_map`` over the batch
 axes whose outputs gain a leading device axis), then ``reduce_gradients`` reduces them
@@ -37,7 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-BATCH_AXES = ("data", "fsdp")
+from jaxdist.layout.mesh import INNER_BATCH_AXES
+from jaxdist.parallel.microbatch import accumulate
+
 BLOCK = 256  # int8: values per fp32 scale (1.6% overhead)
 TOPK_BLOCK = 4096  # topk: entries are chosen per block of this many values (indices fit 16 bits)
 MODES = ("float32", "bfloat16", "int8", "topk")
@@ -60,7 +62,7 @@ def plan_reduction(parallel_cfg, mesh_sizes: dict[str, int], dcn_sizes: dict[str
     """The reduction ``parallel.*`` asks for on this mesh (``dcn_sizes``: the across-host
     part, None on one host; ``compress_axes=dcn`` then compresses nothing). Raises
     ValueError for a DCN split the scheme cannot follow."""
-    batch = tuple(a for a in BATCH_AXES if mesh_sizes.get(a, 1) > 1)
+    batch = tuple(a for a in INNER_BATCH_AXES if mesh_sizes.get(a, 1) > 1)
     if parallel_cfg.compress_axes == "all":
         compressed = batch
     elif not dcn_sizes:  # one process: nothing crosses hosts
@@ -204,7 +206,7 @@ def _strip_batch_axes(spec: PartitionSpec) -> tuple:
     def keep(entry):
         if entry is None:
             return None
-        names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in BATCH_AXES)
+        names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in INNER_BATCH_AXES)
         return names if len(names) > 1 else (names[0] if names else None)
 
     return tuple(keep(e) for e in spec)
@@ -213,7 +215,7 @@ def _strip_batch_axes(spec: PartitionSpec) -> tuple:
 def per_device_shardings(param_shardings: Any, mesh) -> Any:
     """Shardings of per-device gradients / residuals: a leading axis over the batch axes,
     the parameter's tensor (and other non-batch) sharding after it."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(BATCH_AXES, *_strip_batch_axes(s.spec))), param_shardings)
+    return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(INNER_BATCH_AXES, *_strip_batch_axes(s.spec))), param_shardings)
 
 
 def per_device_gradients(grad_fn: Callable, params: Any, batch: Any, mesh, microbatched: bool) -> tuple[jax.Array, jax.Array, Any]:
@@ -223,25 +225,19 @@ def per_device_gradients(grad_fn: Callable, params: Any, batch: Any, mesh, micro
 
     def local(params, rows):
         if microbatched:
-
-            def accumulate(carry, microbatch):
-                (loss_sum, weight), grads = grad_fn(params, microbatch)
-                return jax.tree.map(jnp.add, carry, (loss_sum, weight, grads)), None
-
-            zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss_sum, weight, grads), _ = jax.lax.scan(accumulate, zeros, rows)
+            loss_sum, weight, grads = accumulate(grad_fn, params, rows)
         else:
             (loss_sum, weight), grads = grad_fn(params, rows)
-        loss_sum, weight = jax.lax.psum((loss_sum, weight), BATCH_AXES)
+        loss_sum, weight = jax.lax.psum((loss_sum, weight), INNER_BATCH_AXES)
         return loss_sum, weight, jax.tree.map(lambda g: g[None].astype(jnp.float32), grads)
 
-    rows = PartitionSpec(None, BATCH_AXES) if microbatched else PartitionSpec(BATCH_AXES)
+    rows = PartitionSpec(None, INNER_BATCH_AXES) if microbatched else PartitionSpec(INNER_BATCH_AXES)
     return jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(PartitionSpec(), rows),  # FSDP shards are gathered once, at entry
-        out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(BATCH_AXES)),
-        axis_names=set(BATCH_AXES),
+        out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(INNER_BATCH_AXES)),
+        axis_names=set(INNER_BATCH_AXES),
         check_vma=False,
     )(params, batch)
 

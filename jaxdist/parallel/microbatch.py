@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -15,3 +18,18 @@ def split_microbatches(x: jax.Array, m: int) -> jax.Array:
 def merge_microbatches(x: jax.Array) -> jax.Array:
     """The inverse of ``split_microbatches``: [M, B/M, ...] -> [B, ...]."""
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def accumulate(grad_fn: Callable, params: Any, microbatches: Any, zeros: Any = None) -> tuple[jax.Array, jax.Array, Any]:
+    """Gradient accumulation, the one scan every path uses: sums of ``grad_fn(params,
+    microbatch) -> ((loss sum, weight), grads)`` over the leading axis of ``microbatches``.
+    ``zeros``: the gradient accumulator's start (default: zeros like ``params``; GSPMD
+    callers pass one constrained to the parameters' layout)."""
+
+    def add(carry, microbatch):
+        (loss_sum, weight), grads = grad_fn(params, microbatch)
+        return jax.tree.map(jnp.add, carry, (loss_sum, weight, grads)), None
+
+    grads = jax.tree.map(jnp.zeros_like, params) if zeros is None else zeros
+    sums, _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), grads), microbatches)
+    return sums

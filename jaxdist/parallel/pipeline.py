@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxdist.layout.sharding import active_layout
 from jaxdist.parallel.microbatch import merge_microbatches, split_microbatches
 from jaxdist.parallel.schedule import PipelineSpec
-from jaxdist.sharding import active_layout
 
 # -- layouts ------------------------------------------------------------------------------
 

@@ -190,9 +190,9 @@ def fake_cpu_devices(n: int) -> None:
     import os
     import re
 
-    from jaxdist.mesh import _backend_started
+    from jaxdist.layout.devices import backend_started
 
-    if "jax" in sys.modules and _backend_started():
+    if "jax" in sys.modules and backend_started():
         return
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(n, 1)}".strip()

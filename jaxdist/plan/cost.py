@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxdist.analyze import CollectiveOp
+from jaxdist.inspect.collectives import CollectiveOp
 from jaxdist.plan.hardware import Hardware, Link
 from jaxdist.plan.hlo_cost import ProgramCost
 
@@ -46,7 +46,7 @@ def collective_time(kind: str, wire_bytes: float, group_size: int, link: Link) -
 
 def node_split(mesh_shape: dict[str, int], devices_per_node: int) -> dict[str, int]:
     """How many nodes each mesh axis spans (jaxdist's hybrid mesh: data crosses first, then fsdp)."""
-    from jaxdist.mesh import MESH_AXES, split_across_hosts
+    from jaxdist.layout.mesh import MESH_AXES, split_across_hosts
 
     devices = math.prod(mesh_shape.values())
     nodes = max(1, devices // devices_per_node) if devices > devices_per_node else 1
@@ -127,7 +127,7 @@ def _hideable(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -> bool:
     """Whether compute can hide ``op``: the layer loop's collectives off the critical path
     (FSDP's gathers and reduce-scatters), and on a GPU every gradient reduction over the
     batch axes, which XLA's loop pipeliner (``xla_gpu_enable_pipelined_all_reduce`` /
-    ``_reduce_scatter``, set by ``jaxdist.xla_flags``) moves into the backward loop."""
+    ``_reduce_scatter``, set by ``jaxdist.layout.xla_flags``) moves into the backward loop."""
     axes = set(op.axes or ())
     if axes & set(CRITICAL_AXES):
         return False

@@ -2,7 +2,7 @@
 
 XLA's own ``cost_analysis()`` counts each loop body once, and a layer scan runs its body
 once per layer; here every count is multiplied by the trip counts of the loops around it
-(``jaxdist.analyze.computation_multipliers``):
+(``jaxdist.inspect.hlo.computation_multipliers``):
 
 - ``matmul_flops``: 2 x result elements x contracted size of every ``dot`` (fused or not);
   ``attention_flops`` the part inside attention (XLA computes every [seq, seq] score).
@@ -20,7 +20,7 @@ once per layer; here every count is multiplied by the trip counts of the loops a
 
 A fusion that contains a ``dot`` is a matmul (XLA:CPU fuses dots with their neighbours;
 a GPU runs them as GEMMs): its time is the matmul's, and it adds no memory traffic.
-- ``collectives``: ``jaxdist.analyze.collective_ops``, with each one's loop membership.
+- ``collectives``: ``jaxdist.inspect.collectives.collective_ops``, with each one's loop membership.
 """
 
 from __future__ import annotations
@@ -29,19 +29,8 @@ import dataclasses
 import math
 import re
 
-from jaxdist.analyze import (
-    _ARRAY_RE,
-    _COMMENT_RE,
-    _NAME_RE,
-    CollectiveOp,
-    HloModule,
-    Instruction,
-    collective_kind,
-    collective_ops,
-    computation_multipliers,
-    parse_hlo,
-    shape_bytes,
-)
+from jaxdist.inspect.collectives import CollectiveOp, collective_kind, collective_ops
+from jaxdist.inspect.hlo import ARRAY_RE, COMMENT_RE, NAME_RE, HloModule, Instruction, computation_multipliers, parse_hlo, shape_bytes
 from jaxdist.models.attention import SCOPE
 
 # Ops that move no data of their own (or whose work is counted elsewhere).
@@ -109,16 +98,16 @@ class ProgramCost:
 
 def dims(shape: str) -> list[list[int]]:
     """Every array's dimensions in an HLO shape string (a tuple gives several)."""
-    return [[int(d.removeprefix("<=")) for d in ds.split(",") if d] for _, ds in _ARRAY_RE.findall(_COMMENT_RE.sub("", shape))]
+    return [[int(d.removeprefix("<=")) for d in ds.split(",") if d] for _, ds in ARRAY_RE.findall(COMMENT_RE.sub("", shape))]
 
 
 def _operand_name(operand: str) -> str | None:
-    match = _NAME_RE.match(operand.split()[-1]) if operand.strip() else None
+    match = NAME_RE.match(operand.split()[-1]) if operand.strip() else None
     return match.group(1) if match else None
 
 
 def _operand_shape(operand: str, module: HloModule) -> str:
-    if _ARRAY_RE.search(operand):  # printed with its shape
+    if ARRAY_RE.search(operand):  # printed with its shape
         return operand.rsplit("%", 1)[0] if "%" in operand else operand
     name = _operand_name(operand)
     return module.shapes.get(name, "") if name else ""

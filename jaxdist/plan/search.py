@@ -2,7 +2,7 @@
 
 Candidates are every (data, fsdp, tensor, pipe) mesh whose product is the GPU count, with
 ``tensor`` inside a node, every microbatch count and remat policy that
-``jaxdist.validate.check_config_on_mesh`` accepts. Each is screened without compiling:
+``jaxdist.layout.validate.check_config_on_mesh`` accepts. Each is screened without compiling:
 model states (16 bytes per parameter, sharded as the mesh shards them) plus activations
 (Korthikanti et al. 2022's per-layer counts) must fit the device, and a rough time (6 x
 params x tokens, remat's recompute, the pipeline bubble) orders them. Then they are
@@ -24,7 +24,7 @@ from typing import Any
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.mesh import format_mesh, parse_mesh
+from jaxdist.layout.mesh import format_mesh, parse_mesh
 
 REMATS = ("none", "save_matmuls", "full")
 RECOMPUTE = {"none": 1.0, "save_matmuls": 1.1, "full": 4 / 3}  # training FLOPs with remat / without
@@ -66,7 +66,7 @@ def configured(config: Config, candidate: Candidate) -> Config:
 
 def enumerate_candidates(config: Config, gpus: int, gpus_per_node: int) -> list[Candidate]:
     """Every layout of ``config`` on ``gpus`` devices that jaxdist accepts."""
-    from jaxdist.validate import check_config_on_mesh
+    from jaxdist.layout.validate import check_config_on_mesh
 
     out = []
     batch = config.train.global_batch
@@ -167,8 +167,9 @@ def compile_summary(config: Config, *, cache: Path | None = None) -> tuple[dict[
 def _compile(config: Config) -> dict[str, Any]:
     import jax
 
-    from jaxdist.analyze import _memory, _pipeline_of, compile_train_step
+    from jaxdist.inspect.step_report import memory, pipeline_of
     from jaxdist.plan.hlo_cost import program_cost
+    from jaxdist.training.compiled import compile_train_step
 
     sizes = parse_mesh(config.parallel.mesh)
     devices = math.prod(sizes.values())
@@ -180,10 +181,10 @@ def _compile(config: Config) -> dict[str, Any]:
     mesh_shape = {a: int(n) for a, n in trainer.layout.mesh.shape.items()}
     heads = max(config.model.n_heads // mesh_shape.get("tensor", 1), 1)
     cost = program_cost(compiled.as_text(), mesh_shape, config.train.seq_len, heads)
-    spec = _pipeline_of(trainer)
+    spec = pipeline_of(trainer)
     return {
         "program": cost.to_dict(),
-        "memory": _memory(compiled),
+        "memory": memory(compiled),
         "params": int(trainer.n_params),
         "model_flops_per_step": float(trainer.task.flops_per_example * config.train.global_batch),
         "tokens_per_step": float(trainer.task.tokens_per_example * config.train.global_batch),

@@ -10,18 +10,9 @@ from __future__ import annotations
 
 from jaxdist.config import Config
 from jaxdist.errors import ConfigError, MeshError
-from jaxdist.mesh import MeshSizes
+from jaxdist.layout.mesh import MeshSizes
+from jaxdist.layout.strategy import zero_stage
 from jaxdist.parallel.schedule import pipeline_spec, validate
-
-ZERO_STAGES = ("dp", "zero1", "fsdp")
-
-
-def zero_stage(strategy: str, sizes: MeshSizes) -> str:
-    """``parallel.strategy`` -> dp | zero1 | fsdp (``auto``: fsdp when the mesh has an fsdp axis)."""
-    zero = next((p for p in strategy.split("+") if p in ZERO_STAGES), "auto")
-    if zero == "auto":
-        zero = "fsdp" if sizes.get("fsdp", 1) > 1 else "dp"
-    return zero
 
 
 def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from jaxdist.checkpoint import checkpoint_steps, saved_config
 from jaxdist.config import Config, config_from_dict
 from jaxdist.errors import JaxdistError
+from jaxdist.training.checkpoint import checkpoint_steps, saved_config
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -76,7 +76,7 @@ def param_tree_key(step_dir: Path) -> tuple[str, ...]:
 
 def _params_target(step_dir: Path, abstract_params: Any) -> dict:
     """The partial-restore target for a checkpoint's parameters; raises when they do not fit."""
-    from jaxdist.checkpoint import state_differences
+    from jaxdist.training.checkpoint import state_differences
 
     saved, key = state_tree(step_dir), param_tree_key(step_dir)
     for part in key:

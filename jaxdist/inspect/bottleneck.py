@@ -1,7 +1,7 @@
 """From per-process traces to the report: per device and step breakdown, averages,
 top ops, collectives, predicted vs measured, stragglers and the bound.
 
-The definitions are documented in ``jaxdist/profile.py``; this module implements them.
+The definitions are documented in ``jaxdist/inspect/profile_report.py``; this module implements them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxdist.profiling.trace import PHASES, PRE, Op, ProcessTrace
+from jaxdist.inspect.trace import PHASES, PRE, Op, ProcessTrace
 
 CATEGORIES = ("compute", "communication_exposed", "communication_overlapped", "data_wait", "idle")
 BOUND_MIN_SHARE = 0.25  # data / host must hold at least this share of the step (and the largest one)
@@ -195,7 +195,7 @@ def per_step(items: list[DeviceStep]) -> list[dict[str, Any]]:
 
 
 def classify(fractions: dict[str, float]) -> tuple[str, str]:
-    """The bound and a one-line reason; the rule is documented in jaxdist/profile.py."""
+    """The bound and a one-line reason; the rule is documented in jaxdist/inspect/profile_report.py."""
     c = fractions["compute"] + fractions["communication_overlapped"]
     x = fractions["communication_exposed"]
     d = fractions["data_wait"]

@@ -34,13 +34,13 @@ class Loaded:
     config: Config
     step_dir: Path
     step: int
-    trainer: Any  # jaxdist.trainer.Trainer: the model's graph, layout and parameter shardings
+    trainer: Any  # jaxdist.training.trainer.Trainer: the model's graph, layout and parameter shardings
     params: Any
 
 
 def load_config(parser: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, Config, Path]:
     """Arguments, the checkpoint's config for this run, and its step directory (no JAX yet)."""
-    from jaxdist.weights import checkpoint_config, find_checkpoint
+    from jaxdist.training.weights import checkpoint_config, find_checkpoint
 
     args = parse_args(parser, argv)
     step_dir = find_checkpoint(args.checkpoint)
@@ -54,8 +54,9 @@ def load_config(parser: argparse.ArgumentParser, argv) -> tuple[argparse.Namespa
 
 def load(config: Config, step_dir: Path) -> Loaded:
     """Devices, the model's layout and its parameters from the checkpoint."""
-    from jaxdist.run import build_trainer, prepare_devices
-    from jaxdist.weights import restore_params
+    from jaxdist.layout.devices import prepare_devices
+    from jaxdist.training.run import build_trainer
+    from jaxdist.training.weights import restore_params
 
     sizes = prepare_devices(config)
     trainer = build_trainer(config, sizes)

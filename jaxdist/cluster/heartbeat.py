@@ -25,7 +25,7 @@ from jaxdist.errors import JaxdistError
 
 ENV_DIR = "JAXDIST_HEARTBEAT_DIR"
 ENV_STALL = "JAXDIST_FAULT_STALL_AT"  # test-only fault injection: "RANK:STEP"
-ENV_RANK = "JAXDIST_PROCESS_ID"  # set by jaxdist.launch (jaxdist.distributed.ENV_PROCESS_ID)
+ENV_RANK = "JAXDIST_PROCESS_ID"  # set by jaxdist.launch (jaxdist.cluster.distributed.ENV_PROCESS_ID)
 DUMP_SIGNAL = signal.SIGUSR1
 
 

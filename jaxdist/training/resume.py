@@ -1,6 +1,6 @@
 """Where a run starts: fresh, or from a checkpoint (its state and its data position).
 
-Used by ``jaxdist.run``; kept apart so that the rules for resuming -- which checkpoint,
+Used by ``jaxdist.training.run``; kept apart so that the rules for resuming -- which checkpoint,
 what happens on another mesh or process count -- live in one small module.
 """
 
@@ -11,15 +11,15 @@ from pathlib import Path
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.mesh import parse_mesh
+from jaxdist.layout.mesh import parse_mesh
 
 
 def adapt_microbatches_for_resume(config: Config, run_dir: Path | None, resume: str) -> None:
     """Elastic restart keeps the global batch: when the new mesh cannot split it into the
     configured microbatches (and, on a pipe axis, the pipeline's microbatches), use the
     largest count that fits (pure Python, before JAX)."""
-    from jaxdist.checkpoint import checkpoint_steps
-    from jaxdist.validate import batch_shards, fitting_microbatches
+    from jaxdist.layout.validate import batch_shards, fitting_microbatches
+    from jaxdist.training.checkpoint import checkpoint_steps
 
     sizes, t = parse_mesh(config.parallel.mesh), config.train
     if sizes is None or run_dir is None or resume == "never" or not checkpoint_steps(run_dir / "checkpoints"):
@@ -39,7 +39,7 @@ def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, chec
     """The restored checkpoint for ``--resume``, or None to start fresh (only when there
     is no checkpoint). A checkpoint that does not fit this run's state is an error, as is
     a damaged one asked for by step, or every checkpoint being damaged."""
-    from jaxdist.checkpoint import Checkpointer, DamagedCheckpoint, IncompatibleCheckpoint, parse_resume
+    from jaxdist.training.checkpoint import Checkpointer, DamagedCheckpoint, IncompatibleCheckpoint, parse_resume
 
     mode, directory, step = parse_resume(resume, run_dir / "checkpoints")
     if mode == "never":
@@ -71,7 +71,7 @@ def _set_aside_other_branches(checkpointer, restored, own: bool, log) -> None:
     (newer steps, or every step when it resumes from another run's checkpoints) and the
     damaged ones it fell back from are moved aside, so the new branch's saves happen and
     ``--resume auto`` never picks them (nothing is deleted)."""
-    from jaxdist.checkpoint import move_aside
+    from jaxdist.training.checkpoint import move_aside
 
     damaged = restored.damaged if own else []
     other = [s for s in checkpointer.steps() if s not in damaged and (s > restored.step or not own)]
@@ -102,7 +102,7 @@ _RESUME_NOISE = {
 def _config_changes(step_dir: Path, config: Config, limit: int = 4) -> str:
     """`` (config changed since: key old -> new, ...)`` for the model, train and parallel
     keys, as a hint to what made the state differ; empty when nothing is known."""
-    from jaxdist.checkpoint import saved_config
+    from jaxdist.training.checkpoint import saved_config
 
     def flat(tree: dict, prefix: str = "") -> dict:
         out = {}
@@ -127,7 +127,7 @@ def _config_changes(step_dir: Path, config: Config, limit: int = 4) -> str:
 def schedule_change(restored, config: Config) -> str | None:
     """One line when the learning-rate schedule's length differs from the checkpoint's
     (a resume with another ``--steps`` re-stretches the cosine unless it is pinned)."""
-    from jaxdist.optim import schedule_length
+    from jaxdist.training.optim import schedule_length
 
     saved = restored.config.get("train", {})
     if "steps" not in saved:
@@ -145,7 +145,7 @@ def schedule_change(restored, config: Config) -> str | None:
 def weights_resume(resume: str, init_from: str | None, log) -> tuple[str, str | None]:
     """``--resume PATH`` naming a weights-only checkpoint (a converted model) starts from
     its weights, as ``--init-from PATH`` would; (resume, init_from) to use."""
-    from jaxdist.weights import find_checkpoint, is_weights_only
+    from jaxdist.training.weights import find_checkpoint, is_weights_only
 
     if resume in ("auto", "never") or resume.isdigit() or not is_weights_only(find_checkpoint(resume)):
         return resume, init_from
@@ -157,7 +157,7 @@ def weights_resume(resume: str, init_from: str | None, log) -> tuple[str, str | 
 
 def initial_weights(trainer, init_from: str, log):
     """The parameters ``--init-from`` names, read into this run's shardings."""
-    from jaxdist.weights import find_checkpoint, restore_params
+    from jaxdist.training.weights import find_checkpoint, restore_params
 
     step_dir = find_checkpoint(init_from)
     params = restore_params(step_dir, trainer.abstract_params())

@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from jaxdist.cluster.lifetime import die_with_parent
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, NonFiniteLoss
-from jaxdist.lifetime import die_with_parent
-from jaxdist.preemption import EXIT_PREEMPTED
+from jaxdist.training.preemption import EXIT_PREEMPTED
 
 SUPERVISED_ENV = "JAXDIST_SUPERVISED"  # set in the runs the supervisor starts, so they do not supervise again
 FINAL_EXIT_CODES = {EXIT_OK, EXIT_BAD_INPUT, NonFiniteLoss.exit_code, EXIT_PREEMPTED}

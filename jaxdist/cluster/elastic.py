@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from jaxdist.checkpoint import checkpoint_steps
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.mesh import format_mesh, mesh_device_count, parse_mesh, resolve_mesh, split_across_hosts
-from jaxdist.validate import batch_shards, check_config_on_mesh, fitting_microbatches
+from jaxdist.layout.mesh import format_mesh, mesh_device_count, parse_mesh, resolve_mesh, split_across_hosts
+from jaxdist.layout.validate import batch_shards, check_config_on_mesh, fitting_microbatches
+from jaxdist.training.checkpoint import checkpoint_steps
 
 
 def mesh_for(config: Config, nproc: int, devices_per_proc: int) -> dict[str, int]:

@@ -1,14 +1,12 @@
-"""Mesh specs (``8x4``, ``data=2,fsdp=4``, ``auto``), fake CPU devices, and the device mesh.
+"""Mesh specs (``8x4``, ``data=2,fsdp=4``, ``auto``), the axes' order, and the device mesh.
 
-Parsing is pure Python so that ``ensure_fake_cpu_devices`` can run before JAX starts its
-backend; only ``build_mesh`` touches JAX.
+Parsing is pure Python so that a spec is checked before JAX starts its backend; only
+``build_mesh`` touches JAX (``jaxdist.layout.devices`` asks for fake CPU devices).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import re
 import sys
 
@@ -19,7 +17,10 @@ from jaxdist.errors import MeshError
 MESH_AXES = ("replica", "data", "pipe", "fsdp", "tensor")
 # What a positional spec means, by its number of factors.
 POSITIONAL_AXES = {1: ("data",), 2: ("data", "tensor"), 3: ("data", "tensor", "pipe")}
-BATCH_AXES = ("replica", "data", "fsdp")  # the global batch is split over all three
+# The axes that split the global batch: the one definition. Inside a DiLoCo replica
+# (and for everything that is not DiLoCo, whose replica axis has size 1) they are data x fsdp.
+BATCH_AXES = ("replica", "data", "fsdp")
+INNER_BATCH_AXES = BATCH_AXES[1:]
 REMAINING = -1  # an axis size meaning "the devices that remain"
 
 MeshSizes = dict[str, int]
@@ -86,48 +87,6 @@ def auto_mesh(n_devices: int, n_params: int) -> MeshSizes:
     """Small models replicate (plain DP is fastest); past 1B params shard them (ZeRO-3)."""
     axis = "fsdp" if n_params > 1_000_000_000 else "data"
     return {a: (n_devices if a == axis else 1) for a in MESH_AXES}
-
-
-def gpu_plugin_installed() -> bool:
-    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
-        return False
-    return any(_module_exists(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"))
-
-
-def _module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # parent package missing
-        return False
-
-
-def forced_host_device_count() -> int | None:
-    match = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
-    return int(match.group(1)) if match else None
-
-
-def ensure_fake_cpu_devices(n: int) -> None:
-    """Ask XLA for ``n`` host devices; must run before JAX starts its backend.
-
-    On a machine with a GPU plugin nothing changes: a GPU mesh must match real devices.
-    """
-    if n <= 1 or gpu_plugin_installed() or "jax" in sys.modules and _backend_started():
-        return
-    forced = forced_host_device_count()
-    if forced is not None and forced >= n:
-        return
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    print(f"jaxdist: no accelerator; using {n} fake CPU devices for the mesh", file=sys.stderr)
-
-
-def _backend_started() -> bool:
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge._backends)  # noqa: SLF001 - no public "is initialised" query
-    except (ImportError, AttributeError):
-        return False
 
 
 def split_across_hosts(sizes: MeshSizes, n_hosts: int, dcn: MeshSizes | None = None) -> tuple[MeshSizes, MeshSizes]:

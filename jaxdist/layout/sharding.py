@@ -18,7 +18,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.validate import zero_stage
+from jaxdist.layout.mesh import INNER_BATCH_AXES
+from jaxdist.layout.strategy import Strategy
 
 MeshAxes = tuple[str, ...] | None
 Rules = dict[str, MeshAxes]
@@ -26,7 +27,7 @@ Rules = dict[str, MeshAxes]
 # Every logical name a model may use, and where it goes under plain data parallelism.
 _BASE_RULES: Rules = {
     # activations
-    "batch": ("data", "fsdp"),
+    "batch": INNER_BATCH_AXES,  # DiLoCo's vmap adds the replica axis in front
     "seq": None,
     "act_embed": None,
     "act_heads": None,
@@ -62,21 +63,6 @@ _TENSOR_RULES: Rules = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    zero: str  # dp | zero1 | fsdp
-    tensor: bool
-
-    def __str__(self) -> str:
-        return self.zero + ("+tp" if self.tensor else "")
-
-
-def resolve_strategy(name: str, mesh_sizes: dict[str, int]) -> Strategy:
-    """``auto`` shards params over ``fsdp`` when that axis exists; TP follows the ``tensor``
-    axis. Whether the strategy fits the mesh is ``validate.check_config_on_mesh``'s job."""
-    return Strategy(zero=zero_stage(name, mesh_sizes), tensor=mesh_sizes.get("tensor", 1) > 1)
-
-
 def rules_for(strategy: Strategy, *, optimizer_state: bool = False) -> Rules:
     """The rules table for parameters (or, with ``optimizer_state``, for Adam's moments)."""
     rules = dict(_BASE_RULES)
@@ -85,7 +71,7 @@ def rules_for(strategy: Strategy, *, optimizer_state: bool = False) -> Rules:
     if strategy.zero == "fsdp":
         rules["embed"] = rules["channels"] = ("fsdp",)
     elif strategy.zero == "zero1" and optimizer_state:
-        rules["embed"] = rules["channels"] = ("data", "fsdp")
+        rules["embed"] = rules["channels"] = INNER_BATCH_AXES
     return rules
 
 

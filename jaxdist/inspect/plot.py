@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from jaxdist.profiling.report import CATEGORIES, DeviceStep, intersect
+from jaxdist.inspect.bottleneck import CATEGORIES, DeviceStep, intersect
 
 COLORS = {
     "compute": "#4878d0",

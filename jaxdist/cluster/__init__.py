@@ -1,0 +1,1 @@
+"""Processes: jax.distributed, the local and elastic launchers, supervision, liveness (death signals, heartbeats)."""

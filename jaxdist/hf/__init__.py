@@ -1,0 +1,1 @@
+"""Hugging Face models in and out (mappings, files), and running a checkpoint (generation, evaluation)."""

@@ -1,0 +1,228 @@
+"""XLA's HLO text, read: instructions, computations, loops and their trip counts.
+
+The compiled per-device program is what actually runs (XLA may split, combine or
+rewrite what the sharding rules imply), so the reports read its text rather than the
+program JAX traced. ``computation_multipliers`` says how many times each computation
+runs per execution, loop trip counts multiplied in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+# Bits per element of HLO primitive types; f8*/f4* variants are matched by prefix below.
+_DTYPE_BITS = {
+    "pred": 8,
+    "s2": 2,
+    "u2": 2,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "token": 0,
+}
+
+ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,<=]*)\]")  # "<=" marks a bounded dynamic dim
+COMMENT_RE = re.compile(r"/\*.*?\*/")
+STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+_INSTRUCTION_RE = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_COMPUTATION_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(")
+_TRIP_COUNT_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_CALLEE_RE = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation|select|scatter|comparator|"
+    r"branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+)
+NAME_RE = re.compile(r"%?([\w.\-]+)")
+# async-update / async-done name the same wrapped computation as async-start: count it once.
+_NO_CALL_EDGES = ("async-update", "async-done")
+
+
+# -- shapes ------------------------------------------------------------------------
+
+
+def dtype_bits(dtype: str) -> int:
+    if dtype in _DTYPE_BITS:
+        return _DTYPE_BITS[dtype]
+    if dtype.startswith("f8"):  # f8e4m3fn, f8e5m2, f8e4m3b11fnuz, ...
+        return 8
+    if dtype.startswith("f4") or dtype.startswith("f6"):  # f4e2m1fn, f6e3m2fn, ...
+        return int(dtype[1])
+    raise ValueError(f"unknown HLO element type {dtype!r}")
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string: ``f32[8,128]{1,0}``, ``bf16[]``, or a (nested) tuple (summed)."""
+    total = 0
+    for dtype, dims in ARRAY_RE.findall(COMMENT_RE.sub("", shape)):
+        elements = math.prod(int(d.removeprefix("<=")) for d in dims.split(",") if d)
+        total += math.ceil(elements * dtype_bits(dtype) / 8)
+    return total
+
+
+# -- HLO text -> instructions and computations --------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    shape: str  # result shape text, e.g. "f32[8]{0}" or "(f32[], bf16[4,4]{1,0})"
+    opcode: str
+    operands: tuple[str, ...]  # operand texts: "%x", or "f32[8]{0} %x" when printed with shapes
+    attributes: str  # everything after the operand list
+
+
+@dataclasses.dataclass(frozen=True)
+class HloModule:
+    computations: dict[str, list[Instruction]]
+    entry: str
+    shapes: dict[str, str]  # instruction name -> result shape (names are unique per module)
+    num_partitions: int | None = None  # from the module header, when printed
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the bracket group opening at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise ValueError(f"unbalanced brackets in HLO: {text[start : start + 80]!r}")
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+        else:
+            current.append(ch)
+    if "".join(current).strip():
+        parts.append("".join(current).strip())
+    return parts
+
+
+def parse_instruction(line: str) -> Instruction | None:
+    """One HLO instruction line (``%name = SHAPE opcode(operands), attrs``), or None."""
+    match = _INSTRUCTION_RE.match(COMMENT_RE.sub("", line))
+    if not match:
+        return None
+    name, rest = match.groups()
+    end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+    if end <= 0:
+        return None
+    shape, rest = rest[:end], rest[end:].lstrip()
+    op = re.match(r"([\w\-]+)\(", rest)
+    if not op:
+        return None
+    close = _balanced(rest, op.end() - 1)
+    operands = tuple(_split_top_level(rest[op.end() : close - 1]))
+    return Instruction(name, shape, op.group(1), operands, rest[close:])
+
+
+def parse_hlo(text: str) -> HloModule:
+    computations: dict[str, list[Instruction]] = {}
+    shapes: dict[str, str] = {}
+    entry, current, partitions = "", None, None
+    for line in text.splitlines():
+        if line.startswith("HloModule "):
+            found = re.search(r"\bnum_partitions=(\d+)", line)
+            partitions = int(found.group(1)) if found else None
+        if not line[:1].isspace():  # computation headers and module-level lines start in column 0
+            header = _COMPUTATION_RE.match(line)
+            if header and line.rstrip().endswith("{") and "->" in line:
+                current = header.group(2)
+                computations[current] = []
+                entry = current if header.group(1) else entry
+            elif line.startswith("}"):
+                current = None
+            continue
+        if current is None:
+            continue
+        instruction = parse_instruction(line)
+        if instruction is not None:
+            computations[current].append(instruction)
+            shapes[instruction.name] = instruction.shape
+    if not entry:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return HloModule(computations, entry, shapes, partitions)
+
+
+# -- loops and calls ----------------------------------------------------------------
+
+
+def trip_count(instruction: Instruction) -> int | None:
+    """XLA's ``known_trip_count`` of a while loop, if it proved one."""
+    match = _TRIP_COUNT_RE.search(instruction.attributes)
+    return int(match.group(1)) if match else None
+
+
+def callees(instruction: Instruction) -> list[tuple[str, int]]:
+    """Computations this instruction runs, with how many times each runs per execution.
+
+    A while body runs trip-count times (its condition once more); fusions, calls,
+    conditional branches and reducers inherit the caller's count (a conditional's
+    branches are all counted: an upper bound). An unknown trip count counts as 1.
+    """
+    if instruction.opcode in _NO_CALL_EDGES:
+        return []
+    trips = trip_count(instruction) if instruction.opcode == "while" else None
+    attributes = STRING_RE.sub('""', instruction.attributes)  # op names in metadata may contain "body="
+    edges = []
+    for key, value in _CALLEE_RE.findall(attributes):
+        factor = 1
+        if trips is not None and key == "body":
+            factor = trips
+        elif trips is not None and key == "condition":
+            factor = trips + 1
+        edges.extend((name, factor) for name in NAME_RE.findall(value))
+    return edges
+
+
+def loops_without_trip_count(module: HloModule) -> int:
+    return sum(1 for body in module.computations.values() for i in body if i.opcode == "while" and trip_count(i) is None)
+
+
+def computation_multipliers(module: HloModule) -> dict[str, int]:
+    """How many times each computation reachable from ENTRY runs per execution of the
+    program: the sum over its call sites of the caller's count times the loop trip count."""
+    edges = {name: [edge for i in body for edge in callees(i)] for name, body in module.computations.items()}
+    order: list[str] = []  # post-order: every callee before its callers
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:
+        seen.add(name)
+        for callee, _ in edges.get(name, []):
+            if callee not in seen:
+                visit(callee)
+        order.append(name)
+
+    visit(module.entry)
+    counts = dict.fromkeys(order, 0)
+    counts[module.entry] = 1
+    for name in reversed(order):  # callers before callees (HLO call graphs are acyclic)
+        for callee, factor in edges.get(name, []):
+            if callee in counts:
+                counts[callee] += counts[name] * factor
+    return counts

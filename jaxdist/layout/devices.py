@@ -1,0 +1,109 @@
+"""The devices a mesh needs, arranged before JAX starts its backend: fake CPU devices
+split over the processes (no accelerator), or the GPU communication-overlap XLA flags;
+and a ``-1`` mesh axis sized to the devices there are."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+from jaxdist.layout.mesh import MeshSizes, format_mesh, has_remaining_axis, mesh_device_count, parse_mesh, resolve_mesh
+from jaxdist.layout.validate import check_config_on_mesh
+from jaxdist.layout.xla_flags import apply_gpu_defaults
+
+DEFAULT_FAKE_DEVICES = 8  # `--mesh auto` without an accelerator
+
+
+def prepare_devices(config: Config, num_processes: int = 1) -> MeshSizes | None:
+    """Validate the mesh against the config; on CPU ask for enough fake devices (split
+    over the processes), on GPU set the communication-overlap XLA flags.
+
+    Runs before JAX starts its backend. Returns the mesh sizes (None for ``auto``; on GPU
+    a ``-1`` axis stays unresolved until ``settle_remaining_axis`` sees the devices).
+    Resolve the vocab first (``jaxdist.data.sources.resolve_vocab``) for the tensor axis's
+    check to see it.
+    """
+    settle_remaining_axis(config, num_processes)
+    sizes = parse_mesh(config.parallel.mesh)
+    if has_remaining_axis(sizes):  # GPU: sized and checked once the backend has started
+        apply_gpu_defaults()
+        return sizes
+    if config.parallel.dcn_mesh:
+        parse_mesh(config.parallel.dcn_mesh)  # reject a malformed spec before JAX starts
+    if sizes is not None:
+        check_config_on_mesh(config, sizes)  # warnings are printed once, by build_trainer
+    if gpu_plugin_installed():
+        apply_gpu_defaults()
+    elif sizes is not None:
+        if mesh_device_count(sizes) % num_processes:
+            raise JaxdistError(
+                f"mesh {config.parallel.mesh} ({mesh_device_count(sizes)} devices) does not split over {num_processes} processes"
+            )
+        ensure_fake_cpu_devices(mesh_device_count(sizes) // num_processes)
+    else:
+        ensure_fake_cpu_devices(DEFAULT_FAKE_DEVICES)
+    return sizes
+
+
+def settle_remaining_axis(config: Config, num_processes: int = 1, n_devices: int | None = None, *, quiet: bool = False) -> None:
+    """Size a ``-1`` mesh axis and write the concrete mesh into the config (so the saved
+    config.yaml says what ran). On CPU the device count is the fake devices per process x
+    processes, known before JAX starts; on GPU it waits for ``n_devices``. ``quiet``: not
+    process 0 (only it says what the axis became)."""
+    sizes = parse_mesh(config.parallel.mesh)
+    if not has_remaining_axis(sizes):
+        return
+    if n_devices is None:
+        if gpu_plugin_installed():
+            return
+        n_devices = (forced_host_device_count() or DEFAULT_FAKE_DEVICES) * num_processes
+    resolved = resolve_mesh(sizes, n_devices)
+    if not quiet:
+        print(f"jaxdist: mesh {config.parallel.mesh} on {n_devices} devices is {format_mesh(resolved)}", file=sys.stderr)
+    config.parallel.mesh = format_mesh(resolved)
+
+
+def gpu_plugin_installed() -> bool:
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False
+    return any(_module_exists(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"))
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # parent package missing
+        return False
+
+
+def forced_host_device_count() -> int | None:
+    match = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(match.group(1)) if match else None
+
+
+def ensure_fake_cpu_devices(n: int) -> None:
+    """Ask XLA for ``n`` host devices; must run before JAX starts its backend.
+
+    On a machine with a GPU plugin nothing changes: a GPU mesh must match real devices.
+    """
+    if n <= 1 or gpu_plugin_installed() or "jax" in sys.modules and backend_started():
+        return
+    forced = forced_host_device_count()
+    if forced is not None and forced >= n:
+        return
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    print(f"jaxdist: no accelerator; using {n} fake CPU devices for the mesh", file=sys.stderr)
+
+
+def backend_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)  # noqa: SLF001 - no public "is initialised" query
+    except (ImportError, AttributeError):
+        return False

@@ -1,0 +1,167 @@
+"""The training loop: steps until ``train.steps`` (or ``train.stop_after_step``), with
+metrics fetched only at log points, evaluation, checkpoints, preemption, the profile
+window and the launcher's heartbeat around them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from jaxdist.cluster.heartbeat import beat
+from jaxdist.errors import NonFiniteLoss
+from jaxdist.inspect.tracing import StepTracer
+from jaxdist.models import Batch
+from jaxdist.training.metrics import MetricsLogger
+from jaxdist.training.preemption import Preempted
+from jaxdist.training.state import TrainState
+
+if TYPE_CHECKING:
+    from jaxdist.training.trainer import Trainer
+
+
+@dataclasses.dataclass
+class LoopResult:
+    state: TrainState
+    losses: list[float]
+    eval_losses: dict[int, float]
+    skipped_steps: int = 0
+
+
+@dataclasses.dataclass
+class LoopHooks:
+    """What the loop may do besides training: evaluate, checkpoint, notice preemption."""
+
+    eval_batches: Callable[[], Iterator[Batch]] | None = None
+    checkpointer: Any = None  # jaxdist.training.checkpoint.Checkpointer
+    data_state: Callable[[], dict] | None = None  # the data iterator's state after the last batch taken
+    config_dict: dict | None = None
+    preemption: Any = None  # jaxdist.training.preemption.PreemptionWatcher
+    tracer: StepTracer = dataclasses.field(default_factory=StepTracer)  # --profile-steps
+
+
+def train_loop(
+    trainer: Trainer,
+    state: TrainState,
+    batches: Iterator[Batch],
+    *,
+    steps: int,
+    logger: MetricsLogger,
+    flops_per_step: float,
+    peak_flops: float,
+    tokens_per_step: int,
+    step_fn: Callable | None = None,
+    hooks: LoopHooks | None = None,
+) -> LoopResult:
+    """Train until step ``steps`` (the state may start later, when resumed).
+
+    Metrics are fetched only at log points, so the host keeps dispatching ahead of the
+    devices in between; eval, checkpoint and preemption steps are log points too, so
+    a non-finite loss is always caught before a state is saved.
+    """
+    cfg, hooks = trainer.config.train, hooks or LoopHooks()
+    step_fn = step_fn or trainer.train_step
+    checkpointer, tracer = hooks.checkpointer, hooks.tracer
+    n_devices = trainer.layout.mesh.size
+    start_step = int(jax.device_get(state.step))
+    end = min(steps, cfg.stop_after_step or steps)  # train.stop_after_step: a planned interruption, saved like the end
+    result = LoopResult(state, [], {})
+    pending: list[dict[str, jax.Array]] = []
+    window_start, data_wait = time.perf_counter(), 0.0
+    skips_in_a_row = 0
+
+    for step in range(start_step + 1, end + 1):
+        beat(step)
+        with tracer.step(step):
+            with tracer.phase("data"):
+                wait_start = time.perf_counter()
+                batch = next(batches)
+                waited = time.perf_counter() - wait_start
+            data_wait += waited
+            tracer.data_waited(step, waited)
+            with tracer.phase("dispatch"):
+                state, metrics = step_fn(state, batch)
+            pending.append(metrics)
+
+            last = step == end
+            eval_now = hooks.eval_batches is not None and cfg.eval_every > 0 and step % cfg.eval_every == 0
+            preempt = hooks.preemption is not None and hooks.preemption.requested(step)
+            save_now = checkpointer is not None and (last or preempt or checkpointer.due(step))
+            if step % cfg.log_every == 0 or last or eval_now or save_now:
+                # Log point: wait for the devices, check and write this window's metrics.
+                with tracer.phase("log"):
+                    fetched = trainer.fetch_metrics(pending)
+                    pending.clear()
+                    step_time = (time.perf_counter() - window_start) / len(fetched)
+                    for offset, m in enumerate(fetched):
+                        skips_in_a_row = _check_step(m, step - len(fetched) + 1 + offset, skips_in_a_row, cfg, result, checkpointer)
+                    record = {
+                        "loss": float(fetched[-1]["loss"]),
+                        "grad_norm": float(fetched[-1]["grad_norm"]),
+                        "lr": float(fetched[-1]["lr"]),
+                        "tokens_per_sec": tokens_per_step / step_time,
+                        "step_time_s": step_time,
+                        "data_wait_s": data_wait / len(fetched),
+                        "mfu": flops_per_step / (step_time * n_devices * peak_flops),
+                    }
+                    if "loss_scale" in fetched[-1]:
+                        record["loss_scale"] = float(fetched[-1]["loss_scale"])
+                    if "skipped" in fetched[-1]:
+                        record["skipped_steps"] = result.skipped_steps
+                    logger.log(step, record)
+                    logger.advance(len(fetched))
+                eval_metrics = None
+                if eval_now:
+                    with tracer.phase("eval"):
+                        result.eval_losses[step] = evaluate(trainer, state, hooks.eval_batches())
+                    eval_metrics = {"eval_loss": result.eval_losses[step]}
+                    logger.log(step, eval_metrics)
+                if save_now:
+                    with tracer.phase("checkpoint"):
+                        if not bool(trainer.params_finite(state.params)):
+                            raise NonFiniteLoss(f"parameters became non-finite at step {step}; not saving them{_last_saved(checkpointer)}")
+                        checkpointer.save(step, state, hooks.data_state(), hooks.config_dict, metrics=eval_metrics)
+                if preempt:
+                    if checkpointer is None:  # library use without a run directory: nothing to save
+                        raise Preempted(step, hooks.preemption.reason, saved=False)
+                    checkpointer.wait()
+                    raise Preempted(step, hooks.preemption.reason)
+                window_start, data_wait = time.perf_counter(), 0.0
+        tracer.after_step(step, state)
+    result.state = state
+    return result
+
+
+def _check_step(metrics: dict, step: int, skips_in_a_row: int, cfg, result: LoopResult, checkpointer) -> int:
+    """Record one step's loss; stop on a non-finite loss (or too many skipped steps in a
+    row). Returns the new count of skipped steps in a row."""
+    loss = float(metrics["loss"])
+    if not math.isfinite(loss) and "skipped" not in metrics:
+        raise NonFiniteLoss(
+            f"loss is {loss} at step {step}; stopping (lower train.lr, check the data, or train.nonfinite=skip){_last_saved(checkpointer)}"
+        )
+    skipped = bool(metrics.get("skipped", False))
+    result.skipped_steps += skipped
+    skips_in_a_row = skips_in_a_row + 1 if skipped else 0
+    if skips_in_a_row > cfg.max_skips:
+        raise NonFiniteLoss(
+            f"{skips_in_a_row} non-finite steps in a row up to step {step} (train.max_skips={cfg.max_skips}); stopping{_last_saved(checkpointer)}"
+        )
+    result.losses.append(loss)
+    return skips_in_a_row
+
+
+def _last_saved(checkpointer) -> str:
+    step = checkpointer.last_saved_step if checkpointer is not None else None
+    return f"; last checkpoint: step {step}" if step else ""
+
+
+def evaluate(trainer: Trainer, state: TrainState, batches: Iterator[Batch]) -> float:
+    params = trainer.synchronized_params(state)
+    totals = sum(np.asarray(jax.device_get(trainer.eval_step(params, b)), np.float64) for b in batches)
+    return float(totals[0] / totals[1])

@@ -1,0 +1,139 @@
+"""The train state and its layout: what a step carries, with every part's shapes and
+shardings known before anything is allocated.
+
+Parts: the step count, the parameters and optimizer state (Adam's moments follow the
+parameters' logical axes), gradient compression's per-device residuals, fp16's loss
+scale, and DiLoCo's outer state. Under DiLoCo the parameters, the optimizer state and
+the loss scale carry a leading replica dimension sharded over the ``replica`` axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxdist.layout.mesh import INNER_BATCH_AXES
+from jaxdist.layout.sharding import Layout, tree_shardings
+from jaxdist.parallel import diloco, grad_reduce
+from jaxdist.training import loss_scale
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any  # nnx.State of the model's parameters
+    opt_state: Any  # optax state; Adam's moments mirror ``params``
+    residual: Any = None  # error feedback: per device, what gradient compression dropped ([devices, *param]), unscaled
+    loss_scale: Any = None  # model.dtype=float16: jaxdist.training.loss_scale.LossScale
+    outer: Any = None  # DiLoCo: jaxdist.parallel.diloco.OuterState (params and opt_state are then per replica)
+
+
+# DiLoCo's inner step maps over the replica dimension of everything but the step and the outer state.
+PER_REPLICA = TrainState(step=None, params=0, opt_state=0, residual=0, loss_scale=0, outer=None)
+
+
+def optimizer_step(opt_state: Any) -> jax.Array:
+    """The update count the optimizer's schedule reads (optax keeps it in its states)."""
+    counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    return counts[-1][1] if counts else jnp.zeros((), jnp.int32)
+
+
+def residual_shapes(abstract_params: Any, devices: int) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((devices, *a.shape), jnp.float32), abstract_params)
+
+
+class StateLayout:
+    """Shapes (``abstract``) and shardings (``shardings``) of every part of the state, and
+    one line for each dimension a mesh axis cannot split (``replicated``: no silent
+    replication)."""
+
+    def __init__(
+        self,
+        abstract_params: Any,
+        tx: optax.GradientTransformation,
+        layout: Layout,
+        *,
+        error_feedback: bool,
+        float16: str | None,
+        outer_tx: optax.GradientTransformation | None = None,
+    ):
+        mesh = layout.mesh
+        self.layout, self.abstract_params = layout, abstract_params
+        self.replicated: dict[tuple, str] = {}
+        self.param_shardings = tree_shardings(abstract_params, layout.param_rules, mesh, replicated=self.replicated)
+        abstract_opt = jax.eval_shape(tx.init, abstract_params)
+        self.reduce_devices = math.prod(mesh.shape[a] for a in INNER_BATCH_AXES)  # devices that each hold a residual
+        residual = residual_shardings = scale = scale_shardings = None
+        if error_feedback:
+            residual_shardings = grad_reduce.per_device_shardings(self.param_shardings, mesh)
+            residual = residual_shapes(abstract_params, self.reduce_devices)
+        if float16 is not None:  # train.loss_scale
+            scale = jax.eval_shape(lambda: loss_scale.initial(float16))
+            scale_shardings = jax.tree.map(lambda _: layout.replicated(), scale)
+        opt_shardings = tree_shardings(abstract_opt, layout.opt_rules, mesh, replicated=self.replicated)
+        self.abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt, residual, scale)
+        self.shardings = TrainState(layout.replicated(), self.param_shardings, opt_shardings, residual_shardings, scale_shardings)
+        self.replicas = mesh.shape[diloco.AXIS] if outer_tx is not None else 0
+        if outer_tx is not None:
+            self._stack_per_replica(outer_tx)
+
+    def _stack_per_replica(self, outer_tx: optax.GradientTransformation) -> None:
+        """DiLoCo: params, optimizer state and loss scale gain a leading replica dimension;
+        the outer parameters and momentum are added."""
+        mesh, replicas = self.layout.mesh, self.replicas
+        abstract_momentum = jax.eval_shape(outer_tx.init, self.abstract_params)
+        momentum_shardings = tree_shardings(abstract_momentum, self.layout.param_rules, mesh, replicated=self.replicated)
+
+        def per_replica(tree):
+            return None if tree is None else diloco.stacked_shapes(tree, replicas)
+
+        def stacked(tree):
+            return None if tree is None else diloco.stacked_shardings(tree, mesh)
+
+        a, s = self.abstract, self.shardings
+        outer = diloco.OuterState(self.abstract_params, abstract_momentum)
+        self.abstract = TrainState(a.step, per_replica(a.params), per_replica(a.opt_state), None, per_replica(a.loss_scale), outer)
+        outer_shardings = diloco.OuterState(self.param_shardings, momentum_shardings)
+        self.shardings = TrainState(s.step, stacked(s.params), stacked(s.opt_state), None, stacked(s.loss_scale), outer_shardings)
+
+    def with_shardings(self, abstract: Any, shardings: Any) -> Any:
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, with nothing allocated."""
+        return self.with_shardings(self.abstract, self.shardings)
+
+    def fresh_extras(self, loss_scale_setting: str) -> TrainState:
+        """Fresh residuals (zeros) and loss scale (one per replica under DiLoCo), shaped as
+        in the state; the rest of the state left empty. Trace under ``jit``."""
+        residual = scale = None
+        if self.abstract.residual is not None:
+            residual = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.abstract.residual)
+        if self.abstract.loss_scale is not None:
+            scale = loss_scale.initial(loss_scale_setting)
+            if self.replicas:
+                scale = diloco.stack(scale, self.replicas)
+        return TrainState(None, None, None, residual, scale)
+
+    def loss_scale_target(self) -> Any:
+        """The loss scale as a checkpoint stores it (stacked per replica under DiLoCo), for
+        reading one whether or not this run uses it."""
+        scale = jax.eval_shape(lambda: loss_scale.initial("dynamic"))
+        shardings = jax.tree.map(lambda _: self.layout.replicated(), scale)
+        if self.replicas:
+            scale = diloco.stacked_shapes(scale, self.replicas)
+            shardings = diloco.stacked_shardings(shardings, self.layout.mesh)
+        return self.with_shardings(scale, shardings)
+
+    def metric_sharding(self) -> NamedSharding:
+        """DiLoCo's metrics stay per replica: averaging them in the step would cross the
+        replica axis every step."""
+        mesh = self.layout.mesh
+        return NamedSharding(mesh, PartitionSpec(diloco.AXIS)) if self.replicas else self.layout.replicated()

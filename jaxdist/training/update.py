@@ -1,0 +1,48 @@
+"""The update of one step: gradients of the summed loss -> the mean loss's gradients ->
+optax (clipping, AdamW or SGD, the schedule) -> new parameters; fp16's loss scale moves
+with whether the gradients were finite, and a non-finite update is dropped (the step
+still counts) when ``train.nonfinite=skip`` or under fp16."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxdist.training import loss_scale
+from jaxdist.training.state import TrainState, optimizer_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    tx: optax.GradientTransformation
+    schedule: Callable[[jax.Array], jax.Array]  # the learning rate at an optimizer step count
+    dynamic_scale: bool  # fp16 with train.loss_scale=dynamic
+    skip_nonfinite: bool  # train.nonfinite=skip
+
+    def __call__(
+        self, state: TrainState, loss_sum: jax.Array, weight: jax.Array, grads: Any, residual: Any, scale: jax.Array | None
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        divisor = weight if scale is None else weight * scale
+        grads = jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
+        # The rate this update used: the optimizer's own step count, which skipped steps do not advance.
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(optimizer_step(state.opt_state))}
+        new_scale = state.loss_scale
+        if state.loss_scale is not None:
+            metrics["loss_scale"] = state.loss_scale.scale
+            new_scale = loss_scale.update(state.loss_scale, jnp.isfinite(grad_norm), self.dynamic_scale)
+        if self.skip_nonfinite or state.loss_scale is not None:  # drop a non-finite update; the step still counts
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            params, opt_state, residual = (
+                jax.tree.map(keep, *pair) for pair in ((params, state.params), (opt_state, state.opt_state), (residual, state.residual))
+            )
+            metrics["skipped"] = ~finite
+        return TrainState(state.step + 1, params, opt_state, residual, new_scale), metrics
