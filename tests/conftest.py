@@ -1,13 +1,51 @@
-"""Test set-up: 8 fake CPU devices, requested before JAX starts its backend."""
+"""Test set-up: 8 fake CPU devices, requested before JAX starts its backend, XLA flags
+that make compiling cheap, and one XLA compilation cache for the whole session.
+
+The cache is shared by both xdist workers and every process a test starts (launchers,
+trainers, CLIs inherit the environment): the suite compiles a few dozen small programs
+again and again (each elastic generation, each restart, each CLI run of the same
+config), and a hit skips XLA's compile. It lives in a private temporary directory made
+for this session and removed after it, so every session starts cold.
+"""
 
 import os
 import re
+import shutil
+import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")) + " --xla_force_host_platform_device_count=8"
-)
+# Tests compile with LLVM's optimisation off: the suite is compile-bound (a tiny model's
+# train step compiles in ~4 s and runs in milliseconds), and -O0 halves XLA:CPU's compile
+# time. It moves results in the last bits, so every process of a session uses it
+# (helpers.subprocess_env keeps it for the processes tests start); benchmarks do not.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")),
+        TEST_XLA_FLAGS,
+        "--xla_force_host_platform_device_count=8",
+    ]
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_OWN_CACHE = None  # the directory this (controller) process made, removed at the end
+
+
+def pytest_configure(config):
+    """In the controller (or a run without xdist), before any worker or JAX starts."""
+    global _OWN_CACHE
+    if hasattr(config, "workerinput") or os.environ.get(CACHE_ENV):
+        return  # an xdist worker inherits the controller's; a cache given from outside is kept
+    _OWN_CACHE = tempfile.mkdtemp(prefix="jaxdist-tests-xla-cache-")  # mode 0700
+    os.environ[CACHE_ENV] = _OWN_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # small programs too: most of the suite's are
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import re
 import sysconfig
 from pathlib import Path
 
@@ -16,6 +18,8 @@ from jaxdist.layout.mesh import mesh_device_count, parse_mesh
 from jaxdist.models.llama import Llama
 from jaxdist.training.run import build_trainer, run
 from jaxdist.training.weights import checkpoint_config, find_checkpoint, restore_params
+
+from conftest import TEST_XLA_FLAGS
 
 # Real text, but the 5 files of the stdlib's json package (~50 KB) rather than the whole
 # standard library: every process a test starts tokenizes its corpus (~4 s of CPU for 31M tokens).
@@ -62,3 +66,62 @@ def load_model(out) -> Llama:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
     return nnx.merge(graphdef, restore_params(step_dir, abstract))
+
+
+def without_session_cache(env: dict[str, str]) -> dict[str, str]:
+    """An environment for a process whose own compile cache a test checks (conftest.py
+    gives every process the session's)."""
+    return {k: v for k, v in env.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+
+
+def subprocess_env(devices: int | None = None) -> dict[str, str]:
+    """The environment for a process a test starts: the session's XLA flags and compile
+    cache (conftest.py), without the fake-device count (the CLIs and the launcher ask for
+    their own), or with ``devices`` of them."""
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).split()
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+def optimized_env(devices: int | None = None) -> dict[str, str]:
+    """``subprocess_env`` with XLA's full optimisation: for runs whose speed matters
+    (timing shares, hundreds of steps) rather than their compile time."""
+    env = subprocess_env(devices)
+    env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if f not in TEST_XLA_FLAGS.split())
+    return env
+
+
+_RUNS_SCRIPT = """
+import json, sys
+import jax
+from jaxdist.config import load_config
+from jaxdist.layout.mesh import mesh_device_count, parse_mesh
+from jaxdist.training.run import run
+results = []
+for mesh, overrides in json.loads(sys.argv[1]):
+    sizes = parse_mesh(mesh)
+    result = run(load_config(None, overrides), sizes, None, devices=jax.devices()[: mesh_device_count(sizes)], progress=False)
+    results.append({"losses": result.losses, "eval_losses": result.eval_losses})
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def long_runs(*runs: tuple[str, tuple[str, ...], int]) -> list[dict]:
+    """TINY runs of hundreds of steps, (mesh, overrides, steps) each, in one fresh process
+    compiled with XLA's full optimisation (the session's -O0 would triple their step
+    time): [{"losses": [...], "eval_losses": {step: loss}}] in order."""
+    import json
+    import subprocess
+    import sys
+
+    args = [(mesh, [*TINY, f"train.steps={steps}", *overrides]) for mesh, overrides, steps in runs]
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNS_SCRIPT, json.dumps(args)], env=optimized_env(8), capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS ")]
+    results = json.loads(line.removeprefix("RESULTS "))
+    return [{"losses": r["losses"], "eval_losses": {int(k): v for k, v in r["eval_losses"].items()}} for r in results]

@@ -5,7 +5,6 @@ cross-replica bytes; a run resumed mid-round continues exactly."""
 
 import functools
 import json
-import os
 import subprocess
 import sys
 
@@ -22,7 +21,7 @@ from jaxdist.training.compile_cache import enable_compile_cache
 from jaxdist.training.compiled import compile_train_step
 from jaxdist.training.run import run
 
-from helpers import SMALL_TEXT, TINY
+from helpers import SMALL_TEXT, TINY, long_runs, subprocess_env
 
 SGD = ("train.optimizer=sgd", "train.momentum=0", "train.grad_clip=0", "train.warmup_steps=0", "train.lr=0.5")
 PLAIN_OUTER = ("parallel.diloco_inner_steps=1", "parallel.diloco_outer_lr=1", "parallel.diloco_outer_momentum=0")
@@ -106,10 +105,9 @@ def test_two_replicas_every_20_steps_train_like_ddp():
     too few for heavy momentum (0.9 ends 11% behind DDP here)."""
     common = ("train.lr=3e-3", "train.warmup_steps=20", "train.log_every=100", "train.eval_every=600", "train.eval_batches=8")
     outer = ("parallel.diloco_inner_steps=20", "parallel.diloco_outer_lr=0.7", "parallel.diloco_outer_momentum=0.5")
-    ddp = _run("data=2", *common, steps=600).eval_losses[600]
-    dl = _run("replica=2", *common, *outer, steps=600).eval_losses[600]
+    ddp_run, dl_run = long_runs(("data=2", common, 600), ("replica=2", (*common, *outer), 600))
+    ddp, dl = ddp_run["eval_losses"][600], dl_run["eval_losses"][600]
     assert dl < ddp * 1.05, (dl, ddp)
-    # The runs' own configs (steps included): their compiled steps come back from the compilation cache.
     ddp_bytes = _report("data=2", "train.steps=600", *common)["collectives_by_axes"]["data"]["wire_bytes"]
     dl_bytes = _report("replica=2", "train.steps=600", *common, *outer)["diloco"]["cross_replica_wire_bytes_per_step"]
     assert dl_bytes / ddp_bytes == pytest.approx(1 / 20, rel=0.1)
@@ -168,7 +166,7 @@ def test_two_processes_train_like_one(tmp_path):
     whole, _ = _uninterrupted()
     cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", "2", "--devices-per-proc", "1", "--"]
     cmd += ["--mesh", "replica=2", "--run-dir", str(tmp_path / "run"), *TINY, "train.steps=8", *ROUND, *LINK]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "simulated replica link: 1 collectives" in proc.stdout + proc.stderr

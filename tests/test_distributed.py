@@ -24,7 +24,7 @@ from jaxdist.training.compile_cache import enable_compile_cache
 from jaxdist.training.preemption import EXIT_PREEMPTED
 from jaxdist.training.run import run
 
-from helpers import SMALL_TEXT, TINY
+from helpers import SMALL_TEXT, TINY, subprocess_env
 
 pytestmark = pytest.mark.heavy
 
@@ -46,7 +46,7 @@ def compile_cache(tmp_path_factory):
 
 
 def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess_env()
 
 
 def _launch(run_dir: Path, steps: int, cache: Path, *, nproc: int = 2) -> subprocess.Popen:
@@ -117,7 +117,7 @@ def _start_skewed(run_dir: Path, steps: int, cache: Path, *overrides: str) -> li
             "JAXDIST_COORDINATOR": f"127.0.0.1:{port}",
             "JAXDIST_NUM_PROCESSES": "2",
             "JAXDIST_PROCESS_ID": str(rank),
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "XLA_FLAGS": subprocess_env(devices=4)["XLA_FLAGS"],
             "PYTHONUNBUFFERED": "1",
         }
         log = run_dir.parent / f"{run_dir.name}-rank{rank}.log"

@@ -26,7 +26,7 @@ from jaxdist.training.checkpoint import checkpoint_steps
 from jaxdist.training.preemption import EXIT_PREEMPTED
 from jaxdist.training.run import run
 
-from helpers import SMALL_TEXT, TINY
+from helpers import SMALL_TEXT, TINY, subprocess_env
 
 pytestmark = pytest.mark.heavy
 
@@ -171,7 +171,7 @@ def launched():
     def start(run_dir: Path, nproc: int, *flags: str, cache: Path) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", str(nproc), "--devices-per-proc", "2", *flags]
         cmd += ["--", "--mesh", MESH, "--run-dir", str(run_dir), *OVERRIDES, f"train.compile_cache={cache}"]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env = subprocess_env()
         with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         started.append(proc)

@@ -23,7 +23,7 @@ from jaxdist.training.checkpoint import checkpoint_steps
 from jaxdist.training.preemption import EXIT_PREEMPTED
 from jaxdist.training.run import run
 
-from helpers import TINY
+from helpers import TINY, subprocess_env
 
 pytestmark = pytest.mark.heavy
 
@@ -35,7 +35,7 @@ def _overrides(steps: int) -> list[str]:
 
 
 def _start(run_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", MESH, "--run-dir", str(run_dir), *extra, *_overrides(steps)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 

@@ -23,7 +23,7 @@ from jaxdist.training.compile_cache import enable_compile_cache
 from jaxdist.training.compiled import analyze
 from jaxdist.training.run import build_trainer, run
 
-from helpers import SMALL_TEXT, TINY, train_losses
+from helpers import SMALL_TEXT, TINY, long_runs, train_losses
 
 MODES = {"float32": (), "bfloat16": (), "int8": (), "topk": ()}
 
@@ -146,20 +146,21 @@ def test_error_feedback_residuals_do_not_depend_on_the_loss_scale():
     assert np.linalg.norm(halved - kept) <= 1e-4 * np.linalg.norm(kept), np.linalg.norm(halved - kept) / np.linalg.norm(kept)
 
 
+@pytest.mark.heavy
 def test_convergence_of_each_mode_against_float32():
     """200 steps of ``tiny`` on the stdlib corpus, fp32 compute, data=2 (mean of the losses
     logged every 10 steps over the last 100; no sync in between). The issue's goal for topk 1% (within 5%) is not met with AdamW -- see the
     README; this guards what holds today and that error feedback helps."""
     steps, last = 200, 10
-    final = {}
-    for name, overrides in {
+    modes = {
         "float32": (),
         "bfloat16": ("parallel.grad_reduce=bfloat16",),
         "int8": ("parallel.grad_reduce=int8",),
         "topk": ("parallel.grad_reduce=topk",),
         "topk without error feedback": ("parallel.grad_reduce=topk", "parallel.error_feedback=false"),
-    }.items():
-        final[name] = float(np.mean(train_losses("data=2", (*overrides, "train.log_every=10"), steps)[-last:]))
+    }
+    runs = long_runs(*(("data=2", (*overrides, "train.log_every=10"), steps) for overrides in modes.values()))
+    final = {name: float(np.mean(r["losses"][-last:])) for name, r in zip(modes, runs, strict=True)}
     gap = {name: value / final["float32"] - 1 for name, value in final.items()}
     assert abs(gap["bfloat16"]) <= 0.01, gap
     assert abs(gap["int8"]) <= 0.03, gap

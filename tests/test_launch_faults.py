@@ -37,7 +37,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.training.checkpoint import checkpoint_steps
 from jaxdist.training.preemption import EXIT_PREEMPTED
 
-from helpers import SMALL_TEXT, TINY
+from helpers import SMALL_TEXT, TINY, subprocess_env
 
 REPO = Path(jaxdist.__file__).resolve().parents[1]  # the checkout under test (its configs/launch templates)
 OVERRIDES = (*TINY, *SMALL_TEXT, "train.global_batch=8", "checkpoint.every_steps=1000")
@@ -45,7 +45,7 @@ ELASTIC_TRAIN_ARGS = ("--mesh", "data=-1,tensor=2", *OVERRIDES, "train.steps=5")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     return {**env, **extra}
 
 
@@ -421,6 +421,32 @@ def test_an_elastic_run_restarts_without_a_stalled_rank(tmp_path):
     assert "jaxdist.launch: rank 1 made no progress for" in out and "at step 2 (--hang-timeout 1)" in out
     dump = [line for line in out.splitlines() if line.startswith("[rank 1] ")]
     assert any("most recent call first" in line for line in dump) and any("heartbeat.py" in line for line in dump), out[-3000:]
+
+
+def test_a_killed_rank_is_blamed_before_the_peer_that_aborted_after_it(tmp_path):
+    """Rank 3 is killed from outside; rank 0 notices at once and aborts (as JAX does when a
+    peer's heartbeat stops). Both exits reach the launcher in one look: the killed rank is
+    the failure the elastic record names, not the lower rank that aborted."""
+    body = """
+    nproc = int(os.environ["JAXDIST_NUM_PROCESSES"])
+    if nproc == 4 and rank == 3:
+        open(f"{log}/rank3.dying", "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if nproc == 4 and rank == 0:
+        while not os.path.exists(f"{log}/rank3.dying"):
+            time.sleep(0.001)
+        os.abort()
+    if nproc == 4:
+        time.sleep(30)
+    """
+    run_dir = tmp_path / "run"
+    flags = ["--nproc", "4", "--min-nproc", "2", "--devices-per-proc", "2"]
+    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *ELASTIC_TRAIN_ARGS, "--run-dir", str(run_dir)])
+    assert code == 0, out
+    changes = [json.loads(line) for line in (run_dir / "elastic.jsonl").read_text().splitlines()]
+    assert [(c["reason"], c["to"]) for c in changes] == [("start", 4), ("failure", 2)], changes
+    assert (changes[1]["failed_rank"], changes[1]["exit_code"]) == (3, -signal.SIGKILL), changes
+    assert "jaxdist.launch: rank 3 was killed by SIGKILL" in out, out
 
 
 # --- real processes ---

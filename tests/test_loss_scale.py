@@ -5,20 +5,22 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxdist.config import load_config
 from jaxdist.layout.mesh import parse_mesh
 from jaxdist.training.run import build_trainer, run
 
-from helpers import TINY, train_losses
+from helpers import TINY, long_runs
 
 FP16 = ("model.dtype=float16",)
 
 
+@pytest.mark.heavy
 def test_fp16_with_a_dynamic_scale_matches_fp32():
     steps, last = 200, 10
-    fp32 = np.mean(train_losses("data=2", (), steps)[-last:])
-    fp16 = np.mean(train_losses("data=2", FP16, steps)[-last:])
+    fp32_run, fp16_run = long_runs(("data=2", (), steps), ("data=2", FP16, steps))
+    fp32, fp16 = np.mean(fp32_run["losses"][-last:]), np.mean(fp16_run["losses"][-last:])
     assert abs(fp16 / fp32 - 1) <= 0.03, (fp16, fp32)
 
 

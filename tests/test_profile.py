@@ -24,6 +24,8 @@ from jaxdist.inspect.profile_report import summarize
 from jaxdist.inspect.trace import collective_kind
 from jaxdist.profile import main
 
+from helpers import optimized_env
+
 DEVICES = 8
 STEPS = 3
 
@@ -431,7 +433,7 @@ def test_two_process_data_parallel_training_is_communication_heavy(tmp_path: Pat
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = optimized_env()  # timing shares: the code as it runs outside the tests
     cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", "2", "--devices-per-proc", "1", "--", "--mesh", "data=2"]
     cmd += ["--run-dir", str(tmp_path), *PROFILED, "model.d_model=512", "model.n_heads=8", "train.global_batch=2", "train.seq_len=16"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -18,7 +18,7 @@ from jaxdist.layout.validate import check_config_on_mesh
 from jaxdist.train import main
 from jaxdist.training.run import build_trainer, run
 
-from helpers import TINY
+from helpers import TINY, without_session_cache
 
 
 def _one_error_line(capsys) -> str:
@@ -66,7 +66,8 @@ def test_enabled_cache_directory_is_created_private(tmp_path):
         "import sys; from jaxdist.config import load_config; from jaxdist.training.compile_cache import enable_compile_cache;"
         "print(enable_compile_cache(load_config(None, []), __import__('pathlib').Path(sys.argv[1])))"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    env = without_session_cache(os.environ)  # the run's own cache
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     path = tmp_path / "run" / "xla_cache"
     assert proc.stdout.strip() == str(path)

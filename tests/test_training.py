@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -17,14 +16,14 @@ from jaxdist.errors import NonFiniteLoss
 from jaxdist.layout.mesh import parse_mesh
 from jaxdist.training.run import build_trainer, run
 
-from helpers import SMALL_TEXT, TINY
+from helpers import SMALL_TEXT, TINY, subprocess_env, without_session_cache
 
 CONTRACT_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "data_wait_s", "mfu"}
 
 
 def test_cli_writes_metrics_config_and_tensorboard(tmp_path):
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI must ask for fake devices itself
+    env = subprocess_env()  # the CLI must ask for fake devices itself
     cmd = [
         sys.executable,
         "-m",
@@ -219,7 +218,7 @@ def test_logged_mfu_matches_xla_flops_and_the_wall_clock(tmp_path, monkeypatch):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_session_cache(subprocess_env())  # the run's own cache
     cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", "data=2", "--steps", "2", *TINY[:-1], "checkpoint.every_steps=0"]
     cmd += [*SMALL_TEXT, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

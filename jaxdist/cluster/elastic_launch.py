@@ -172,8 +172,7 @@ class Elastic:
             note(f"rank {rank} {describe_exit(code)}; stopping the others")
             gen.stop_all()
             return Ended("final", exit_status(code), rank, code)
-        # Peers of a dead process fail soon after it: blame one killed by a signal first.
-        rank, code = min(lost, key=lambda rc: (rc[1] >= 0, rc[0]))
+        rank, code = lost[0]  # in the launcher's blame order
         note(f"rank {rank} {describe_exit(code)}; killing the others")
         gen.kill_all()  # with a dead peer they cannot save consistently; the last checkpoint stands
         return Ended("failure", exit_status(code), rank, code)

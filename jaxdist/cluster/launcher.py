@@ -116,6 +116,8 @@ class Launcher:
         self.pumps: list[threading.Thread] = []
         self.forwarded: int | None = None  # a signal forwarded before every process had started
         self.saving_since: float | None = None  # when the first process exited 75
+        self.seen_ended: dict[int, int] = {}  # rank -> the look at which its exit was first seen
+        self.looks = 0
 
     def _env(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -176,7 +178,18 @@ class Launcher:
         shutil.rmtree(self.beats, ignore_errors=True)
 
     def codes(self) -> list[int | None]:
-        return [p.poll() for p in self.procs]
+        self.looks += 1
+        codes = [p.poll() for p in self.procs]
+        for rank, code in enumerate(codes):
+            if code is not None:
+                self.seen_ended.setdefault(rank, self.looks)
+        return codes
+
+    def blame_order(self, failed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Failures, the likeliest cause first: peers of a dead process abort soon after it
+        (SIGABRT from a lost coordination heartbeat), so the exit seen first leads, and
+        within one look a SIGKILL from outside before other signals before exit codes."""
+        return sorted(failed, key=lambda rc: (self.seen_ended.get(rc[0], self.looks), rc[1] != -signal.SIGKILL, rc[1] >= 0, rc[0]))
 
     def poll(self) -> Ended | None:
         """One look at the set: None while it runs, else how it ended. Processes still
@@ -184,7 +197,7 @@ class Launcher:
         codes = self.codes()
         if codes[0] == EXIT_PORT_TAKEN:
             return Ended("port", EXIT_PORT_TAKEN, 0, EXIT_PORT_TAKEN)
-        failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0, EXIT_PREEMPTED)]
+        failed = self.blame_order([(rank, c) for rank, c in enumerate(codes) if c not in (None, 0, EXIT_PREEMPTED)])
         if failed:
             rank, code = failed[0]
             return Ended("failure", exit_status(code), rank, code, failed)

@@ -109,10 +109,12 @@ class Corpus:
     max_token_id: int
 
 
-def stdlib_files() -> list[Path]:
-    """The running interpreter's own standard-library sources: present on every machine."""
+@functools.cache
+def stdlib_files() -> tuple[Path, ...]:
+    """The running interpreter's own standard-library sources: present on every machine
+    (listed once per process: the walk takes seconds)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    return tuple(sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts))
 
 
 def _encode_documents(documents, tokenizer) -> np.ndarray:
@@ -187,7 +189,7 @@ def open_corpus(config: Config) -> Corpus:
     d = config.data
     tokenizer = "" if d.tokenizer == "byte" else d.tokenizer  # one cache entry for bytes, however named
     if d.source == "stdlib":
-        return _text_corpus("stdlib", tuple(stdlib_files()), tokenizer, "file")
+        return _text_corpus("stdlib", stdlib_files(), tokenizer, "file")
     if d.source == "text":
         from jaxdist.data.text import expand_inputs
 
