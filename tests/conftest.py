@@ -8,6 +8,7 @@ config), and a hit skips XLA's compile. It lives in a private temporary director
 for this session and removed after it, so every session starts cold.
 """
 
+import collections
 import os
 import re
 import shutil
@@ -49,8 +50,8 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files with heavy (multi-process, long) tests first: with one file per worker
-    (``-n 2 --dist loadfile``) the light files then fill in at the end, so neither
+    """Files with the most heavy (multi-process, long) tests first: with one file per
+    worker (``-n 2 --dist loadfile``) the light files then fill in at the end, so neither
     worker is left alone with a long file while the other idles."""
-    heavy_files = {item.path for item in items if item.get_closest_marker("heavy")}
-    items.sort(key=lambda item: item.path not in heavy_files)
+    heavy = collections.Counter(item.path for item in items if item.get_closest_marker("heavy"))
+    items.sort(key=lambda item: -heavy[item.path])  # stable: a file's tests keep their order

@@ -58,6 +58,7 @@ def test_one_inner_step_with_sgd_is_data_parallelism():
         jax.tree.map(lambda a, b, r=r: np.testing.assert_array_equal(a[r], b), replicas, outer)
 
 
+@pytest.mark.heavy
 def test_microbatches_under_diloco_say_they_reduce_per_microbatch(capsys):
     """The weaker path (GSPMD's reduction per microbatch, not DDP's once per step) is said
     in one line; the run after it trains like the same run without microbatches."""
@@ -128,6 +129,7 @@ def _uninterrupted() -> tuple:
         slow_link.wait_for_link = real
 
 
+@pytest.mark.heavy
 def test_resume_mid_round_is_exact(tmp_path):
     """H=3: a run stopped after step 5 (mid-round) and resumed matches the uninterrupted
     run bitwise, outer momentum included. The uninterrupted run also simulates a slow
@@ -141,6 +143,7 @@ def test_resume_mid_round_is_exact(tmp_path):
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
 
 
+@pytest.mark.heavy
 def test_float16_diloco_resumes_and_float16_can_be_turned_on(tmp_path, capsys):
     """The loss scale is per replica ([R]): a float16 DiLoCo run resumes exactly (its
     restore target was unstacked), and a float32 DiLoCo checkpoint resumed in float16

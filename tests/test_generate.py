@@ -36,6 +36,7 @@ def _generate(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.heavy
 def test_greedy_with_cache_equals_recomputing_the_sequence(checkpoint, capsys):
     hf_dir, out = checkpoint
     prompt = [int(i) for i in np.random.default_rng(3).integers(3, 1000, 24)]

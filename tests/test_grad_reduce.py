@@ -45,6 +45,7 @@ def _gradient_wire_bytes(mode: str, mesh: str = "data=8") -> float:
     return sum(stats["wire_bytes"] for stats in report["collectives"].values() if stats["count"])
 
 
+@pytest.mark.heavy
 def test_wire_bytes_per_step_under_data_8():
     """Bytes each device puts on the wire per step, from the compiled programs (the loss's
     scalar all-reduce included)."""
@@ -122,6 +123,7 @@ def test_dcn_compression_on_one_process_says_nothing_crosses_hosts(capsys):
     assert train_losses("data=2", overrides, 3) == train_losses("data=2", (), 3)  # GSPMD's fp32 reduction, bitwise
 
 
+@pytest.mark.heavy
 def test_error_feedback_residuals_do_not_depend_on_the_loss_scale():
     """fp16 + int8 with error feedback: after a step at scale S, the next step's update is
     the same whether the scale stayed S or an overflow halved it (residuals are stored
@@ -183,6 +185,7 @@ def _run(tmp_path, name: str, mesh: str, stop: int, *overrides: str, resume: str
     return run(config, sizes, tmp_path / name, devices=jax.devices()[: mesh_device_count(sizes)], progress=False, resume=resume)
 
 
+@pytest.mark.heavy
 def test_resume_with_residuals_is_exact_and_survives_a_mesh_change(tmp_path, capsys):
     int8 = ("parallel.grad_reduce=int8",)
     whole = _run(tmp_path, "whole", "data=4", 10, *int8)

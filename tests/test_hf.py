@@ -125,6 +125,7 @@ def test_diloco_checkpoints_give_their_outer_weights(tmp_path):
     np.testing.assert_array_equal(np.asarray(got["w"]["value"]), outer)
 
 
+@pytest.mark.heavy
 def test_init_from_on_three_axes_starts_at_the_converted_loss(converted, tmp_path, capsys):
     """Fine-tuning on data=2,fsdp=2,tensor=2 from the converted weights: the first step's
     loss is the Hugging Face model's on that batch; the run then resumes as its own."""

@@ -24,6 +24,7 @@ def test_fp16_with_a_dynamic_scale_matches_fp32():
     assert abs(fp16 / fp32 - 1) <= 0.03, (fp16, fp32)
 
 
+@pytest.mark.heavy
 def test_an_injected_overflow_is_skipped_and_the_scale_backs_off(capsys):
     config = load_config(None, (*TINY, *FP16, "parallel.mesh=data=2"))
     trainer = build_trainer(config, parse_mesh("data=2"), jax.devices()[:2])

@@ -152,6 +152,7 @@ def test_enumeration_respects_divisibility():
     assert not [c for c in enumerate_candidates(config, 8, 2) if c.sizes["tensor"] > 2]  # tensor stays in a node of 2
 
 
+@pytest.mark.heavy
 def test_the_cli_ranks_compiled_layouts_and_reuses_its_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
     argv = ["--gpus", "4", "--hardware", "h100", "--max-compiles", "2", "--json", *TINY]

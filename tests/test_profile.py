@@ -419,6 +419,7 @@ def test_training_on_slow_storage_is_data_bound(tmp_path: Path) -> None:
     assert any(a["key"] == "data.workers" for a in summary["advice"])
 
 
+@pytest.mark.heavy
 def test_training_with_a_large_batch_on_one_device_is_compute_bound(compute_bound_training: dict) -> None:
     assert compute_bound_training["bound"] == "compute", compute_bound_training["fractions"]
     assert abs(sum(compute_bound_training["fractions"].values()) - 1) < 0.02

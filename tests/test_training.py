@@ -21,6 +21,7 @@ from helpers import SMALL_TEXT, TINY, subprocess_env, without_session_cache
 CONTRACT_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "data_wait_s", "mfu"}
 
 
+@pytest.mark.heavy
 def test_cli_writes_metrics_config_and_tensorboard(tmp_path):
     run_dir = tmp_path / "run"
     env = subprocess_env()  # the CLI must ask for fake devices itself
