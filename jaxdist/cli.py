@@ -51,6 +51,17 @@ def train_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.Argument
     """``python -m jaxdist.train``'s flags (the launchers parse a run's arguments with it too)."""
     parser = config_arg_parser(prog, "Train a model on a device mesh.")
     parser.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go (default runs/NAME-TIME)")
+    add_process_group_flags(parser)
+    parser.add_argument("--resume", default="auto", help="auto (latest checkpoint in the run dir, if any) | never | STEP | PATH")
+    parser.add_argument("--init-from", default=None, metavar="CKPT", help="start from this checkpoint's weights (fresh optimizer, step 0)")
+    parser.add_argument("--max-restarts", type=int, default=0, help="restart a crashed run from its latest checkpoint up to N times")
+    parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds before the first restart; doubles each time")
+    parser.add_argument("--profile-steps", default=None, metavar="A:B", help="trace steps A..B into RUN_DIR/profile (train.profile_steps)")
+    return parser
+
+
+def add_process_group_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a multi-process run (``jaxdist.cluster.distributed.process_group_from`` reads them)."""
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for a multi-process run")
     parser.add_argument(
         "--coordinator-bind",
@@ -61,9 +72,3 @@ def train_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.Argument
     parser.add_argument("--num-processes", type=int, default=None, help="processes in the run")
     parser.add_argument("--process-id", type=int, default=None, help="this process's rank")
     parser.add_argument("--dist-timeout", type=int, default=300, help="seconds to wait for all processes to join")
-    parser.add_argument("--resume", default="auto", help="auto (latest checkpoint in the run dir, if any) | never | STEP | PATH")
-    parser.add_argument("--init-from", default=None, metavar="CKPT", help="start from this checkpoint's weights (fresh optimizer, step 0)")
-    parser.add_argument("--max-restarts", type=int, default=0, help="restart a crashed run from its latest checkpoint up to N times")
-    parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds before the first restart; doubles each time")
-    parser.add_argument("--profile-steps", default=None, metavar="A:B", help="trace steps A..B into RUN_DIR/profile (train.profile_steps)")
-    return parser

@@ -7,7 +7,16 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "jaxdist"
 # python -m jaxdist.X: argument parsing and one call into a library; nothing imports them
-CLIS = {"jaxdist.train", "jaxdist.analyze", "jaxdist.profile", "jaxdist.convert", "jaxdist.generate", "jaxdist.eval", "jaxdist.launch"}
+CLIS = {
+    "jaxdist.train",
+    "jaxdist.analyze",
+    "jaxdist.profile",
+    "jaxdist.convert",
+    "jaxdist.generate",
+    "jaxdist.eval",
+    "jaxdist.launch",
+    "jaxdist.commbench",
+}
 CLI_PACKAGES = {"jaxdist.data.__main__", "jaxdist.plan.__main__"}
 MAX_LINES = 500
 

@@ -1,13 +1,14 @@
 """``python -m jaxdist.plan``: rank the layouts of a training job on N GPUs by predicted step time.
 
-    python -m jaxdist.plan --config llama3-8b --gpus 8 --hardware h100 [--gpus-per-node 8]
+    python -m jaxdist.plan --config llama3-8b --gpus 8 --hardware h100 [--gpus-per-node 8] [--links PATH]
         [--global-batch B] [--top K] [--time-budget S] [--max-compiles K] [--json] [key=value ...]
 
 Every (data, fsdp, tensor, pipe) x microbatches x remat layout jaxdist accepts is screened
 (memory must fit with 10% headroom; a rough time orders them), then the best are compiled
 against N fake CPU devices, best first, until ``--time-budget`` seconds or
 ``--max-compiles`` compiles; each compiled step is priced by ``jaxdist.plan.cost`` on the
-hardware profile. Compiles are cached, so a rerun is fast. ``--json`` prints
+hardware profile (``--links PATH``: its links as ``python -m jaxdist.commbench --json PATH`` measured
+them, ``jaxdist.plan.links``). Compiles are cached, so a rerun is fast. ``--json`` prints
 ``{"candidates": [...]}`` best first, each with ``mesh``, ``microbatches``, ``remat``,
 ``step_time_s``, ``tokens_per_sec_per_device``, ``mfu``, ``memory_per_device_bytes`` and
 ``bound``.
@@ -31,6 +32,9 @@ def build_arg_parser():
     parser.add_argument("--gpus", type=int, required=True, help="devices to plan for")
     parser.add_argument("--hardware", required=True, help="h100 | h200 | a100 | h100-hbm2e | cpu-local")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's)")
+    parser.add_argument(
+        "--links", default=None, metavar="PATH", help="measured links (python -m jaxdist.commbench --json PATH) for the datasheet's"
+    )
     parser.add_argument("--global-batch", type=int, default=None, help="train.global_batch (sequences per step)")
     parser.add_argument("--top", type=int, default=5, help="candidates to print")
     parser.add_argument("--time-budget", type=float, default=300.0, help="seconds of compiling, at most")
@@ -63,6 +67,13 @@ def plan(args, log=print) -> dict:
     if args.global_batch is not None:
         overrides.append(f"train.global_batch={args.global_batch}")
     hardware = load_hardware(args.hardware, gpus_per_node=args.gpus_per_node)
+    if getattr(args, "links", None):
+        from jaxdist.plan.links import read_link_profile, with_links
+
+        links = read_link_profile(args.links)
+        hardware = with_links(hardware, links, args.links)
+        for missing in sorted({"intra_node", "inter_node"} - set(links)):
+            log(f"jaxdist: warning: --links {args.links} measured no {missing} link; the profile's datasheet figure prices it")
     overrides.append(f"model.dtype={'float32' if hardware.shared_host else 'bfloat16'}")  # what the device computes in
     overrides.append("data.source=synthetic")  # a plan reads no data
     config = load_config(args.config, overrides)

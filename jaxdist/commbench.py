@@ -1,0 +1,63 @@
+"""``python -m jaxdist.commbench``: the bandwidth of each collective over each mesh axis, before a run pays for it.
+
+    python -m jaxdist.commbench [--mesh SPEC] [--sizes 1K:64M] [--iters 20] [--warmup 5]
+        [--hardware h100|h200|a100|cpu-local] [--json PATH]
+
+Times all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute over every
+mesh axis of more than one device, for every power of 2 between the two sizes, and prints
+per axis and size the algorithm and bus bandwidth as nccl-tests defines them, beside the
+planner's hardware profile for that link (``jaxdist.plan.commbench`` says how). ``--json
+PATH`` writes a link profile the planner uses instead of the datasheet
+(``python -m jaxdist.plan --links PATH``).
+
+Launched like a training run, one process per device or host: under ``jaxdist.launch
+--module jaxdist.commbench``, SLURM's ``srun`` or with ``--coordinator`` /
+``--num-processes`` / ``--process-id``; it joins the process group as ``jaxdist.train``
+does. Without an accelerator the mesh gets fake CPU devices.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from jaxdist.cli import add_process_group_flags, parse_args
+from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, OneLineArgumentParser
+
+DEFAULT_SIZES = "1K:64M"
+
+
+def build_arg_parser():
+    parser = OneLineArgumentParser(prog="python -m jaxdist.commbench", description="Time the collectives over each mesh axis.")
+    parser.add_argument("--mesh", default="data=-1", help="name=size,... or AxB (default data=-1: every device on one axis)")
+    parser.add_argument(
+        "--sizes", default=DEFAULT_SIZES, help=f"A:B, the powers of 2 from A to B bytes, or one size; K/M/G (default {DEFAULT_SIZES})"
+    )
+    parser.add_argument("--iters", type=int, default=20, help="timed runs per point; the median is reported (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed runs per point after the compile (default 5)")
+    parser.add_argument("--hardware", default=None, help="planner profile to compare with (default: the devices' own; cpu-local if cached)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the link profile the planner reads (- for stdout)")
+    add_process_group_flags(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from jaxdist.cluster.distributed import process_group_from
+    from jaxdist.plan.commbench import Sweep, commbench, format_report, parse_sizes
+
+    try:
+        args = parse_args(build_arg_parser(), argv)
+        if args.iters < 1 or args.warmup < 0:
+            raise JaxdistError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+        sweep = Sweep(tuple(parse_sizes(args.sizes)), args.iters, args.warmup)
+        report, hardware = commbench(args.mesh, sweep, process_group_from(args), args.hardware, args.json)
+    except JaxdistError as e:
+        print(f"jaxdist: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if report is not None and args.json != "-":
+        print(format_report(report, hardware))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
