@@ -214,6 +214,7 @@ def test_the_supervisor_forwards_resume_equals_value(resume, tmp_path, monkeypat
 
 STUB_SRUN = """#!/bin/bash
 echo "$@" > "$STUB_LOG/srun.args"
+echo $$ > "$STUB_LOG/srun.pid"
 case "$STUB_MODE" in
   save-on-term) trap 'echo TERM >> "$STUB_LOG/srun.signals"; exit 75' TERM
                 touch "$STUB_LOG/srun.ready"
@@ -227,7 +228,9 @@ def _slurm(tmp_path: Path, mode: str, warn: bool) -> tuple[int, str, Path]:
     stubs, log = tmp_path / "bin", tmp_path / "log"
     stubs.mkdir()
     log.mkdir()
-    for name, body in (("srun", STUB_SRUN), ("scontrol", '#!/bin/bash\necho "$@" >> "$STUB_LOG/scontrol"\n')):
+    stub_scancel = '#!/bin/bash\nkill -TERM "$(cat "$STUB_LOG/srun.pid")"\n'  # the template signals the tasks through scancel
+    scontrol = '#!/bin/bash\necho "$@" >> "$STUB_LOG/scontrol"\n'
+    for name, body in (("srun", STUB_SRUN), ("scontrol", scontrol), ("scancel", stub_scancel), ("squeue", "#!/bin/bash\nexit 1\n")):
         (stubs / name).write_text(body)
         (stubs / name).chmod(stat.S_IRWXU)
     env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_LOG": str(log), "STUB_MODE": mode}

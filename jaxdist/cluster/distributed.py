@@ -4,6 +4,8 @@ Explicit (``--coordinator HOST:PORT --num-processes N --process-id I``, or the
 ``JAXDIST_COORDINATOR`` / ``JAXDIST_NUM_PROCESSES`` / ``JAXDIST_PROCESS_ID`` variables
 that ``jaxdist.launch`` sets) or detected by JAX itself on SLURM, Open MPI and
 Kubernetes. A single process needs nothing. On CPU the processes talk through gloo.
+Under SLURM and Open MPI the process count and rank come from the scheduler's variables
+before JAX starts, so that each process asks for its share of the fake CPU devices.
 
 Process 0 runs JAX's coordination service, which authenticates nobody: whoever reaches
 its port can join the run, read or write the key-value store the collectives use, or
@@ -19,6 +21,7 @@ import dataclasses
 import errno
 import ipaddress
 import os
+import re
 import socket
 import sys
 import time
@@ -57,6 +60,46 @@ def _cluster_detected() -> bool:
     return "JOBSET_NAME" in env and "KUBERNETES_SERVICE_HOST" in env
 
 
+def _scheduler_ranks() -> tuple[int | None, int | None]:
+    """(process count, this process's rank) from SLURM's or Open MPI's environment, the
+    variables JAX's detection reads, known before JAX starts: the fake CPU devices are split
+    by them (None, None where only JAX can tell, as on Kubernetes)."""
+    env = os.environ
+    for count, rank in (("SLURM_NTASKS", "SLURM_PROCID"), ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")):
+        if int(env.get(count, "1") or 1) > 1 and rank in env:
+            num, pid = int(env[count]), int(env[rank])
+            if not 0 <= pid < num:
+                raise JaxdistError(f"{rank}={pid} is not in [0, {count}={num})")
+            return num, pid
+    return None, None
+
+
+def _slurm_local_devices(jax_choice: list[int] | None) -> list[int] | None:
+    """The GPUs a SLURM task drives. JAX gives each task one, number SLURM_LOCALID: right
+    with one task per GPU, but a task alone on its node (the template's one task per node)
+    would drive 1 of its 8 GPUs, and a task SLURM bound its own GPUs to (--gpus-per-task)
+    may not have that number. Those drive every GPU they see (None)."""
+    env = os.environ
+    if "SLURM_STEP_NODELIST" not in env or jax_choice is None:
+        return jax_choice
+    tasks_here = _slurm_tasks_on_this_node()
+    if tasks_here == 1 or env.get("SLURM_GPUS_PER_TASK"):
+        return None
+    return jax_choice
+
+
+def _slurm_tasks_on_this_node() -> int | None:
+    """SLURM's task count on this node: SLURM_STEP_TASKS_PER_NODE (e.g. ``4(x2),1``) at SLURM_NODEID."""
+    spec, node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""), os.environ.get("SLURM_NODEID", "")
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts[int(node)] if node.isdigit() and int(node) < len(counts) else None
+
+
 def check_bind_host(host: str) -> str:
     """A --coordinator-bind value: a host name or an IP address, without a port."""
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -89,7 +132,8 @@ def process_group_from(args) -> ProcessGroup | None:
             raise JaxdistError(f"--process-id {pid} must be in [0, --num-processes {num})")
         return ProcessGroup(coordinator, num, pid, timeout, bind) if num > 1 else None
     if _cluster_detected():
-        return ProcessGroup(None, None, None, timeout, bind)
+        num, pid = _scheduler_ranks()
+        return ProcessGroup(None, num, pid, timeout, bind)
     return None
 
 
@@ -112,12 +156,15 @@ def _detected(group: ProcessGroup) -> tuple[ProcessGroup, list[int] | None]:
     (SLURM, Open MPI, Kubernetes), so that process 0 knows where its coordinator listens."""
     from jax._src import clusters  # JAX's own detection: jax.distributed.initialize calls the same
 
-    coordinator, num, pid, local = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, group.timeout_s)
+    coordinator, num, pid, local = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        None, group.num_processes, group.process_id, None, None, group.timeout_s
+    )
     if coordinator is None or num is None or pid is None:
         raise JaxdistError(
             "JAX found no coordinator in this cluster's environment: pass --coordinator HOST:PORT, --num-processes, --process-id"
         )
-    return dataclasses.replace(group, coordinator=coordinator, num_processes=int(num), process_id=int(pid)), local
+    group = dataclasses.replace(group, coordinator=coordinator, num_processes=int(num), process_id=int(pid))
+    return group, _slurm_local_devices(list(local) if local is not None else None)
 
 
 def bind_address(group: ProcessGroup) -> str:
@@ -135,7 +182,7 @@ def bind_address(group: ProcessGroup) -> str:
         ) from None
     address = sockaddr[0]
     flag = "--coordinator-bind" if group.bind else f"--coordinator {group.coordinator}"
-    if ipaddress.ip_address(address).is_loopback and not _is_loopback_name(chosen):
+    if ipaddress.ip_address(address).is_loopback and not _is_loopback_name(chosen) and not _one_slurm_node():
         print(
             f"jaxdist: warning: {flag}: {chosen} is {address} (loopback) on this machine: processes on other machines "
             "cannot reach it; pass --coordinator-bind with this node's cluster address",
@@ -143,6 +190,11 @@ def bind_address(group: ProcessGroup) -> str:
         )
     _check_port_free(family, address, port, flag)
     return f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
+
+
+def _one_slurm_node() -> bool:
+    """A SLURM step on one node: its processes reach a loopback coordinator."""
+    return os.environ.get("SLURM_STEP_NUM_NODES") == "1" and "SLURM_STEP_NODELIST" in os.environ
 
 
 def _is_loopback_name(host: str) -> bool:

@@ -43,7 +43,7 @@ def prepare_devices(config: Config, num_processes: int = 1) -> MeshSizes | None:
             raise JaxdistError(
                 f"mesh {config.parallel.mesh} ({mesh_device_count(sizes)} devices) does not split over {num_processes} processes"
             )
-        ensure_fake_cpu_devices(mesh_device_count(sizes) // num_processes)
+        ensure_fake_cpu_devices(mesh_device_count(sizes) // num_processes, exact=num_processes > 1)
     else:
         ensure_fake_cpu_devices(DEFAULT_FAKE_DEVICES)
     return sizes
@@ -85,19 +85,23 @@ def forced_host_device_count() -> int | None:
     return int(match.group(1)) if match else None
 
 
-def ensure_fake_cpu_devices(n: int) -> None:
+def ensure_fake_cpu_devices(n: int, *, exact: bool = False) -> None:
     """Ask XLA for ``n`` host devices; must run before JAX starts its backend.
 
+    ``exact``: one of several processes, each holding ``n`` of the mesh's devices: a larger
+    count (a user's XLA_FLAGS) is cut to ``n``, else the mesh's first devices would all be
+    process 0's and the others would hold none of the batch. Alone, more devices do no harm.
     On a machine with a GPU plugin nothing changes: a GPU mesh must match real devices.
     """
-    if n <= 1 or gpu_plugin_installed() or "jax" in sys.modules and backend_started():
+    if gpu_plugin_installed() or "jax" in sys.modules and backend_started():
         return
     forced = forced_host_device_count()
-    if forced is not None and forced >= n:
+    if (forced or 1) == n or not exact and (n <= 1 or forced is not None and forced > n):
         return
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    print(f"jaxdist: no accelerator; using {n} fake CPU devices for the mesh", file=sys.stderr)
+    instead = f" (not XLA_FLAGS' {forced}: each process holds its share of the mesh)" if forced is not None else ""
+    print(f"jaxdist: no accelerator; using {n} fake CPU devices for the mesh{instead}", file=sys.stderr)
 
 
 def backend_started() -> bool:
