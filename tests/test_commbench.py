@@ -171,6 +171,40 @@ def test_cpu_local_without_a_cached_profile_is_one_line(tmp_path, monkeypatch):
     assert code == 2 and err.count("\n") == 1 and "no cpu-local profile of this host is cached" in err, err
 
 
+def test_on_cpu_the_planner_column_is_this_hosts_cached_profile_or_says_it_is_left_out(tmp_path, monkeypatch):
+    from jaxdist.plan.measure import cpu_count, host_string
+
+    monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
+    argv = ["--mesh", "data=2", "--sizes", "4K:8K", "--iters", "1", "--warmup", "0", "--json", str(tmp_path / "links.json")]
+    code, out, err = _run_cli(argv)
+    assert code == 0 and "planner busbw" not in out
+    assert [line for line in err.splitlines() if "planner" in line] == [
+        f"jaxdist: warning: the planner's column is left out: no cpu-local profile of this host is cached in {tmp_path / 'cpu-local.json'} "
+        "(python -m jaxdist.plan.measure writes it; or pass --hardware)"
+    ]
+    profile = {  # a cached cpu-local profile of this host: 2-device all-reduce fits of 100 us + 1 GB/s (fake devices)
+        "host": host_string(),
+        "cores": cpu_count(),
+        "quick": True,
+        "matmul_flops_per_s": 1e10,
+        "matmul_curve": [],
+        "op_overhead_s": 1e-6,
+        "fusion_bytes_per_s": 1e10,
+        "memory_bytes_per_s": 1e10,
+        "fake_device_collective_latency_s": 100e-6,
+        "fake_device_collective_bytes_per_s": 1e9,
+        "collective_latency_s": 300e-6,
+        "collective_bytes_per_s": 0.5e9,
+    }
+    (tmp_path / "cpu-local.json").write_text(json.dumps(profile))
+    code, out, err = _run_cli(argv)
+    assert code == 0 and "planner profile cpu-local: 1 GB/s x 1, 50 us per ring step" in out, out + err
+    for row in json.loads((tmp_path / "links.json").read_text())["results"]:
+        bus_bytes = row["bytes"] * NCCL_BUS_FACTOR[row["kind"]](2)
+        steps = RING_STEPS.get(row["kind"], lambda n: n - 1)(2)
+        assert math.isclose(row["planner_time_s"], steps * 50e-6 + bus_bytes / 1e9, rel_tol=1e-9), row
+
+
 def test_a_bad_size_from_the_command_line_exits_2_before_jax_starts():
     proc = subprocess.run(
         [sys.executable, "-m", "jaxdist.commbench", "--sizes", "64M:1K"], env=subprocess_env(), capture_output=True, text=True, timeout=60

@@ -372,7 +372,7 @@ def planner_hardware(key: str | None) -> Hardware | None:
     profile = _cached(default_cache(), quick=True)
     if profile is None:
         raise JaxdistError(
-            f"--hardware cpu-local: no cpu-local profile of this host is cached in {default_cache()}; run python -m jaxdist.plan.measure first"
+            f"no cpu-local profile of this host is cached in {default_cache()} (python -m jaxdist.plan.measure writes it; or pass --hardware)"
         )
     return cpu_local(profile)
 

@@ -49,10 +49,12 @@ def fit_links(rows: Sequence[dict[str, Any]], log=print) -> dict[str, dict[str, 
             latency, bandwidth = fit_latency_bandwidth([(ring_wire_bytes(b, n), t) for b, t in points])
         except ValueError:
             sizes = sorted({int(b) for b, _ in points})
-            log(
-                f"jaxdist: warning: the {link} link ({axis}) is left out of the profile: its all-reduce time does not grow "
-                f"with size from {sizes[0]} to {sizes[-1]} bytes (latency-bound or noisy); measure larger --sizes"
+            why = (
+                "one size gives no bandwidth"
+                if len(sizes) < 2
+                else f"its all-reduce time does not grow with size from {sizes[0]} to {sizes[-1]} bytes (latency-bound or noisy)"
             )
+            log(f"jaxdist: warning: the {link} link ({axis}) is left out of the profile: {why}; measure a wider range of --sizes")
             continue
         links[link] = {"latency_s": latency, "bytes_per_s": bandwidth, "group_size": n, "axis": axis, "all_reduce": points}
     return links
