@@ -166,45 +166,16 @@ class Elastic:
             time.sleep(0.1)
 
     def _on_failure(self, gen: Launcher, failed: list[tuple[int, int]]) -> Ended:
-        lost = [(rank, c) for rank, c in failed if c not in FINAL_CODES]
-        if not lost:  # e.g. bad input or a NaN loss: it would recur on any count
-            rank, code = failed[0]
-            note(f"rank {rank} {describe_exit(code)}; stopping the others")
-            gen.stop_all()
-            return Ended("final", exit_status(code), rank, code)
-        rank, code = lost[0]  # in the launcher's blame order
-        note(f"rank {rank} {describe_exit(code)}; killing the others")
-        gen.kill_all()  # with a dead peer they cannot save consistently; the last checkpoint stands
-        return Ended("failure", exit_status(code), rank, code)
+        return after_failure(gen, failed)
 
     def _save(self, gen: Launcher, value: int, target: int | None) -> Ended:
         """Ask the run to save (SIGTERM: every process saves the same step and exits 75)."""
         then = f"restarting with {target}" if target else f"stopping (--min-nproc {self.plan.min_nproc})"
         print(f"jaxdist.launch: --nproc-file says {value}: asking the run to save, then {then}", file=sys.stderr, flush=True)
-        gen.signal_all(signal.SIGTERM)
-        deadline = time.monotonic() + SAVE_GRACE_S
-        while any(c is None for c in gen.codes()) and time.monotonic() < deadline:
-            if any(c not in (None, 0, EXIT_PREEMPTED) for c in gen.codes()):
-                break  # one died (e.g. the signal came before it set up JAX): the others cannot save
-            time.sleep(0.1)
-        gen.kill_all()
-        codes = gen.codes()
-        if self.interrupted is not None:
-            return Ended("interrupted", next((exit_status(c) for c in codes if c), 0))
-        if all(c == 0 for c in codes):  # it finished before the save
-            return Ended("done", 0)
-        final = [c for c in codes if c in FINAL_CODES - {EXIT_PREEMPTED}]
-        if final:
-            return Ended("final", final[0])
-        unsaved = [c for c in codes if c != EXIT_PREEMPTED]  # killed after the grace, or crashed while saving
-        code = unsaved[0] if unsaved else EXIT_PREEMPTED
-        return Ended("saved", exit_status(code), raw_code=code)
+        return save_and_stop(gen, lambda: self.interrupted is not None)
 
     def _stopped_at(self) -> str:
-        step = elastic.latest_step(self.plan.run_dir)
-        if step is None:
-            return "the run stopped before its first checkpoint: rerun to start it again"
-        return f"the run stopped at its last checkpoint (step {step}): rerun to resume"
+        return stopped_at(self.plan.run_dir)
 
     def _change(self, old: int | None, new: int, reason: str, rank: int | None = None, code: int | None = None) -> None:
         step = elastic.latest_step(self.plan.run_dir) or 0
@@ -213,6 +184,54 @@ class Elastic:
         fields = {"from": old, "to": new, "reason": reason, "step": step, "failed_rank": rank, "exit_code": code}
         mesh = format_mesh(elastic.mesh_for(self.plan.config, new, self.plan.devices_per_proc))
         elastic.record(self.plan.run_dir, **fields, mesh=mesh, restarts=self.restarts)
+
+
+def after_failure(gen: Launcher, failed: list[tuple[int, int]]) -> Ended:
+    """A set in which processes failed: kill the others at once (with a dead peer they cannot
+    save consistently; the last checkpoint stands), or, when every failure is one that a
+    relaunch would not fix (bad input, a NaN loss), stop them and make it final."""
+    lost = [(rank, c) for rank, c in failed if c not in FINAL_CODES]
+    if not lost:  # e.g. bad input or a NaN loss: it would recur on any count
+        rank, code = failed[0]
+        note(f"rank {rank} {describe_exit(code)}; stopping the others")
+        gen.stop_all()
+        return Ended("final", exit_status(code), rank, code)
+    rank, code = lost[0]  # in the launcher's blame order
+    note(f"rank {rank} {describe_exit(code)}; killing the others")
+    gen.kill_all()
+    return Ended("failure", exit_status(code), rank, code)
+
+
+def save_and_stop(gen: Launcher, interrupted) -> Ended:
+    """SIGTERM the set (a jaxdist run agrees on a step, saves it and exits 75), wait up to
+    ``SAVE_GRACE_S``, kill what is left; how it ended: saved, done (it finished first),
+    final (a code a relaunch would not fix) or interrupted (``interrupted()``: a user's signal)."""
+    gen.signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + SAVE_GRACE_S
+    while any(c is None for c in gen.codes()) and time.monotonic() < deadline:
+        if any(c not in (None, 0, EXIT_PREEMPTED) for c in gen.codes()):
+            break  # one died (e.g. the signal came before it set up JAX): the others cannot save
+        time.sleep(0.1)
+    gen.kill_all()
+    codes = gen.codes()
+    if interrupted():
+        return Ended("interrupted", next((exit_status(c) for c in codes if c), 0))
+    if all(c == 0 for c in codes):  # it finished before the save
+        return Ended("done", 0)
+    final = [c for c in codes if c in FINAL_CODES - {EXIT_PREEMPTED}]
+    if final:
+        return Ended("final", final[0])
+    unsaved = [c for c in codes if c != EXIT_PREEMPTED]  # killed after the grace, or crashed while saving
+    code = unsaved[0] if unsaved else EXIT_PREEMPTED
+    return Ended("saved", exit_status(code), raw_code=code)
+
+
+def stopped_at(run_dir: Path) -> str:
+    """Where a stopped run can be resumed from, for its last line."""
+    step = elastic.latest_step(run_dir)
+    if step is None:
+        return "the run stopped before its first checkpoint: rerun to start it again"
+    return f"the run stopped at its last checkpoint (step {step}): rerun to resume"
 
 
 def _processes(n: int) -> str:

@@ -105,8 +105,8 @@ class ProgressWatch:
     ``first_step_timeout_s`` from the start; then ``hang_timeout_s`` between two beats of each.
     """
 
-    def __init__(self, directory: Path, nproc: int, hang_timeout_s: float, first_step_timeout_s: float):
-        self.directory, self.nproc = Path(directory), nproc
+    def __init__(self, directory: Path, nproc: int, hang_timeout_s: float, first_step_timeout_s: float, first_rank: int = 0):
+        self.directory, self.nproc, self.first_rank = Path(directory), nproc, first_rank  # ranks first_rank .. + nproc - 1
         self.hang_timeout_s, self.first_step_timeout_s = hang_timeout_s, first_step_timeout_s
         self.started = time.time()
         self.first_step: dict[int, int] = {}  # the step each process beat first
@@ -131,7 +131,7 @@ class ProgressWatch:
         still in its first step the others wait for it, so only the first-step allowance
         counts then."""
         now = time.time()
-        beats = {rank: self._read(rank) for rank in range(self.nproc) if running[rank]}
+        beats = {self.first_rank + i: self._read(self.first_rank + i) for i in range(self.nproc) if running[i]}
         starting = [rank for rank, beat in beats.items() if not self._past_first_step(rank, beat)]
         if starting:
             idle = now - self.started

@@ -2,11 +2,14 @@
 progress, stop them (the work of ``python -m jaxdist.launch``; its module doc says what a
 run does, step by step, and what each exit code means).
 
-The coordinator listens on 127.0.0.1 only, on a port held for the whole set
-(``reserve_port``); every trainer dies with the launcher (``die_with_parent``) and beats
-once per step into a directory the hang watch reads (``jaxdist.cluster.heartbeat``).
+On one machine the set is the whole run: the coordinator listens on 127.0.0.1 only, on a
+port held for the whole set (``reserve_port``). On several nodes (``Placement``) it is one
+node's share: global process ids from ``first_id``, the coordinator on node 0's address
+(that node holds its port). Every trainer dies with the launcher (``die_with_parent``) and
+beats once per step into a directory the hang watch reads (``jaxdist.cluster.heartbeat``).
 ``run_plain`` is one set, started again on another port when the coordinator's was taken;
-the elastic loop (``jaxdist.cluster.elastic_launch``) runs generations of ``Launcher``.
+the elastic loops (``jaxdist.cluster.elastic_launch``, ``jaxdist.cluster.node_launch``) run
+generations of ``Launcher``.
 """
 
 from __future__ import annotations
@@ -88,12 +91,23 @@ class HangLimits:
 
 
 @dataclasses.dataclass
+class Placement:
+    """Where a set sits in a run that spans nodes."""
+
+    coordinator: str  # HOST:PORT of process 0's coordinator
+    world: int  # processes in the run, every node's
+    first_id: int  # the global id of this set's first process
+    bind: str | None = None  # the set that holds process 0: the address its coordinator listens on
+    reservation: socket.socket | None = None  # ... and the port it holds until the set is closed
+
+
+@dataclasses.dataclass
 class Ended:
     """How one set of processes ended."""
 
     kind: str  # done | saved (every process exited 0 or 75) | final | interrupted | failure | hang | port
     code: int  # an exit status (0 done)
-    rank: int | None = None  # the failed rank
+    rank: int | None = None  # the failed rank (global)
     raw_code: int | None = None  # its return code as Popen gives it (negative: a signal)
     failed: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # failure: every failed (rank, return code)
     cause: str | None = None  # hang: what the watch saw
@@ -105,24 +119,39 @@ class Ended:
 class Launcher:
     """One set of processes: start, forward signals, watch their progress, stop."""
 
-    def __init__(self, nproc: int, train_args: list[str], devices_per_proc: int | None, port: int | None, hang: HangLimits | None = None):
-        self.nproc, self.train_args, self.devices_per_proc = nproc, train_args, devices_per_proc
-        self.host = LOOPBACK
-        self.reservation = reserve_port(self.host, port)  # held until close(): nothing else can take the port
-        self.port = self.reservation.getsockname()[1]
+    def __init__(
+        self,
+        nproc: int,
+        train_args: list[str],
+        devices_per_proc: int | None,
+        port: int | None = None,
+        hang: HangLimits | None = None,
+        placement: Placement | None = None,
+        module: str = "jaxdist.train",
+    ):
+        self.nproc, self.train_args, self.devices_per_proc, self.module = nproc, train_args, devices_per_proc, module
+        if placement is None:  # this machine alone: the coordinator on loopback
+            reservation = reserve_port(LOOPBACK, port)  # held until close(): nothing else can take the port
+            placement = Placement(f"{LOOPBACK}:{reservation.getsockname()[1]}", nproc, 0, LOOPBACK, reservation)
+        self.placement, self.first_id, self.reservation = placement, placement.first_id, placement.reservation
+        self.host, port_text = placement.coordinator.rsplit(":", 1)
+        self.port = int(port_text)
         self.beats = Path(tempfile.mkdtemp(prefix="jaxdist-beats-"))
-        self.watch = ProgressWatch(self.beats, nproc, hang.hang_timeout_s, hang.first_step_timeout_s) if hang else None
+        self.watch = ProgressWatch(self.beats, nproc, hang.hang_timeout_s, hang.first_step_timeout_s, self.first_id) if hang else None
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.forwarded: int | None = None  # a signal forwarded before every process had started
         self.saving_since: float | None = None  # when the first process exited 75
-        self.seen_ended: dict[int, int] = {}  # rank -> the look at which its exit was first seen
+        self.seen_ended: dict[int, int] = {}  # global rank -> the look at which its exit was first seen
         self.looks = 0
 
     def _env(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({ENV_COORDINATOR: f"{self.host}:{self.port}", ENV_NUM_PROCESSES: str(self.nproc), ENV_PROCESS_ID: str(rank)})
-        env.update({ENV_COORDINATOR_BIND: self.host, ENV_DIR: str(self.beats)})
+        p = self.placement
+        env.update({ENV_COORDINATOR: p.coordinator, ENV_NUM_PROCESSES: str(p.world), ENV_PROCESS_ID: str(rank), ENV_DIR: str(self.beats)})
+        env.pop(ENV_COORDINATOR_BIND, None)
+        if p.bind is not None:  # the set with process 0, the only one whose coordinator listens
+            env[ENV_COORDINATOR_BIND] = p.bind
         env["PYTHONUNBUFFERED"] = "1"
         if self.devices_per_proc:
             flags = " ".join(t for t in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in t)
@@ -132,9 +161,9 @@ class Launcher:
     def start(self) -> None:
         if self.watch is not None:
             self.watch.started = time.time()
-        for rank in range(self.nproc):
+        for rank in range(self.first_id, self.first_id + self.nproc):
             proc = subprocess.Popen(
-                [sys.executable, "-m", "jaxdist.train", *self.train_args],
+                [sys.executable, "-m", self.module, *self.train_args],
                 env=self._env(rank),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -174,13 +203,14 @@ class Launcher:
         deadline = time.monotonic() + 5.0  # a Grain worker holds the output pipe until it notices its parent died
         for pump in self.pumps:
             pump.join(max(0.0, deadline - time.monotonic()))
-        self.reservation.close()
+        if self.reservation is not None:
+            self.reservation.close()
         shutil.rmtree(self.beats, ignore_errors=True)
 
     def codes(self) -> list[int | None]:
         self.looks += 1
         codes = [p.poll() for p in self.procs]
-        for rank, code in enumerate(codes):
+        for rank, code in enumerate(codes, self.first_id):
             if code is not None:
                 self.seen_ended.setdefault(rank, self.looks)
         return codes
@@ -195,9 +225,9 @@ class Launcher:
         """One look at the set: None while it runs, else how it ended. Processes still
         running after a failure are left to the caller (stopped after a hang)."""
         codes = self.codes()
-        if codes[0] == EXIT_PORT_TAKEN:
+        if self.first_id == 0 and codes[0] == EXIT_PORT_TAKEN:
             return Ended("port", EXIT_PORT_TAKEN, 0, EXIT_PORT_TAKEN)
-        failed = self.blame_order([(rank, c) for rank, c in enumerate(codes) if c not in (None, 0, EXIT_PREEMPTED)])
+        failed = self.blame_order([(rank, c) for rank, c in enumerate(codes, self.first_id) if c not in (None, 0, EXIT_PREEMPTED)])
         if failed:
             rank, code = failed[0]
             return Ended("failure", exit_status(code), rank, code, failed)
@@ -214,10 +244,10 @@ class Launcher:
         now = time.monotonic()
         if self.saving_since is None:
             self.saving_since = now
-            saved = ", ".join(str(rank) for rank, c in enumerate(codes) if c == EXIT_PREEMPTED)
+            saved = ", ".join(str(rank) for rank, c in enumerate(codes, self.first_id) if c == EXIT_PREEMPTED)
             note(f"rank {saved} saved and exited ({EXIT_PREEMPTED}); waiting up to {SAVE_GRACE_S:.0f}s for the others to finish saving")
         elif now - self.saving_since > SAVE_GRACE_S:
-            late = ", ".join(str(rank) for rank, c in enumerate(codes) if c is None)
+            late = ", ".join(str(rank) for rank, c in enumerate(codes, self.first_id) if c is None)
             note(f"rank {late} did not finish saving within {SAVE_GRACE_S:.0f}s; stopping it")
             self.stop_all()
 
@@ -255,8 +285,15 @@ def note_error(message: str) -> None:
     print(f"jaxdist.launch: error: {message}", file=sys.stderr, flush=True)
 
 
-def run_plain(nproc: int, train_args: list[str], devices_per_proc: int | None, port: int | None, hang: HangLimits | None) -> int:
-    """``nproc`` trainers as one run until they end; the exit status. Started again on
+def run_plain(
+    nproc: int,
+    train_args: list[str],
+    devices_per_proc: int | None,
+    port: int | None,
+    hang: HangLimits | None,
+    module: str = "jaxdist.train",
+) -> int:
+    """``nproc`` trainers (or ``module``'s processes) as one run until they end; the exit status. Started again on
     another port (up to ``PORT_ATTEMPTS`` times) when process 0 finds the coordinator's
     port taken; SIGINT / SIGTERM are forwarded while it runs."""
     current: list[Launcher] = []
@@ -270,7 +307,7 @@ def run_plain(nproc: int, train_args: list[str], devices_per_proc: int | None, p
     forwarded = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for _ in range(PORT_ATTEMPTS):
-            current.append(Launcher(nproc, train_args, devices_per_proc, port, hang))
+            current.append(Launcher(nproc, train_args, devices_per_proc, port, hang, module=module))
             if received:  # a signal came while no set ran
                 current[-1].forwarded = received[-1]
             current[-1].start()
