@@ -61,27 +61,62 @@ checkpoint: rerun the same command to resume.
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from jaxdist.cli import config_from_args, train_arg_parser
 from jaxdist.cli import parse_args as parse_train_args
+from jaxdist.cluster import elastic
 from jaxdist.cluster.elastic_launch import ElasticPlan, run_elastic
+from jaxdist.cluster.etcd import Etcd, parse_endpoint
 from jaxdist.cluster.launcher import HangLimits, run_plain
+from jaxdist.cluster.node_launch import NodePlan, check_local_address, route_address, run_node
+from jaxdist.cluster.rendezvous import check_name
 from jaxdist.cluster.supervise import child_argv
 from jaxdist.errors import EXIT_BAD_INPUT, JaxdistError, OneLineArgumentParser
 from jaxdist.training.run import default_run_dir
 
 DEFAULT_MAX_RESTARTS = 3
+MODULES = ("jaxdist.train", "jaxdist.commbench")  # --module: the programs a plain launch can run
 DEFAULT_HANG_TIMEOUT_S = 1800.0
 DEFAULT_FIRST_STEP_TIMEOUT_S = 3600.0
+DEFAULT_RDZV_TIMEOUT_S = 600.0
+DEFAULT_RDZV_SETTLE_S = 5.0
+LOCAL_FLAGS = ("nproc", "min_nproc", "nproc_file", "port")  # one machine's; --nnodes takes the others
+NODE_FLAGS = ("nproc_per_node", "rdzv", "rdzv_id", "node_id", "coordinator_bind", "rdzv_timeout", "rdzv_settle")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = OneLineArgumentParser(prog="python -m jaxdist.launch", description="Run N training processes on this machine.")
-    parser.add_argument("--nproc", type=int, required=True, help="number of processes (elastic: the first and largest count)")
-    parser.add_argument("--devices-per-proc", type=int, default=None, help="fake CPU devices per process (default: mesh size / nproc)")
+    parser = OneLineArgumentParser(
+        prog="python -m jaxdist.launch", description="Run N training processes on this machine, or this node's share of a run across nodes."
+    )
+    parser.add_argument("--nproc", type=int, default=None, help="number of processes (elastic: the first and largest count)")
+    parser.add_argument(
+        "--devices-per-proc", type=int, default=None, help="fake CPU devices per process (default: mesh size / nproc; --nnodes: 1)"
+    )
+    nodes = parser.add_argument_group("across nodes (one launcher per node, an etcd rendezvous)")
+    nodes.add_argument("--nnodes", default=None, metavar="MIN:MAX", help="the fewest and the most nodes of the run (N: exactly N)")
+    nodes.add_argument("--nproc-per-node", type=int, default=None, metavar="K", help="processes this launcher starts (default 1)")
+    nodes.add_argument("--rdzv", default=None, metavar="etcd://HOST:PORT", help="the etcd server of the rendezvous")
+    nodes.add_argument("--rdzv-id", default=None, metavar="ID", help="the run's name in etcd: the same on every node")
+    nodes.add_argument("--node-id", default=None, help="this node's name in the rendezvous (default HOSTNAME-PID)")
+    nodes.add_argument(
+        "--coordinator-bind", default=None, metavar="ADDRESS", help="this node's cluster address (default: the one that reaches etcd)"
+    )
+    nodes.add_argument(
+        "--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT_S, metavar="S", help="stop when fewer than MIN nodes for S seconds"
+    )
+    nodes.add_argument(
+        "--rdzv-settle",
+        type=float,
+        default=DEFAULT_RDZV_SETTLE_S,
+        metavar="S",
+        help=f"membership unchanged this long before a generation starts or grows (default {DEFAULT_RDZV_SETTLE_S:g})",
+    )
     parser.add_argument(
         "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one; elastic: the first start)"
     )
@@ -104,19 +139,78 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         metavar="S",
         help=f"the same until every process finished its first step: start-up, restore, compile (default {DEFAULT_FIRST_STEP_TIMEOUT_S:g})",
     )
+    parser.add_argument(
+        "--module",
+        default="jaxdist.train",
+        choices=MODULES,
+        help="what each process runs (default jaxdist.train; jaxdist.commbench: the links)",
+    )
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the arguments of python -m jaxdist.train")
     args = parser.parse_args(argv)
     if args.train_args[:1] == ["--"]:
         args.train_args = args.train_args[1:]
-    if args.nproc < 1:
-        raise JaxdistError(f"--nproc must be >= 1, got {args.nproc}")
     if args.hang_timeout < 0 or args.first_step_timeout <= 0:
         raise JaxdistError("--hang-timeout must be >= 0 (0: no hang watch) and --first-step-timeout > 0")
     args.hang = HangLimits(args.hang_timeout, args.first_step_timeout) if args.hang_timeout > 0 else None
+    restarting = [f"--{k.replace('_', '-')}" for k in ("nnodes", "min_nproc", "max_restarts", "nproc_file") if getattr(args, k) is not None]
+    if args.module != "jaxdist.train" and restarting:
+        raise JaxdistError(f"--module {args.module} runs once on a fixed set of processes: {restarting[0]} restarts training runs only")
+    args.nodes = args.nnodes is not None
+    args.elastic = False
+    if args.nodes:
+        _check_node_args(args, parser)
+        return args
+    given = [f"--{k.replace('_', '-')}" for k in NODE_FLAGS if getattr(args, k) != parser.get_default(k)]
+    if given:
+        raise JaxdistError(f"{given[0]} belongs to a run across nodes: it needs --nnodes MIN:MAX")
+    if args.nproc is None:
+        raise JaxdistError("give --nproc N (processes on this machine) or --nnodes MIN:MAX (one launcher per node, with --rdzv)")
+    if args.nproc < 1:
+        raise JaxdistError(f"--nproc must be >= 1, got {args.nproc}")
     args.elastic = any(getattr(args, k) is not None for k in ("min_nproc", "max_restarts", "nproc_file"))
     if args.elastic:
         _check_elastic_args(args)
     return args
+
+
+def _parse_nnodes(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    if not sep:
+        high = low
+    if not (low.isascii() and low.isdigit() and high.isascii() and high.isdigit()):
+        raise JaxdistError(f"--nnodes {text!r}: expected MIN:MAX or N (positive integers)")
+    low_n, high_n = int(low), int(high)
+    if not 1 <= low_n <= high_n:
+        raise JaxdistError(f"--nnodes {text}: MIN must be from 1 to MAX, got {low_n}:{high_n}")
+    return low_n, high_n
+
+
+def _check_node_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--nnodes: the flags of a run across nodes, checked before anything is started or registered."""
+    mixed = [f"--{k.replace('_', '-')}" for k in LOCAL_FLAGS if getattr(args, k) is not None]
+    if mixed:
+        raise JaxdistError(f"{mixed[0]} is for processes on one machine; with --nnodes give --nproc-per-node K")
+    args.min_nodes, args.max_nodes = _parse_nnodes(args.nnodes)
+    if args.rdzv is None:
+        raise JaxdistError("--nnodes needs --rdzv etcd://HOST:PORT (the rendezvous every node's launcher joins)")
+    args.etcd_host, args.etcd_port = parse_endpoint(args.rdzv)
+    if args.rdzv_id is None:
+        raise JaxdistError("--nnodes needs --rdzv-id ID (the run's name in etcd: the same on every node)")
+    check_name(args.rdzv_id, "--rdzv-id")
+    args.node_id = check_name(args.node_id or _default_node_id(), "--node-id")
+    args.nproc_per_node = 1 if args.nproc_per_node is None else args.nproc_per_node
+    args.devices_per_proc = 1 if args.devices_per_proc is None else args.devices_per_proc
+    if args.nproc_per_node < 1 or args.devices_per_proc < 1:
+        raise JaxdistError("--nproc-per-node and --devices-per-proc must be >= 1")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise JaxdistError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.rdzv_timeout <= 0 or args.rdzv_settle < 0:
+        raise JaxdistError("--rdzv-timeout must be > 0 and --rdzv-settle >= 0")
+
+
+def _default_node_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip(".-_") or "node"
+    return f"{host[:100]}-{os.getpid()}"
 
 
 def _check_elastic_args(args: argparse.Namespace) -> None:
@@ -152,16 +246,51 @@ def elastic_plan(args: argparse.Namespace) -> ElasticPlan:
     )
 
 
+def node_plan(args: argparse.Namespace) -> NodePlan:
+    """--nnodes: the train args parsed as ``jaxdist.train`` does (no JAX); the run directory
+    must be given (every node writes the same one)."""
+    train = parse_train_args(train_arg_parser(), args.train_args)
+    if not train.run_dir:
+        raise JaxdistError("--nnodes needs the run's --run-dir DIR after --, on storage every node shares")
+    if train.profile_steps is not None:
+        train.overrides.append(f"train.profile_steps={train.profile_steps}")
+    config = config_from_args(train)
+    elastic.mesh_for(config, args.min_nodes * args.nproc_per_node, args.devices_per_proc)  # --mesh auto: one line here
+    address = args.coordinator_bind or route_address(args.etcd_host, args.etcd_port)
+    check_local_address(address)
+    return NodePlan(
+        config=config,
+        run_dir=Path(train.run_dir),
+        child_args=child_argv(list(args.train_args), Path(train.run_dir)),
+        first_resume=train.resume,
+        min_nodes=args.min_nodes,
+        max_nodes=args.max_nodes,
+        nproc_per_node=args.nproc_per_node,
+        devices_per_proc=args.devices_per_proc,
+        etcd=Etcd(args.etcd_host, args.etcd_port),
+        run_id=args.rdzv_id,
+        node_id=args.node_id,
+        address=address,
+        rdzv_timeout_s=args.rdzv_timeout,
+        settle_s=args.rdzv_settle,
+        max_restarts=DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts,
+        hang=args.hang,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         plan = elastic_plan(args) if args.elastic else None
+        nodes = node_plan(args) if args.nodes else None
     except JaxdistError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if nodes is not None:
+        return run_node(nodes)
     if plan is not None:
         return run_elastic(plan)
-    return run_plain(args.nproc, args.train_args, args.devices_per_proc, args.port, args.hang)
+    return run_plain(args.nproc, args.train_args, args.devices_per_proc, args.port, args.hang, args.module)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,189 @@
+"""A small client for etcd's v3 JSON gateway (HTTP/1.1 and JSON, the standard library only).
+
+The calls the rendezvous needs: range (one key or a prefix), put, a create that succeeds
+only when the key is absent, a replace that succeeds only when the key is unchanged (both
+one ``/v3/kv/txn`` comparing the key's version or mod_revision), and leases (grant,
+keepalive, revoke). Keys and values travel base64-encoded, revisions and lease ids as
+decimal strings, as the gateway writes them. HTTP proxies from the environment are not
+used: etcd is on the cluster's own network.
+
+``EtcdUnavailable`` means etcd could not be reached (refused, timed out, no leader);
+the caller decides whether to retry. ``EtcdError`` is etcd refusing a request.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import http.client
+import ipaddress
+import json
+import re
+import urllib.error
+import urllib.request
+
+from jaxdist.errors import JaxdistError
+
+REQUEST_TIMEOUT_S = 2.0  # one request; a stopped etcd must not stall a launcher's loop for long
+_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
+
+
+class EtcdUnavailable(Exception):
+    """etcd did not answer (connection refused or reset, timeout, no leader)."""
+
+
+class EtcdError(Exception):
+    """etcd answered with an error (e.g. a lease that no longer exists)."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+def parse_endpoint(url: str) -> tuple[str, int]:
+    """``etcd://HOST:PORT`` -> (host, port); a malformed one raises ``JaxdistError``."""
+    scheme, sep, rest = url.partition("://")
+    if scheme != "etcd" or not sep:
+        raise JaxdistError(f"--rdzv {url!r}: expected etcd://HOST:PORT")
+    host, colon, port = rest.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            host = ""
+    elif not _HOST.match(host):
+        host = ""
+    if not colon or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        raise JaxdistError(f"--rdzv {url!r}: expected etcd://HOST:PORT (a host name or address and a port from 1 to 65535)")
+    return host, int(port)
+
+
+def _b64(text: str | bytes) -> str:
+    raw = text.encode() if isinstance(text, str) else text
+    return base64.b64encode(raw).decode()
+
+
+def _prefix_end(prefix: str) -> str:
+    """The range end that selects every key starting with ``prefix`` (its last byte + 1)."""
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1  # prefixes here end in "/": never 0xff
+    return _b64(bytes(raw))
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    @classmethod
+    def from_json(cls, kv: dict) -> KeyValue:
+        return cls(
+            key=base64.b64decode(kv["key"]).decode(errors="replace"),
+            value=base64.b64decode(kv.get("value", "")),
+            create_revision=int(kv.get("create_revision", 0)),
+            mod_revision=int(kv.get("mod_revision", 0)),
+            version=int(kv.get("version", 0)),
+            lease=int(kv.get("lease", 0)),
+        )
+
+
+class Etcd:
+    """One etcd endpoint (``host``, ``port``), plain HTTP."""
+
+    def __init__(self, host: str, port: int, timeout_s: float = REQUEST_TIMEOUT_S):
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        url_host = f"[{host}]" if ":" in host else host
+        self.base = f"http://{url_host}:{port}"
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def describe(self) -> str:
+        return f"etcd://{self.host}:{self.port}" if ":" not in self.host else f"etcd://[{self.host}]:{self.port}"
+
+    def call(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(
+            self.base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+        )
+        try:
+            with self.opener.open(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            try:
+                detail = json.loads(e.read() or b"{}")
+            except ValueError:
+                detail = {}
+            message = detail.get("message") or detail.get("error") or f"HTTP {e.code}"
+            if e.code >= 500 and detail.get("code") != 5:  # no leader, shutting down: try again later
+                raise EtcdUnavailable(f"{self.describe()}: {message}") from None
+            raise EtcdError(f"{self.describe()}: {message}", detail.get("code")) from None
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise EtcdUnavailable(f"{self.describe()}: {reason}") from None
+        except ValueError as e:  # not JSON: not an etcd gateway
+            raise EtcdError(f"{self.describe()}: the answer is not etcd's JSON ({e})") from None
+
+    # --- keys ---
+
+    def range(self, prefix: str) -> tuple[int, list[KeyValue]]:
+        """(the store's revision, every key that starts with ``prefix``, in key order)."""
+        answer = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)})
+        return int(answer.get("header", {}).get("revision", 0)), [KeyValue.from_json(kv) for kv in answer.get("kvs", [])]
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        """Write ``key``; the revision of the write."""
+        body = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        return int(self.call("/v3/kv/put", body).get("header", {}).get("revision", 0))
+
+    def create(self, key: str, value: bytes) -> tuple[int, KeyValue | None]:
+        """Write ``key`` only if it does not exist: (the revision of the write, 0 when not
+        written; the key as it is now when not)."""
+        compare = {"key": _b64(key), "result": "EQUAL", "target": "VERSION", "version": "0"}
+        return self._txn(key, value, compare)
+
+    def replace(self, key: str, value: bytes, mod_revision: int) -> tuple[int, KeyValue | None]:
+        """Write ``key`` only if it was last written at ``mod_revision`` (0: it must not exist)."""
+        if mod_revision == 0:
+            return self.create(key, value)
+        compare = {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(mod_revision)}
+        return self._txn(key, value, compare)
+
+    def _txn(self, key: str, value: bytes, compare: dict) -> tuple[int, KeyValue | None]:
+        body = {
+            "compare": [compare],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
+            "failure": [{"request_range": {"key": _b64(key)}}],
+        }
+        answer = self.call("/v3/kv/txn", body)
+        if answer.get("succeeded"):
+            return int(answer.get("header", {}).get("revision", 0)), None
+        kvs = [kv for r in answer.get("responses", []) for kv in r.get("response_range", {}).get("kvs", [])]
+        return 0, KeyValue.from_json(kvs[0]) if kvs else None
+
+    def delete(self, key: str) -> None:
+        self.call("/v3/kv/deleterange", {"key": _b64(key)})
+
+    # --- leases ---
+
+    def grant(self, ttl_s: int) -> int:
+        """A new lease of ``ttl_s`` seconds; its id."""
+        answer = self.call("/v3/lease/grant", {"TTL": str(ttl_s)})
+        if answer.get("error"):
+            raise EtcdError(f"{self.describe()}: {answer['error']}")
+        return int(answer["ID"])
+
+    def keepalive(self, lease: int) -> int:
+        """Renew ``lease``; its new TTL in seconds, 0 when it no longer exists (expired)."""
+        answer = self.call("/v3/lease/keepalive", {"ID": str(lease)})
+        return int(answer.get("result", {}).get("TTL", 0))
+
+    def revoke(self, lease: int) -> None:
+        """End ``lease`` now: the keys on it are deleted."""
+        with contextlib.suppress(EtcdError):  # already gone
+            self.call("/v3/lease/revoke", {"ID": str(lease)})
