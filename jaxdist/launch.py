@@ -1,4 +1,5 @@
-"""``python -m jaxdist.launch``: N training processes on this machine, as one run.
+"""``python -m jaxdist.launch``: N training processes on this machine, as one run, or this
+node's share of an elastic run across nodes (``--nnodes``, below).
 
     python -m jaxdist.launch --nproc 2 [--devices-per-proc 4] -- --mesh data=2,fsdp=4 --steps 20
 
@@ -47,6 +48,51 @@ also the largest count the run takes.
   checkpoint) and appends a JSON line to ``RUN_DIR/elastic.jsonl``: ``time``, ``from``,
   ``to``, ``reason`` (start | failure | hang | grow | shrink; the first start has ``from`` null),
   ``step``, ``failed_rank``, ``exit_code``, ``mesh``, ``restarts``.
+
+Across nodes (TorchElastic's model; one launcher per node, every one with the same arguments):
+
+    python -m jaxdist.launch --nnodes 1:4 --nproc-per-node 2 [--devices-per-proc 4] \\
+        --rdzv etcd://HOST:2379 --rdzv-id RUN [--coordinator-bind ADDRESS] [--rdzv-timeout 600] \\
+        [--rdzv-settle 5] [--max-restarts 3] -- --mesh data=-1,tensor=2 --run-dir /shared/runs/RUN ...
+
+- Rendezvous (``jaxdist.cluster.rendezvous``, etcd's v3 JSON gateway over HTTP): each
+  launcher registers under ``/jaxdist/RUN/`` on a lease of 5 s that a thread renews; a
+  launcher killed even by SIGKILL drops out when its lease expires. The lowest free node
+  (join order) proposes a generation by an etcd transaction: the member nodes in rank order
+  (at most MAX; the largest count whose processes the run fits, as above), the coordinator
+  (its own address, ``--coordinator-bind``, default the address this host uses to reach
+  etcd, on a port it holds) and the world size nodes x K. A first generation, or one with
+  new nodes, waits until the membership has not changed for ``--rdzv-settle`` seconds.
+  Each member starts its K processes with global ids node_rank x K + local; node 0's
+  coordinator listens on that one address. The run directory is the same path on every
+  node (shared storage) and must be given (``--run-dir``); the first generation keeps the
+  user's ``--resume``, later ones resume from the newest checkpoint.
+- A generation ends for everyone at the first report (etcd: created once): a process fails
+  or hangs, or a member's lease is gone (a node lost) -> every node kills its processes
+  and the next generation starts from the last checkpoint (a restart, counted against
+  ``--max-restarts``, default 3); a node waits to join and a larger node count fits (node
+  0 checks, after the settle window, up to MAX) -> every process saves (SIGTERM, exit 75)
+  and the run grows; SIGINT / SIGTERM to a launcher -> the run saves, that node leaves and
+  the others go on without it. The mesh's -1 axis, the microbatches and the data by step
+  adapt as in the elastic launch above. Each generation prints one line on every node and
+  node 0 appends one record to ``RUN_DIR/elastic.jsonl``: the fields above plus
+  ``generation``, ``nodes``, ``from_nodes``, ``node_ids`` (rank order), ``left``, ``joined``,
+  ``failed_node``; ``reason`` start | failure | hang | lost | grow | leave.
+- etcd is needed only for these changes: while it does not answer the processes go on (one
+  line when it goes, one when it is back; a lease that expired meanwhile is granted again
+  and the node registered again, and a member's missing key counts as lost only
+  ``LOST_GRACE_S`` after an outage). Fewer than MIN nodes (or no node count that fits) for
+  ``--rdzv-timeout`` seconds between generations: one line and exit 75 (the last
+  checkpoint stands: rerun to resume). etcd unreachable at start, a malformed ``--rdzv``,
+  ``--nnodes 3:2``, no ``--rdzv-id`` or no ``--run-dir``: one line, exit 2, nothing started.
+- Exit codes per launcher: 0 the run finished; 75 it saved and stopped (this node left, the
+  run was preempted from outside, or fewer than MIN nodes); 2 bad input, or launchers that
+  disagree on their arguments; a process's own code for 3 (non-finite loss) and 4
+  (checkpoint not written); the failure's code when ``--max-restarts`` is used up.
+- Trust: etcd authenticates nobody by default; whoever can write its keys can steer the
+  launchers (a generation names the coordinator every process connects to). Keep etcd on
+  the job's private network with the coordinator port. The launchers listen on nothing
+  themselves.
 
 Exit codes: 0 the run finished; 2 bad input (nothing started); 137 a hang (plain launch);
 76 the coordinator's port was taken 5 times in a row; a process's own exit code when it

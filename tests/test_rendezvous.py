@@ -27,6 +27,7 @@ import pytest
 import jaxdist.launch as launch
 from jaxdist.cluster import launcher, rendezvous
 from jaxdist.cluster.etcd import Etcd, EtcdUnavailable
+from jaxdist.cluster.node_launch import NodeElastic
 from jaxdist.cluster.rendezvous import Ending, Generation, Registration, end_generation, propose, read_state
 from jaxdist.training.checkpoint import checkpoint_steps
 
@@ -197,6 +198,52 @@ def test_no_run_dir_and_an_unreachable_etcd_are_one_line(tmp_path, capsys, no_pr
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"cannot use the rendezvous --rdzv etcd://127.0.0.1:{unused}" in err[0], err
     assert time.monotonic() - started < 10 and not (tmp_path / "run").exists()
+
+
+# --- the node loop's decisions against the server (no process is started) ---
+
+
+def _node(etcd_server, tmp_path: Path, run: str, node: str, *flags: str) -> NodeElastic:
+    argv = _node_argv(etcd_server.url, "--node-id", node, "--rdzv-settle", "0", *flags, run_dir=tmp_path / "run")
+    argv[argv.index("--rdzv-id") + 1] = run
+    return NodeElastic(launch.node_plan(launch.parse_args(argv)))
+
+
+def test_failures_past_max_restarts_stop_every_node(etcd_server, tmp_path, capsys, no_processes):
+    etcd, run = etcd_server.client, "restarts"
+    a, b = (_node(etcd_server, tmp_path, run, n, "--max-restarts", "0") for n in ("a", "b"))
+    assert propose(etcd, run, read_state(etcd, run), Generation(1, ("a", "b"), "127.0.0.1:1", 2, 0, {"reason": "start"}, a.fingerprint))
+    end_generation(etcd, run, 1, Ending("failure", "b", rank=3, exit_code=1))
+    try:
+        a.reg.join(1)  # both stopped their processes of generation 1
+        b.reg.join(1)
+        assert a.rendezvous() == 1  # the lowest node proposes the end, with the failure's code
+        assert b.rendezvous() == 1  # and the other follows it
+    finally:
+        a.reg.leave()
+        b.reg.leave()
+    line = (
+        "jaxdist.launch: error: rank 3 exited with code 1 and --max-restarts 0 are used up; "
+        "the run stopped before its first checkpoint: rerun to start it again"
+    )
+    assert capsys.readouterr().err.strip().splitlines() == [line, line]
+    gen = read_state(etcd, run).generation
+    assert (gen.number, gen.members, gen.stop["code"]) == (2, (), 1)
+
+
+def test_a_launcher_with_other_arguments_starts_nothing(etcd_server, tmp_path, capsys, no_processes):
+    etcd, run = etcd_server.client, "mismatch"
+    a = _node(etcd_server, tmp_path, run, "a")
+    assert propose(etcd, run, read_state(etcd, run), Generation(1, ("a",), "127.0.0.1:1", 2, 0, {"reason": "start"}, "other"))
+    try:
+        a.reg.join(0)
+        gen = a.rendezvous()
+        assert gen.number == 1
+        assert a.run_generation(gen) == 2
+    finally:
+        a.reg.leave()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the launchers of --rdzv-id mismatch disagree: generation 1 was made by one with other" in err[0], err
 
 
 # --- real launchers ---

@@ -27,7 +27,18 @@ from pathlib import Path
 from jaxdist.cluster import elastic
 from jaxdist.cluster.elastic_launch import after_failure, save_and_stop, stopped_at
 from jaxdist.cluster.etcd import Etcd, EtcdError, EtcdUnavailable
-from jaxdist.cluster.launcher import GRACE_S, SAVE_GRACE_S, Ended, HangLimits, Launcher, Placement, note, note_error, reserve_port
+from jaxdist.cluster.launcher import (
+    GRACE_S,
+    SAVE_GRACE_S,
+    Ended,
+    HangLimits,
+    Launcher,
+    Placement,
+    describe_exit,
+    note,
+    note_error,
+    reserve_port,
+)
 from jaxdist.cluster.rendezvous import (
     FAILURES,
     FINAL,
@@ -251,7 +262,7 @@ class NodeElastic:
         }
         stop = None
         if restarts > p.max_restarts:
-            failure = f"rank {ending.rank} exited with {ending.exit_code}" if ending.rank is not None else f"node {ending.node} was lost"
+            failure = f"rank {ending.rank} {describe_exit(ending.exit_code)}" if ending.rank is not None else f"node {ending.node} was lost"
             stop = {"code": 1, "message": f"{failure} and --max-restarts {p.max_restarts} are used up; {stopped_at(p.run_dir)}"}
             if ending.exit_code is not None:
                 stop["code"] = ending.exit_code if ending.exit_code > 0 else 128 - ending.exit_code
