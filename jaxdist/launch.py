@@ -118,7 +118,7 @@ from jaxdist.cli import config_from_args, train_arg_parser
 from jaxdist.cli import parse_args as parse_train_args
 from jaxdist.cluster import elastic
 from jaxdist.cluster.elastic_launch import ElasticPlan, run_elastic
-from jaxdist.cluster.etcd import Etcd, parse_endpoint
+from jaxdist.cluster.etcd import Etcd, Tls, parse_endpoint
 from jaxdist.cluster.launcher import HangLimits, run_plain
 from jaxdist.cluster.node_launch import NodePlan, check_local_address, route_address, run_node
 from jaxdist.cluster.rendezvous import check_name
@@ -133,7 +133,18 @@ DEFAULT_FIRST_STEP_TIMEOUT_S = 3600.0
 DEFAULT_RDZV_TIMEOUT_S = 600.0
 DEFAULT_RDZV_SETTLE_S = 5.0
 LOCAL_FLAGS = ("nproc", "min_nproc", "nproc_file", "port")  # one machine's; --nnodes takes the others
-NODE_FLAGS = ("nproc_per_node", "rdzv", "rdzv_id", "node_id", "coordinator_bind", "rdzv_timeout", "rdzv_settle")
+NODE_FLAGS = (
+    "nproc_per_node",
+    "rdzv",
+    "rdzv_id",
+    "node_id",
+    "coordinator_bind",
+    "rdzv_timeout",
+    "rdzv_settle",
+    "rdzv_cacert",
+    "rdzv_cert",
+    "rdzv_key",
+)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -153,6 +164,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     nodes.add_argument(
         "--coordinator-bind", default=None, metavar="ADDRESS", help="this node's cluster address (default: the one that reaches etcd)"
     )
+    nodes.add_argument("--rdzv-cacert", default=None, metavar="FILE", help="HTTPS to etcd: the CA file its certificate is checked with")
+    nodes.add_argument("--rdzv-cert", default=None, metavar="FILE", help="HTTPS: this client's certificate (etcd --client-cert-auth)")
+    nodes.add_argument("--rdzv-key", default=None, metavar="FILE", help="HTTPS: the key of --rdzv-cert")
     nodes.add_argument(
         "--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT_S, metavar="S", help="stop when fewer than MIN nodes for S seconds"
     )
@@ -250,6 +264,8 @@ def _check_node_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         raise JaxdistError("--nproc-per-node and --devices-per-proc must be >= 1")
     if args.max_restarts is not None and args.max_restarts < 0:
         raise JaxdistError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if (args.rdzv_cert or args.rdzv_key) and not (args.rdzv_cacert and args.rdzv_cert and args.rdzv_key):
+        raise JaxdistError("--rdzv-cert and --rdzv-key go together, with --rdzv-cacert (HTTPS to etcd)")
     if args.rdzv_timeout <= 0 or args.rdzv_settle < 0:
         raise JaxdistError("--rdzv-timeout must be > 0 and --rdzv-settle >= 0")
 
@@ -313,7 +329,7 @@ def node_plan(args: argparse.Namespace) -> NodePlan:
         max_nodes=args.max_nodes,
         nproc_per_node=args.nproc_per_node,
         devices_per_proc=args.devices_per_proc,
-        etcd=Etcd(args.etcd_host, args.etcd_port),
+        etcd=Etcd(args.etcd_host, args.etcd_port, tls=Tls(args.rdzv_cacert, args.rdzv_cert, args.rdzv_key) if args.rdzv_cacert else None),
         run_id=args.rdzv_id,
         node_id=args.node_id,
         address=address,

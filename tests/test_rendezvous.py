@@ -26,7 +26,7 @@ import pytest
 
 import jaxdist.launch as launch
 from jaxdist.cluster import launcher, rendezvous
-from jaxdist.cluster.etcd import Etcd, EtcdUnavailable
+from jaxdist.cluster.etcd import Etcd, EtcdUnavailable, Tls
 from jaxdist.cluster.node_launch import NodeElastic
 from jaxdist.cluster.rendezvous import Ending, Generation, Registration, end_generation, propose, read_state
 from jaxdist.training.checkpoint import checkpoint_steps
@@ -44,18 +44,24 @@ OVERRIDES = (*TINY, "data.source=synthetic", "data.synthetic_latency_ms=100", "t
 class EtcdServer:
     """A real etcd on free loopback ports, its data in ``data_dir``."""
 
-    def __init__(self, data_dir: Path):
-        self.data_dir = data_dir
+    def __init__(self, data_dir: Path, tls_dir: Path | None = None):
+        self.data_dir, self.tls_dir = data_dir, tls_dir
         self.port, self.peer_port = launcher.free_port(), launcher.free_port()
         self.proc: subprocess.Popen | None = None
-        self.client = Etcd("127.0.0.1", self.port)
+        tls = Tls(str(tls_dir / "ca.pem"), str(tls_dir / "client.pem"), str(tls_dir / "client.key")) if tls_dir else None
+        self.client = Etcd("127.0.0.1", self.port, tls=tls)
         self.url = f"etcd://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
+        scheme = "https" if self.tls_dir else "http"
+        client, peer = f"{scheme}://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
         cmd = [ETCD, "--name", "test", "--data-dir", str(self.data_dir), "--listen-client-urls", client]
         cmd += ["--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer]
         cmd += ["--initial-cluster", f"test={peer}", "--log-level", "warn"]
+        if self.tls_dir:  # HTTPS, and only clients with a certificate from the CA
+            t = self.tls_dir
+            cmd += ["--cert-file", str(t / "server.pem"), "--key-file", str(t / "server.key")]
+            cmd += ["--trusted-ca-file", str(t / "ca.pem"), "--client-cert-auth"]
         log = open(self.data_dir.parent / "etcd.log", "a")  # noqa: SIM115 - etcd writes it while it runs
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
@@ -198,6 +204,58 @@ def test_no_run_dir_and_an_unreachable_etcd_are_one_line(tmp_path, capsys, no_pr
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"cannot use the rendezvous --rdzv etcd://127.0.0.1:{unused}" in err[0], err
     assert time.monotonic() - started < 10 and not (tmp_path / "run").exists()
+
+
+# --- HTTPS with client certificates (etcd --client-cert-auth) ---
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(tmp_path_factory):
+    """An etcd that speaks HTTPS only and admits clients with a certificate from its CA."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: no certificates for the TLS etcd")
+    d = tmp_path_factory.mktemp("tls")
+    _openssl(
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca", cwd=d
+    )
+    for name, usage in (("server", "serverAuth,clientAuth"), ("client", "clientAuth")):  # etcd's gateway dials etcd with the server's
+        (d / f"{name}.ext").write_text(f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\n")
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem",
+                 "-days", "1", "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+    server = EtcdServer(d / "data", tls_dir=d)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_https_with_a_client_certificate(tls_etcd, tmp_path, capsys, no_processes):
+    d = tls_etcd.tls_dir
+    certs = ["--rdzv-cacert", str(d / "ca.pem"), "--rdzv-cert", str(d / "client.pem"), "--rdzv-key", str(d / "client.key")]
+    for without in ([], certs[:2], None):  # plain HTTP; HTTPS without a client certificate: refused
+        tls = None if without is None else Tls(str(d / "ca.pem")) if without else None
+        with pytest.raises(EtcdUnavailable):
+            Etcd("127.0.0.1", tls_etcd.port, tls=tls).range("/")
+    argv = _node_argv(tls_etcd.url, *certs[:2], run_dir=tmp_path / "run")
+    argv[argv.index("--rdzv-id") + 1] = "tls"
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot use the rendezvous --rdzv {tls_etcd.url}" in err[0], err
+    # With the certificate the launcher registers, waits for a second node and stops after --rdzv-timeout.
+    argv = _node_argv(tls_etcd.url, *certs, "--rdzv-timeout", "1", run_dir=tmp_path / "run", nnodes="2:2")
+    argv[argv.index("--rdzv-id") + 1] = "tls"
+    assert launch.main(argv) == 75
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "jaxdist.launch: error: fewer than 2 nodes for 1s (--rdzv-timeout; 1 node here); "
+        "the run stopped before its first checkpoint: rerun to start it again"
+    ], err
+    assert launch.main(_with(argv, ["--rdzv-key", None])) == 2
+    assert "--rdzv-cert and --rdzv-key go together, with --rdzv-cacert" in capsys.readouterr().err
 
 
 # --- the node loop's decisions against the server (no process is started) ---

@@ -1,6 +1,7 @@
 """A small client for etcd's v3 JSON gateway (HTTP/1.1 and JSON, the standard library only).
 
-The calls the rendezvous needs: range (one key or a prefix), put, a create that succeeds
+Plain HTTP, or HTTPS (``Tls``): etcd's certificate checked against a CA file, and a client
+certificate for an etcd started with ``--client-cert-auth``. The calls the rendezvous needs: range (one key or a prefix), put, a create that succeeds
 only when the key is absent, a replace that succeeds only when the key is unchanged (both
 one ``/v3/kv/txn`` comparing the key's version or mod_revision), and leases (grant,
 keepalive, revoke). Keys and values travel base64-encoded, revisions and lease ids as
@@ -20,6 +21,7 @@ import http.client
 import ipaddress
 import json
 import re
+import ssl
 import urllib.error
 import urllib.request
 
@@ -73,6 +75,25 @@ def _prefix_end(prefix: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tls:
+    """HTTPS to etcd: the CA that signed its certificate, and this client's certificate and key (optional)."""
+
+    cacert: str
+    cert: str | None = None
+    key: str | None = None
+
+    def context(self) -> ssl.SSLContext:
+        """Raises ``JaxdistError`` (one line) for a file that cannot be read or used."""
+        try:
+            context = ssl.create_default_context(cafile=self.cacert)
+            if self.cert:
+                context.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as e:
+            raise JaxdistError(f"--rdzv-cacert / --rdzv-cert / --rdzv-key: cannot use them ({e.strerror or e})") from None
+        return context
+
+
+@dataclasses.dataclass(frozen=True)
 class KeyValue:
     key: str
     value: bytes
@@ -96,11 +117,14 @@ class KeyValue:
 class Etcd:
     """One etcd endpoint (``host``, ``port``), plain HTTP."""
 
-    def __init__(self, host: str, port: int, timeout_s: float = REQUEST_TIMEOUT_S):
+    def __init__(self, host: str, port: int, timeout_s: float = REQUEST_TIMEOUT_S, tls: Tls | None = None):
         self.host, self.port, self.timeout_s = host, port, timeout_s
         url_host = f"[{host}]" if ":" in host else host
-        self.base = f"http://{url_host}:{port}"
-        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.base = f"{'https' if tls else 'http'}://{url_host}:{port}"
+        handlers = [urllib.request.ProxyHandler({})]
+        if tls is not None:
+            handlers.append(urllib.request.HTTPSHandler(context=tls.context()))
+        self.opener = urllib.request.build_opener(*handlers)
 
     def describe(self) -> str:
         return f"etcd://{self.host}:{self.port}" if ":" not in self.host else f"etcd://[{self.host}]:{self.port}"
@@ -121,7 +145,7 @@ class Etcd:
             if e.code >= 500 and detail.get("code") != 5:  # no leader, shutting down: try again later
                 raise EtcdUnavailable(f"{self.describe()}: {message}") from None
             raise EtcdError(f"{self.describe()}: {message}", detail.get("code")) from None
-        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, ssl.SSLError) as e:
             reason = getattr(e, "reason", None) or e
             raise EtcdUnavailable(f"{self.describe()}: {reason}") from None
         except ValueError as e:  # not JSON: not an etcd gateway
