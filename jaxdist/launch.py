@@ -53,7 +53,8 @@ Across nodes (TorchElastic's model; one launcher per node, every one with the sa
 
     python -m jaxdist.launch --nnodes 1:4 --nproc-per-node 2 [--devices-per-proc 4] \\
         --rdzv etcd://HOST:2379 --rdzv-id RUN [--coordinator-bind ADDRESS] [--rdzv-timeout 600] \\
-        [--rdzv-settle 5] [--max-restarts 3] -- --mesh data=-1,tensor=2 --run-dir /shared/runs/RUN ...
+        [--rdzv-settle 5] [--max-restarts 3] [--rdzv-cacert CA --rdzv-cert CERT --rdzv-key KEY] \\
+        -- --mesh data=-1,tensor=2 --run-dir /shared/runs/RUN ...
 
 - Rendezvous (``jaxdist.cluster.rendezvous``, etcd's v3 JSON gateway over HTTP): each
   launcher registers under ``/jaxdist/RUN/`` on a lease of 5 s that a thread renews; a
@@ -77,11 +78,12 @@ Across nodes (TorchElastic's model; one launcher per node, every one with the sa
   adapt as in the elastic launch above. Each generation prints one line on every node and
   node 0 appends one record to ``RUN_DIR/elastic.jsonl``: the fields above plus
   ``generation``, ``nodes``, ``from_nodes``, ``node_ids`` (rank order), ``left``, ``joined``,
-  ``failed_node``; ``reason`` start | failure | hang | lost | grow | leave.
+  ``node`` (where the change came from: the node of the failed process, the one lost, the one
+  that left or joined); ``reason`` start | failure | hang | lost | grow | leave.
 - etcd is needed only for these changes: while it does not answer the processes go on (one
   line when it goes, one when it is back; a lease that expired meanwhile is granted again
-  and the node registered again, and a member's missing key counts as lost only
-  ``LOST_GRACE_S`` after an outage). Fewer than MIN nodes (or no node count that fits) for
+  and the node registered again; right after an outage a member's key may be missing for
+  5 s before that node counts as lost). Fewer than MIN nodes (or no node count that fits) for
   ``--rdzv-timeout`` seconds between generations: one line and exit 75 (the last
   checkpoint stands: rerun to resume). etcd unreachable at start, a malformed ``--rdzv``,
   ``--nnodes 3:2``, no ``--rdzv-id`` or no ``--run-dir``: one line, exit 2, nothing started.
@@ -91,8 +93,10 @@ Across nodes (TorchElastic's model; one launcher per node, every one with the sa
   (checkpoint not written); the failure's code when ``--max-restarts`` is used up.
 - Trust: etcd authenticates nobody by default; whoever can write its keys can steer the
   launchers (a generation names the coordinator every process connects to). Keep etcd on
-  the job's private network with the coordinator port. The launchers listen on nothing
-  themselves.
+  the job's private network with the coordinator port, or serve it over TLS with
+  ``--client-cert-auth`` and give every launcher ``--rdzv-cacert CA --rdzv-cert CERT
+  --rdzv-key KEY`` (etcd's user/role login is not used: the gateway does not pass a
+  certificate's name on). The launchers listen on nothing themselves.
 
 Exit codes: 0 the run finished; 2 bad input (nothing started); 137 a hang (plain launch);
 76 the coordinator's port was taken 5 times in a row; a process's own exit code when it

@@ -479,9 +479,9 @@ def test_a_killed_node_drops_out_and_a_new_one_joins_with_the_same_losses(nodes,
     assert (lost["from"], lost["to"], lost["node_ids"], lost["left"], lost["joined"]) == (4, 2, [node1], [node0], []), lost
     # Who reported the end first: the survivor's processes abort once their coordinator is gone
     # (a failure on node 1), or, if they hang instead, node 1 finds node 0's lease expired.
-    assert (lost["reason"], lost["failed_node"]) in (("failure", node1), ("lost", node0)), lost
+    assert (lost["reason"], lost["node"]) in (("failure", node1), ("lost", node0)), lost
     assert lost["mesh"] == "data=2,tensor=2" and lost["restarts"] == 1
-    assert (grow["reason"], grow["failed_node"], grow["from"], grow["to"], grow["node_ids"]) == ("grow", "n3", 2, 4, [node1, "n3"]), grow
+    assert (grow["reason"], grow["node"], grow["from"], grow["to"], grow["node_ids"]) == ("grow", "n3", 2, 4, [node1, "n3"]), grow
     assert (grow["left"], grow["joined"]) == ([], ["n3"])
     assert 4 <= lost["step"] <= grow["step"] < 40 and grow["restarts"] == 1
     tail = nodes.log(node1)[survivor_log:]

@@ -254,7 +254,9 @@ class NodeElastic:
             "step": elastic.latest_step(p.run_dir) or 0,
             "left": [m for m in prev.members if m not in members] if reason != "start" else [],  # gone (or waiting: above MAX)
             "joined": [m for m in members if reason == "start" or m not in prev.members],
-            "failed_node": ending.node if ending is not None and reason != "start" else None,
+            "node": ending.node
+            if ending is not None and reason != "start"
+            else None,  # where the change came from: a failed process, lost, left or joined
             "failed_rank": ending.rank if ending is not None and reason != "start" else None,
             "exit_code": ending.exit_code if ending is not None and reason != "start" else None,
             "mesh": format_mesh(elastic.mesh_for(p.config, len(members) * k, p.devices_per_proc)),
