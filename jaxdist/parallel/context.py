@@ -1,0 +1,252 @@
+"""Attention for a sequence split over the mesh's ``context`` axis (context parallelism), and the
+load-balanced token order it is fed in.
+
+``ContextAttention`` replaces ``models.attention.causal_attention`` inside ``jit``, on global
+arrays: a ``shard_map`` over the batch axes, ``context`` and the heads axis gives each device its
+queries' share of the sequence, and one of two strategies brings it the keys:
+
+- ``all_gather``: K/V (at kv_heads, never expanded to the query heads), segment ids and positions
+  are gathered over ``context``; the local queries attend to the whole sequence. Its backward is
+  autodiff's: the gather's transpose reduce-scatters dK/dV to their owners.
+- ``ring``: K/V travel around the ring by ``ppermute`` (``parallel.ring``), merged by an online
+  softmax, with an explicit backward.
+
+Either way the per-block kernel is ``parallel.blockwise`` (XLA, fp32 scores, tiles where nothing is
+visible skipped). The mask comes from positions and segment ids only, so the sequence may be in any
+order; a negative segment id marks padding (sees nothing, seen by nothing, output 0).
+
+Load balancing: under a causal mask the device holding the sequence's end does the most work. The
+sequence is cut in 2N chunks and device r holds chunks r and 2N-1-r (``load_balance_order``),
+applied once to the token arrays in the input pipeline (``reorder``) and undone with
+``restore_order``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxdist.inspect.collectives import collective_ops
+from jaxdist.inspect.hlo import NAME_RE, parse_hlo
+from jaxdist.models.attention import IMPLEMENTATIONS
+from jaxdist.parallel import blockwise
+from jaxdist.parallel.blockwise import BLOCK_SCOPE, Tiles, tile_length
+from jaxdist.parallel.ring import Ring, ring_attention, ring_forward
+
+CONTEXT_AXIS = "context"
+STRATEGIES = ("all_gather", "ring")
+DEFAULT_TILE = 512  # tokens per query / key tile of the per-block kernel: bounds its fp32 scores
+_KERNEL_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "xla_fp32")
+
+
+# -- the load-balanced order ---------------------------------------------------------------------
+
+
+def load_balance_order(seq_len: int, n: int) -> np.ndarray:
+    """int32 [seq_len] permutation: the reordered sequence's token i is the original token order[i].
+    The sequence is cut in 2n equal chunks; device r (the r-th of n equal shards of the reordered
+    sequence) holds chunks r and 2n-1-r."""
+    if n < 1 or seq_len < 1 or seq_len % (2 * n):
+        raise ValueError(f"sequence length {seq_len} must be divisible by 2 x context = {2 * n} chunks for load balancing")
+    chunks = np.arange(seq_len, dtype=np.int32).reshape(2 * n, seq_len // (2 * n))
+    return chunks[[c for r in range(n) for c in (r, 2 * n - 1 - r)]].reshape(-1)
+
+
+def _take(x, index: np.ndarray, axis: int):
+    return np.take(x, index, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, jnp.asarray(index), axis=axis)
+
+
+def reorder(x, n: int, axis: int = 1):
+    """``x`` in the load-balanced order along ``axis`` (numpy in, numpy out; jax arrays too)."""
+    return _take(x, load_balance_order(x.shape[axis], n), axis)
+
+
+def restore_order(x, n: int, axis: int = 1):
+    """The inverse of ``reorder``."""
+    return _take(x, np.argsort(load_balance_order(x.shape[axis], n)).astype(np.int32), axis)
+
+
+# -- attention -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextAttention:
+    """Causal attention within documents for a sequence split over the mesh's ``context`` axis;
+    called by the model in place of ``models.attention.causal_attention``, inside jit, on global
+    arrays."""
+
+    mesh: jax.sharding.Mesh
+    strategy: str  # all_gather | ring
+    implementation: str = "xla"  # the model's choice; the per-block kernel is XLA's (kernel_note says why)
+    batch_axes: tuple[str, ...] = ("data", "fsdp")  # mesh axes that split the batch
+    heads_axis: str | None = "tensor"  # mesh axis splitting q heads (None: replicated)
+    kv_heads_axis: str | None = "tensor"  # the same axis, or None when kv_heads is not divisible by it
+    block_q: int = DEFAULT_TILE  # tile lengths of the per-block kernel (at most; they divide the chunks)
+    block_kv: int = DEFAULT_TILE
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"context attention strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.implementation not in _KERNEL_IMPLEMENTATIONS:
+            raise ValueError(f"attention implementation must be one of {', '.join(_KERNEL_IMPLEMENTATIONS)}, got {self.implementation!r}")
+        if self.kv_heads_axis is not None and self.kv_heads_axis != self.heads_axis:
+            raise ValueError(f"kv_heads_axis must be heads_axis ({self.heads_axis!r}) or None, got {self.kv_heads_axis!r}")
+        missing = [a for a in (CONTEXT_AXIS, *self.batch_axes, self.heads_axis) if a is not None and a not in self.mesh.shape]
+        if missing:
+            raise ValueError(f"context attention: the mesh ({', '.join(self.mesh.axis_names)}) has no axis {', '.join(missing)}")
+
+    @property
+    def context_size(self) -> int:
+        return self.mesh.shape[CONTEXT_AXIS]
+
+    def kernel_note(self) -> str:
+        """One line for the run's log: the strategy, the context size and the per-block kernel."""
+        note = (
+            f"context attention: {self.strategy} over context={self.context_size}, per-block kernel xla "
+            f"(tiles of up to {self.block_q}x{self.block_kv} tokens, fp32 scores, fully masked tiles skipped)"
+        )
+        if self.implementation not in ("xla", "xla_fp32"):
+            note += (
+                f"; model.attention={self.implementation} is not used here: cuDNN's and Pallas's masks follow array indices,"
+                " while a split (load-balanced) sequence needs the mask from positions and segment ids"
+            )
+        return note
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, positions: jax.Array) -> jax.Array:
+        """q [B, T, H, D]; k, v [B, T, KV, D] (H a multiple of KV); segment_ids (None: one document
+        per row), positions [B, T] int32. Visible iff segment_q == segment_kv >= 0 and position_q >=
+        position_kv. Returns [B, T, H, D] in q's dtype."""
+        return self._run(q, k, v, segment_ids, positions, count=False)
+
+    def tile_pairs_computed(self, q, k, v, segment_ids, positions) -> np.ndarray:
+        """How many (query tile, key tile) pairs each device's forward computes (the rest are
+        skipped as fully masked): int32 [batch shards, context]."""
+        return np.asarray(jax.jit(lambda *a: self._run(*a, count=True))(q, k, v, segment_ids, positions))
+
+    # -- internals --
+
+    def _run(self, q, k, v, segment_ids, positions, *, count: bool):
+        self._check_shapes(q, k, positions)
+        dtype = q.dtype
+        if self.implementation == "xla_fp32":  # float16 on CPU: no f16 x f16 -> f32 dot there
+            q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+        if segment_ids is None:
+            segment_ids = jnp.zeros(positions.shape, jnp.int32)
+        batch = tuple(self.batch_axes) or None
+        q_spec = PartitionSpec(batch, CONTEXT_AXIS, self.heads_axis, None)
+        kv_spec = PartitionSpec(batch, CONTEXT_AXIS, self.kv_heads_axis, None)
+        token_spec = PartitionSpec(batch, CONTEXT_AXIS)
+        axes = {CONTEXT_AXIS, *self.batch_axes} | ({self.heads_axis} if self.heads_axis else set())
+        run = jax.shard_map(
+            lambda *a: self._local(*a, count=count),
+            mesh=self.mesh,
+            in_specs=(q_spec, kv_spec, kv_spec, token_spec, token_spec),
+            out_specs=token_spec if count else q_spec,
+            axis_names=axes,
+        )
+        with jax.named_scope("context_attention"):
+            out = run(q, k, v, segment_ids.astype(jnp.int32), positions.astype(jnp.int32))
+        return out if count else out.astype(dtype)
+
+    def _check_shapes(self, q, k, positions) -> None:
+        b, t, h, _ = q.shape
+        kv = k.shape[2]
+        sizes = self.mesh.shape
+        batch_shards = math.prod(sizes[a] for a in self.batch_axes)
+        problems = []
+        if h % kv:
+            problems.append(f"heads ({h}) must be a multiple of kv_heads ({kv})")
+        if b % batch_shards:
+            problems.append(f"batch ({b}) must be divisible by {' x '.join(self.batch_axes)} ({batch_shards})")
+        if t % self.context_size:
+            problems.append(f"sequence length ({t}) must be divisible by context ({self.context_size})")
+        if self.heads_axis and h % sizes[self.heads_axis]:
+            problems.append(f"heads ({h}) must be divisible by {self.heads_axis} ({sizes[self.heads_axis]})")
+        if self.kv_heads_axis and kv % sizes[self.kv_heads_axis]:
+            problems.append(
+                f"kv_heads ({kv}) must be divisible by {self.kv_heads_axis} ({sizes[self.kv_heads_axis]}); pass kv_heads_axis=None"
+            )
+        if positions.shape != (b, t):
+            problems.append(f"positions must be [batch, seq] = [{b}, {t}], got {list(positions.shape)}")
+        if problems:
+            raise ValueError("context attention: " + "; ".join(problems))
+
+    def _tiles(self, local_len: int) -> Tiles:
+        chunk = local_len // 2 if local_len % 2 == 0 else local_len  # the load-balanced order's chunk
+        return Tiles(tile_length(chunk, self.block_q), tile_length(chunk, self.block_kv))
+
+    def _local_kv_heads(self, local_heads: int, k, v):
+        """The kv heads this device's query heads read, in the standard grouping (local q head i
+        reads local kv head i // (local_heads / local kv heads)). Only needed when q heads are split
+        over an axis that kv heads are not: then each device takes its share before any transfer."""
+        if self.heads_axis is None or self.kv_heads_axis == self.heads_axis:
+            return k, v
+        group = local_heads * self.mesh.shape[self.heads_axis] // k.shape[2]  # q heads per kv head
+        first = jax.lax.axis_index(self.heads_axis) * local_heads
+        index = (first + jnp.arange(local_heads)) // group
+        if group % local_heads == 0:  # all local q heads read one kv head
+            index = index[:1]
+        elif local_heads % group == 0:  # whole groups
+            index = index[::group]
+        return jnp.take(k, index, axis=2), jnp.take(v, index, axis=2)
+
+    def _local(self, q, k, v, segment_ids, positions, *, count: bool):
+        k, v = self._local_kv_heads(q.shape[2], k, v)
+        tiles = self._tiles(q.shape[1])
+        if self.strategy == "ring":
+            ring = Ring(CONTEXT_AXIS, self.context_size, tiles)
+            if count:
+                return ring_forward(ring, q, k, v, segment_ids, positions)[2].reshape(1, 1)
+            return ring_attention(ring, q, k, v, segment_ids, positions)
+        gathered = [jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True) for x in (k, v, segment_ids, positions)]
+        if count:
+            return blockwise.attention_forward(tiles, q, *gathered[:2], segment_ids, positions, *gathered[2:])[2].reshape(1, 1)
+        return blockwise.attend(tiles, q, *gathered[:2], segment_ids, positions, *gathered[2:])
+
+
+# -- the compiled program ------------------------------------------------------------------------
+
+_COMPUTE_OPCODES = ("fusion", "dot", "convolution", "custom-call", "while", "conditional", "call")
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+
+
+def ring_overlap_in_hlo(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> dict[str, int | None]:
+    """Whether the ring's transfers can overlap its attention blocks, from a compiled program's
+    (scheduled) HLO text: for each asynchronous ``collective-permute-start`` / ``-done`` pair, is
+    some attention-block compute (an op whose metadata names the per-block kernel's scope)
+    scheduled between them? Returns ``collective_permutes`` (executions per step), ``over_context``
+    (those whose groups span only ``context``; None without ``mesh_shape``), ``async_pairs``,
+    ``overlapped_pairs`` and ``synchronous`` (permutes with no start/done split)."""
+    module = parse_hlo(hlo_text)
+    ops = [op for op in collective_ops(module, mesh_shape) if op.kind == "collective-permute"]
+    pairs = overlapped = synchronous = 0
+    for body in module.computations.values():
+        done_at = {}
+        for index, instruction in enumerate(body):
+            if instruction.opcode == "collective-permute-done" and instruction.operands:
+                name = NAME_RE.match(instruction.operands[0].split()[-1])
+                if name:
+                    done_at[name.group(1)] = index
+        for index, instruction in enumerate(body):
+            if instruction.opcode == "collective-permute":
+                synchronous += 1
+            elif instruction.opcode == "collective-permute-start" and instruction.name in done_at:
+                pairs += 1
+                between = body[index + 1 : done_at[instruction.name]]
+                overlapped += any(
+                    i.opcode in _COMPUTE_OPCODES and BLOCK_SCOPE in " ".join(_OP_NAME_RE.findall(i.attributes)) for i in between
+                )
+    over_context = None if mesh_shape is None else sum(op.executions for op in ops if op.axes == (CONTEXT_AXIS,))
+    return {
+        "collective_permutes": sum(op.executions for op in ops),
+        "over_context": over_context,
+        "async_pairs": pairs,
+        "overlapped_pairs": overlapped,
+        "synchronous": synchronous,
+    }
