@@ -251,7 +251,7 @@ def test_sbatch_runs_two_srun_tasks_that_train_like_one_process(cluster, jobs, r
 def test_a_sigterm_to_the_job_saves_requeues_and_resumes(cluster, jobs, reference, tmp_path):
     """``scancel --signal=TERM JOBID`` (SLURM's preemption signal, to the tasks): they agree
     on a step, save, exit 75; the template requeues the job, which resumes and finishes."""
-    steps = 40  # the processes agree on a step a few steps after the signal
+    steps = 60  # the processes agree on a step some steps after the signal (7 here)
     job = _submit(cluster, jobs, tmp_path, steps, "--time=5")
     _wait("step 2", lambda: len(_losses(tmp_path / "run")) >= 2, tmp_path, 90)
     cluster.client("scancel", "--signal=TERM", job)
