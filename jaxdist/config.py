@@ -135,6 +135,8 @@ class ParallelConfig:
     diloco_reduce: str = "float32"  # what the delta crosses the replica axis as: float32 | bfloat16 | int8
     replica_link_latency_ms: float = 0.0  # simulated slow link between replicas (experiments): per collective
     replica_link_gbps: float = 0.0  # its bandwidth in Gbit/s (0: not simulated)
+    context_strategy: str = "all_gather"  # attention over a context axis: all_gather (K/V gathered) | ring (K/V passed around)
+    context_load_balance: bool = True  # give context shard r sequence chunks r and 2N-1-r (even causal work)
 
 
 @dataclasses.dataclass

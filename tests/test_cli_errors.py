@@ -43,6 +43,28 @@ BAD_INPUTS = {
     "negative diloco inner steps": (["parallel.diloco_inner_steps=-1"], "parallel.diloco_inner_steps must be >= 0"),
     "diloco without a replica axis": (["--mesh", "data=2", "parallel.diloco_inner_steps=4"], "needs a replica mesh axis of size > 1"),
     "name climbing out of runs/": (["name=../../x"], "must be one path component"),
+    "sequence the context split cannot divide": (
+        ["--mesh", "context=4", "train.seq_len=36"],
+        "train.seq_len (36) must be divisible by 2 x context = 8 chunks",
+    ),
+    "sequence without load balancing": (
+        ["--mesh", "context=4", "train.seq_len=34", "parallel.context_load_balance=false"],
+        "train.seq_len (34) must be divisible by the context axis (4)",
+    ),
+    "context with the resnet task": (
+        ["--config", "resnet", "--mesh", "context=2"],
+        "a context axis splits token sequences; model.kind=resnet",
+    ),
+    "unknown context strategy": (
+        ["--mesh", "context=2", "parallel.context_strategy=ulysses"],
+        "parallel.context_strategy must be one of all_gather, ring",
+    ),
+    "context with a pipe axis": (["--mesh", "pipe=2,context=2"], "a context axis does not compose with a pipe axis yet"),
+    "context with compression": (["--mesh", "data=2,context=2", "parallel.grad_reduce=int8"], "does not compose with a context axis yet"),
+    "context with diloco": (
+        ["--mesh", "replica=2,context=2", "parallel.diloco_inner_steps=4"],
+        "DiLoCo (parallel.diloco_inner_steps > 0) does not compose with a context axis yet",
+    ),
     "negative schedule steps": (["train.schedule_steps=-1"], "train.schedule_steps must be >= 0"),
     "stop after the last step": (["train.stop_after_step=5"], "train.stop_after_step must be in 0..train.steps (1)"),
     "diloco with compressed inner reduction": (

@@ -102,6 +102,8 @@ UNUSED = {
     "parallel.diloco_outer_lr=0.5": "DiLoCo is off",
     "parallel.diloco_outer_momentum=0.5": "DiLoCo is off",
     "parallel.diloco_reduce=int8": "DiLoCo is off",
+    "parallel.context_strategy=ring": "without a context axis",
+    "parallel.context_load_balance=false": "without a context axis",
 }
 
 

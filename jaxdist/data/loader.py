@@ -20,7 +20,29 @@ def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...])
     return slice(min(starts), max(stops))
 
 
+def split_sequences(local: dict[str, np.ndarray], context: int, load_balance: bool) -> dict[str, np.ndarray]:
+    """Token arrays [rows, seq] ready to be split over a context axis of size ``context``.
+
+    Positions are carried (RoPE and the attention mask read them, never array indices);
+    with ``load_balance`` every token array is reordered so that shard r holds sequence
+    chunks r and 2N-1-r (a causal mask makes the last chunks the most work). Targets were
+    shifted before: the reorder moves (input, target) pairs together.
+    """
+    if context == 1:
+        return local
+    from jaxdist.parallel.context import reorder
+
+    out = dict(local)
+    seq = next(v.shape[1] for v in local.values() if v.ndim >= 2)
+    if "positions" not in out:
+        out["positions"] = np.broadcast_to(np.arange(seq, dtype=np.int32), (len(out["inputs"]), seq))
+    if load_balance:
+        out = {k: (reorder(np.asarray(v), context, axis=1) if v.ndim >= 2 else v) for k, v in out.items()}
+    return out
+
+
 def to_global(local: dict[str, np.ndarray], layout: Layout, global_batch: int) -> dict[str, jax.Array]:
+    local = split_sequences({k: np.asarray(v) for k, v in local.items()}, layout.mesh.shape.get("context", 1), layout.context_load_balance)
     out = {}
     for key, value in local.items():
         value = np.asarray(value)

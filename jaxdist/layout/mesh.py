@@ -13,8 +13,9 @@ import sys
 from jaxdist.errors import MeshError
 
 # Mesh axes, outermost first: replica (DiLoCo's islands), data and pipe cross hosts,
-# tensor stays innermost (NVLink).
-MESH_AXES = ("replica", "data", "pipe", "fsdp", "tensor")
+# fsdp next; context and tensor innermost (NVLink): context moves K/V in every layer's
+# attention, tensor all-reduces activations in every layer, both on the step's critical path.
+MESH_AXES = ("replica", "data", "pipe", "fsdp", "context", "tensor")
 # What a positional spec means, by its number of factors.
 POSITIONAL_AXES = {1: ("data",), 2: ("data", "tensor"), 3: ("data", "tensor", "pipe")}
 # The axes that split the global batch: the one definition. Inside a DiLoCo replica

@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.layout.mesh import INNER_BATCH_AXES
+from jaxdist.layout.mesh import BATCH_AXES, INNER_BATCH_AXES
 from jaxdist.layout.strategy import Strategy
 
 MeshAxes = tuple[str, ...] | None
@@ -72,6 +72,12 @@ def rules_for(strategy: Strategy, *, optimizer_state: bool = False) -> Rules:
         rules["embed"] = rules["channels"] = ("fsdp",)
     elif strategy.zero == "zero1" and optimizer_state:
         rules["embed"] = rules["channels"] = INNER_BATCH_AXES
+    if strategy.context:
+        # The sequence is split over context; the model states are sharded over it too, the
+        # way FSDP shards them, so a context group holds one copy of them, not N.
+        rules["seq"] = ("context",)
+        rules["embed"] = (*(rules["embed"] or ()), "context")
+        rules["channels"] = rules["embed"]
     return rules
 
 
@@ -145,6 +151,7 @@ class Layout:
 
     mesh: Mesh
     strategy: Strategy
+    context_load_balance: bool = False  # token arrays arrive in the load-balanced order (parallel.context)
 
     @property
     def param_rules(self) -> Rules:
@@ -155,8 +162,10 @@ class Layout:
         return rules_for(self.strategy, optimizer_state=True)
 
     def batch_sharding(self, ndim: int) -> NamedSharding:
-        # replica first: DiLoCo's replica r reads the r-th contiguous slice of the global batch
-        return NamedSharding(self.mesh, PartitionSpec(("replica", "data", "fsdp"), *([None] * (ndim - 1))))
+        # replica first: DiLoCo's replica r reads the r-th contiguous slice of the global batch;
+        # a token array's second dimension is the sequence, split over context when there is one
+        seq = ("context",) if self.strategy.context and ndim >= 2 else ()
+        return NamedSharding(self.mesh, PartitionSpec(BATCH_AXES, *seq, *([None] * (ndim - 1 - len(seq)))))
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())

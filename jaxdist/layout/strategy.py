@@ -22,12 +22,13 @@ def zero_stage(strategy: str, sizes: MeshSizes) -> str:
 class Strategy:
     zero: str  # dp | zero1 | fsdp
     tensor: bool
+    context: bool = False  # the sequence split over a context axis; model states sharded over it as FSDP does
 
     def __str__(self) -> str:
-        return self.zero + ("+tp" if self.tensor else "")
+        return self.zero + ("+tp" if self.tensor else "") + ("+cp" if self.context else "")
 
 
 def resolve_strategy(name: str, mesh_sizes: dict[str, int]) -> Strategy:
     """``auto`` shards params over ``fsdp`` when that axis exists; TP follows the ``tensor``
     axis. Whether the strategy fits the mesh is ``validate.check_config_on_mesh``'s job."""
-    return Strategy(zero=zero_stage(name, mesh_sizes), tensor=mesh_sizes.get("tensor", 1) > 1)
+    return Strategy(zero=zero_stage(name, mesh_sizes), tensor=mesh_sizes.get("tensor", 1) > 1, context=mesh_sizes.get("context", 1) > 1)

@@ -20,6 +20,7 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
     warnings: list[str] = []
     _check_batch(config, sizes)
     _check_strategy(config, sizes, warnings)
+    _check_context(config, sizes)
     if config.model.kind == "llama":
         _check_llama(config, sizes)
     else:
@@ -77,6 +78,8 @@ def _check_diloco(config: Config, sizes: MeshSizes) -> None:
         )
     if sizes["pipe"] > 1:
         raise ConfigError("DiLoCo (parallel.diloco_inner_steps > 0) does not support a pipe axis yet")
+    if sizes.get("context", 1) > 1:
+        raise ConfigError("DiLoCo (parallel.diloco_inner_steps > 0) does not compose with a context axis yet")
 
 
 def _check_strategy(config: Config, sizes: MeshSizes, warnings: list[str]) -> None:
@@ -96,12 +99,16 @@ def _check_strategy(config: Config, sizes: MeshSizes, warnings: list[str]) -> No
 
 def _embed_shards(config: Config, sizes: MeshSizes) -> tuple[int, str]:
     """How many ways the ``embed`` dimension of parameters or moments is split, and over what."""
-    zero = zero_stage(config.parallel.strategy, sizes)
+    zero, context = zero_stage(config.parallel.strategy, sizes), sizes.get("context", 1)
     if zero == "fsdp":
-        return sizes["fsdp"], "the fsdp axis"
-    if zero == "zero1":
-        return sizes["data"] * sizes["fsdp"], "data x fsdp (ZeRO-1 optimizer state)"
-    return 1, ""
+        shards, over = sizes["fsdp"], "the fsdp axis"
+    elif zero == "zero1":
+        shards, over = sizes["data"] * sizes["fsdp"], "data x fsdp (ZeRO-1 optimizer state)"
+    else:
+        shards, over = 1, ""
+    if context > 1:  # model states are sharded over context as well
+        shards, over = shards * context, (f"{over} x context" if over else "the context axis")
+    return shards, over
 
 
 def _check_llama(config: Config, sizes: MeshSizes) -> None:
@@ -117,6 +124,29 @@ def _check_llama(config: Config, sizes: MeshSizes) -> None:
     shards, over = _embed_shards(config, sizes)
     if shards > 1 and m.d_model % shards:
         raise MeshError(f"model.d_model ({m.d_model}) must be divisible by {over} ({shards}): it is the dimension that is sharded")
+
+
+CONTEXT_STRATEGIES = ("all_gather", "ring")
+
+
+def _check_context(config: Config, sizes: MeshSizes) -> None:
+    p, context = config.parallel, sizes.get("context", 1)
+    if p.context_strategy not in CONTEXT_STRATEGIES:
+        raise ConfigError(f"parallel.context_strategy must be one of {', '.join(CONTEXT_STRATEGIES)}, got {p.context_strategy!r}")
+    if context == 1:
+        return
+    if config.model.kind != "llama":
+        raise MeshError(f"a context axis splits token sequences; model.kind={config.model.kind} has none (drop context={context})")
+    chunks = 2 * context if p.context_load_balance else context
+    if config.train.seq_len % chunks:
+        how = f"2 x context = {chunks} chunks (load balancing)" if p.context_load_balance else f"the context axis ({context})"
+        raise MeshError(f"train.seq_len ({config.train.seq_len}) must be divisible by {how}")
+    if sizes["pipe"] > 1:
+        raise MeshError(
+            "a context axis does not compose with a pipe axis yet (the pipeline's stages would need the sequence split inside them)"
+        )
+    if p.grad_reduce != "float32":
+        raise ConfigError(f"parallel.grad_reduce={p.grad_reduce} does not compose with a context axis yet (use float32)")
 
 
 def _check_resnet(config: Config, sizes: MeshSizes) -> None:
@@ -166,6 +196,10 @@ def unused_keys(config: Config, sizes: MeshSizes) -> list[str]:
         for key in ("schedule", "pipeline_microbatches", "virtual_stages"):
             if changed("parallel", key):
                 found.append((f"parallel.{key}", "a mesh without a pipe axis"))
+    if sizes.get("context", 1) == 1:
+        for key in ("context_strategy", "context_load_balance"):
+            if changed("parallel", key):
+                found.append((f"parallel.{key}", "a mesh without a context axis"))
     if p.diloco_inner_steps == 0:
         for key in ("diloco_outer_lr", "diloco_outer_momentum", "diloco_reduce"):
             if changed("parallel", key):

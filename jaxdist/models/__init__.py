@@ -30,6 +30,7 @@ class Task:
     n_params: int
     batch_spec: Callable[[int], dict[str, jax.ShapeDtypeStruct]]  # global batch size -> shapes
     notes: tuple[str, ...] = ()  # weaker paths the model takes (one line each, printed once)
+    attention: str | None = None  # the attention implementation chosen (decoders): xla | xla_fp32 | cudnn | pallas
 
 
 def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -73,6 +74,7 @@ def build_task(config: Config, platform: str = "cpu") -> Task:
             n_params=count_params(cfg),
             batch_spec=lambda b: {k: jax.ShapeDtypeStruct((b, seq), jnp.float32 if k == "loss_mask" else jnp.int32) for k in keys},
             notes=(f"jaxdist: {note}",) if note else (),
+            attention=attention,
         )
     from jaxdist.models.resnet import ResNet, count_params, flops_per_image
 

@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxdist.config import ModelConfig
 from jaxdist.layout.sharding import constrain
-from jaxdist.models.attention import causal_attention
+from jaxdist.models.attention import model_attention
 
 Initializer = Callable[..., jax.Array]
 
@@ -120,7 +120,7 @@ class Attention(nnx.Module):
             v = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wv)), ("batch", "seq", "act_kv_heads", None))
         q, k = rope(q, positions, self.rope_freqs), rope(k, positions, self.rope_freqs)
         if cache is None:
-            out = causal_attention(q, k, v, segment_ids, implementation=self.implementation)
+            out = model_attention(q, k, v, segment_ids, positions, implementation=self.implementation)
         else:
             out, cache = cached_attention(q, k, v, cache)
         out = constrain(out, ("batch", "seq", "act_heads", None))

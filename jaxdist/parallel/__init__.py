@@ -5,14 +5,19 @@ from __future__ import annotations
 import dataclasses
 
 from jaxdist.config import Config
-from jaxdist.layout.mesh import MeshSizes
 from jaxdist.parallel.schedule import pipeline_spec
 
 
-def parallelize(task, config: Config, mesh_sizes: MeshSizes):
+def parallelize(task, config: Config, mesh):
     """The task with its loss run through the pipeline schedule when the mesh has a pipe
-    axis; data, FSDP and tensor parallelism need nothing here (they are sharding rules)."""
-    spec = pipeline_spec(config.parallel, mesh_sizes.get("pipe", 1))
+    axis, and its attention split over the sequence when it has a context axis; data,
+    FSDP and tensor parallelism need nothing here (they are sharding rules)."""
+    sizes = dict(mesh.shape)
+    if sizes.get("context", 1) > 1:
+        from jaxdist.parallel.context_task import with_context_attention
+
+        task = with_context_attention(task, config, mesh)
+    spec = pipeline_spec(config.parallel, sizes.get("pipe", 1))
     if spec is None:
         return task
     from jaxdist.parallel.pipeline import pipelined_loss

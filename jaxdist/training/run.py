@@ -36,13 +36,15 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
     task = build_task(config, devices[0].platform)
     if mesh_sizes is None:
         mesh_sizes = auto_mesh(len(devices), task.n_params)
-    for line in (*task.notes, *check_config_on_mesh(config, mesh_sizes)):
-        if jax.process_index() == 0:
-            print(line, file=sys.stderr)
+    warnings = check_config_on_mesh(config, mesh_sizes)  # raises before anything is built
     dcn = parse_mesh(config.parallel.dcn_mesh) if config.parallel.dcn_mesh else None
     mesh = build_mesh(mesh_sizes, devices, dcn)
-    layout = Layout(mesh, resolve_strategy(config.parallel.strategy, mesh_sizes))
-    return Trainer(parallelize(task, config, mesh_sizes), config, layout)
+    layout = Layout(mesh, resolve_strategy(config.parallel.strategy, mesh_sizes), context_load_balance=config.parallel.context_load_balance)
+    task = parallelize(task, config, mesh)
+    for line in (*task.notes, *warnings):
+        if jax.process_index() == 0:
+            print(line, file=sys.stderr)
+    return Trainer(task, config, layout)
 
 
 def run(
