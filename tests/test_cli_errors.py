@@ -122,11 +122,11 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize(
     ("spec", "sizes"),
     [
-        ("8x4", {"replica": 1, "data": 8, "pipe": 1, "fsdp": 1, "tensor": 4}),
-        ("8", {"replica": 1, "data": 8, "pipe": 1, "fsdp": 1, "tensor": 1}),
-        ("data=2,fsdp=2,tensor=2", {"replica": 1, "data": 2, "pipe": 1, "fsdp": 2, "tensor": 2}),
-        ("fsdp=4", {"replica": 1, "data": 1, "pipe": 1, "fsdp": 4, "tensor": 1}),
-        ("replica=2,data=-1", {"replica": 2, "data": -1, "pipe": 1, "fsdp": 1, "tensor": 1}),
+        ("8x4", {"replica": 1, "data": 8, "pipe": 1, "fsdp": 1, "context": 1, "tensor": 4}),
+        ("8", {"replica": 1, "data": 8, "pipe": 1, "fsdp": 1, "context": 1, "tensor": 1}),
+        ("data=2,fsdp=2,tensor=2", {"replica": 1, "data": 2, "pipe": 1, "fsdp": 2, "context": 1, "tensor": 2}),
+        ("fsdp=4", {"replica": 1, "data": 1, "pipe": 1, "fsdp": 4, "context": 1, "tensor": 1}),
+        ("replica=2,data=-1", {"replica": 2, "data": -1, "pipe": 1, "fsdp": 1, "context": 1, "tensor": 1}),
     ],
 )
 def test_mesh_specs(spec, sizes):
@@ -166,7 +166,7 @@ def test_errors_come_before_jax_starts(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == "jaxdist: error: mesh 'foo=2': unknown axis 'foo' (axes: replica, data, pipe, fsdp, tensor)"
+    assert proc.stderr.strip() == "jaxdist: error: mesh 'foo=2': unknown axis 'foo' (axes: replica, data, pipe, fsdp, context, tensor)"
 
 
 @pytest.mark.parametrize("tool", ["train", "analyze"])
