@@ -19,6 +19,10 @@ from jaxdist.plan.hardware import Link, load_hardware
 from jaxdist.plan.hlo_cost import ProgramCost, program_cost
 from jaxdist.plan.search import enumerate_candidates, estimated_memory
 
+# Start JAX's backend with conftest's 8 fake devices now: plan_cli.main asks for --gpus devices
+# when it runs before the backend has started (whichever test runs first).
+assert len(jax.devices()) == 8
+
 TINY = [
     "data.source=synthetic",
     "model.d_model=64",
@@ -181,6 +185,14 @@ BAD = {
     "negative budget": (["--gpus", "4", "--hardware", "h100", "--time-budget", "-1", *TINY], "--time-budget must be > 0 seconds, got -1"),
     "zero top": (["--gpus", "4", "--hardware", "h100", "--top", "0", *TINY], "--top must be >= 1, got 0"),
     "zero per node": (["--gpus", "4", "--hardware", "h100", "--gpus-per-node", "0", *TINY], "--gpus-per-node must be >= 1, got 0"),
+    "unknown context strategy": (
+        ["--gpus", "4", "--hardware", "h100", "parallel.context_strategy=rings", *TINY],
+        "parallel.context_strategy must be one of all_gather, ring, got 'rings'",
+    ),
+    "a sequence that fits nowhere": (
+        ["--config", "llama3-8b-128k", "--gpus", "2", "--hardware", "h100", "train.seq_len=1048576"],
+        "llama3-8b-128k fits no layout on 2 x H100 SXM 80GB: the smallest (context=2 ring mb=2 remat=full) needs",
+    ),
 }
 
 
@@ -228,3 +240,157 @@ def test_small_matmuls_run_at_the_rate_measured_for_their_size():
     one_dot = ProgramCost(1e9, 0, 0, 0, 0, (), frozenset(), dots=((1e7, 100.0),), op_executions=1000.0)
     p = predict(one_dot, host, {"data": 1}, model_flops_per_step=1e9, tokens_per_step=1)
     assert p.step_time_s == pytest.approx(1e9 / 10**9.5 + 1000 * 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Long sequences: the context axis (issue 25)
+
+CONTEXT_TINY = [*TINY[:-2], "model.vocab_size=256", "model.dtype=float32", "train.seq_len=256", "train.global_batch=4"]
+
+
+def _candidate(mesh: str, remat: str = "none", strategy: str = "", microbatches: int = 1):
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.plan.search import LAYOUT_AXES, Candidate
+
+    sizes = parse_mesh(mesh)
+    return Candidate(tuple((a, sizes[a]) for a in LAYOUT_AXES), microbatches, remat, strategy)
+
+
+@pytest.mark.parametrize(
+    "mesh, strategy, remat",
+    [("fsdp=2,context=4", "all_gather", "none"), ("fsdp=2,context=4", "ring", "full"), ("data=2,context=2,tensor=2", "all_gather", "full")],
+)
+def test_the_kv_traffic_over_context_is_the_compiled_programs(mesh, strategy, remat):
+    """analyze's per-axis table has a `context` row (and prints it); in the compiled program the
+    attention's collectives run over context alone (gathers and reduce-scatters, or permutes) and
+    move exactly the bytes and the number of collectives the planner's screen charges."""
+    from jaxdist.inspect.step_report import build_report, format_report
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.plan.search import configured, context_traffic
+    from jaxdist.training.compiled import compile_train_step
+
+    candidate = _candidate(mesh, remat, strategy)
+    config = configured(load_config(None, CONTEXT_TINY), candidate)
+    trainer, compiled = compile_train_step(config, parse_mesh(mesh), jax.devices()[:8])
+    report = build_report(trainer, compiled)
+    assert report["collectives_by_axes"]["context"]["wire_bytes"] > 0 and "over context" in format_report(report)
+    cost = program_cost(compiled.as_text(), {a: int(n) for a, n in trainer.layout.mesh.shape.items()})
+    attention = [op for op in cost.collectives if op.name in cost.attention_collectives]
+    assert attention and all(op.axes == ("context",) for op in attention)
+    assert {op.kind for op in attention} == ({"all-gather", "reduce-scatter"} if strategy == "all_gather" else {"collective-permute"})
+    wire, count = sum(op.executions * op.wire_bytes for op in attention), sum(op.executions for op in attention)
+    assert (wire, count) == context_traffic(config, candidate)
+    assert report["collectives_by_axes"]["context"]["wire_bytes"] >= wire
+    # the tiled kernel's attention runs inside lax.cond: the cost model knows what a causal mask skips
+    assert cost.tiled_attention and cost.skippable_flops == pytest.approx(cost.attention_flops, rel=0.05)
+
+
+def test_kv_gathers_are_exposed_and_ring_permutes_hide():
+    """Attention's all-gather over context feeds the attention right after it: exposed even in the
+    layer loop; the same bytes as a ring's permutes hide behind the loop's compute; a tiled
+    attention's skippable FLOPs are halved on any hardware, and keeps its score traffic on a GPU."""
+    h100 = load_hardware("h100")
+
+    def program(kind: str, in_attention: bool, skippable: float = 0.0) -> ProgramCost:
+        op = CollectiveOp(kind, "kv", 0, 10, "body", 4, ("context",), int(1e9))
+        names = frozenset({"kv"}) if in_attention else frozenset()
+        return ProgramCost(5e14, 2e14, 2e11, 1e11, 0, (op,), frozenset({"body"}), attention_collectives=names, skippable_flops=skippable)
+
+    def run(p):
+        return predict(p, h100, {"context": 4}, model_flops_per_step=1e15, tokens_per_step=1e4)
+
+    gather = run(program("all-gather", True))
+    assert gather.comm_exposed_s == pytest.approx(10 * collective_time("all-gather", 1e9, 4, h100.intra_node))
+    assert run(program("all-gather", False)).comm_exposed_s == 0.0  # an FSDP weight gather in the loop hides
+    assert run(program("collective-permute", True)).comm_exposed_s == 0.0
+    flash, tiled = run(program("all-gather", False)), run(program("all-gather", False, skippable=2e14))
+    assert flash.matmul_s == pytest.approx(tiled.matmul_s)  # both skip half of attention's FLOPs
+    assert tiled.memory_s > flash.memory_s  # but only flash keeps the scores on chip
+
+
+def test_context_sizes_are_searched_inside_a_node_where_the_sequence_divides():
+    config = load_config(None, [*CONTEXT_TINY, "train.seq_len=96"])
+    candidates = enumerate_candidates(config, 8, 4)
+    contexts = {c.sizes["context"] for c in candidates}
+    assert contexts == {1, 2, 4}  # 2 x 8 = 16 chunks do not divide 96 tokens; 8 would not fit a node of 4 anyway
+    assert all(c.sizes["context"] * c.sizes["tensor"] <= 4 for c in candidates)
+    assert all(c.sizes["pipe"] == 1 for c in candidates if c.sizes["context"] > 1)  # context does not compose with pipe yet
+    for c in candidates:
+        assert (c.context_strategy in ("all_gather", "ring")) == (c.sizes["context"] > 1)
+        assert ("parallel.context_strategy=" + c.context_strategy in c.overrides()) == bool(c.context_strategy)
+
+
+def test_the_screen_splits_activations_and_states_over_context():
+    """Per device the screen's activations and logits fall with the sequence's share and the model
+    states with the extra shards; the compiled program agrees (arguments and temp both fall). On
+    XLA:CPU (no fused attention) the context-free layout also holds the [seq, seq] scores."""
+    from jaxdist.inspect.step_report import memory as _memory
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.plan.search import configured, states_bytes
+    from jaxdist.training.compiled import compile_train_step
+
+    config = load_config(None, [*CONTEXT_TINY, "train.seq_len=1024", "train.global_batch=2"])
+    n_params = 10**6
+    estimates, compiled = [], []
+    for mesh in ("fsdp=2", "fsdp=2,context=2", "fsdp=2,context=4"):
+        candidate = _candidate(mesh, "full", "all_gather" if "context" in mesh else "")
+        estimates.append(estimated_memory(config, candidate, n_params, False))
+        assert states_bytes(candidate, n_params) == 16 * n_params / math.prod(candidate.sizes.values())
+        if mesh != "fsdp=2,context=2":
+            _, step = compile_train_step(configured(config, candidate), parse_mesh(mesh), jax.devices()[:8])
+            compiled.append(_memory(step))
+    assert estimates == sorted(estimates, reverse=True) and estimates[0] > 2 * estimates[-1]
+    assert compiled[0]["arguments"] > 2 * compiled[1]["arguments"] and compiled[0]["temp"] > 2 * compiled[1]["temp"]
+
+
+def test_program_costs_survive_the_cache_whole():
+    """The compile cache stores a ProgramCost as JSON: every field comes back (f32 collectives,
+    dot sizes, op counts and the attention facts feed the prediction)."""
+    ops = (CollectiveOp("all-gather", "ag", 8, 2, "body", 4, ("context",), 6),)
+    cost = ProgramCost(
+        1e9, 2e8, 3e7, 1e7, 1e6, ops, frozenset({"body"}), frozenset({"ag"}), ((1e6, 3.0),), 42.0, frozenset({"ag"}), 1e8, 5e6
+    )
+    assert ProgramCost.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+
+
+@pytest.mark.heavy
+def test_a_long_sequence_makes_the_planner_pick_a_context_axis(tmp_path, monkeypatch, capsys):
+    """On a device with half the memory that XLA's compiled program of the leanest context-free
+    layout of a 2,048-token sequence needs, the planner ranks a context layout first: the
+    context-free layouts its screen lets through are compiled and found too big, and XLA's memory
+    for the context layout fits."""
+    import jaxdist.plan.hardware as hardware_module
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.plan.search import compile_summary, configured
+
+    monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
+    words = [*CONTEXT_TINY[:-3], "train.seq_len=2048", "train.global_batch=2"]
+    config = load_config(None, [*words, "model.dtype=bfloat16", "data.source=synthetic"])  # as the planner loads it for a GPU
+    free = [c for c in enumerate_candidates(config, 4, 4) if c.sizes["context"] == 1]
+    leanest = min(free, key=lambda c: estimated_memory(config, c, 10**5, False))
+    need_free = compile_summary(configured(config, leanest))[0]["memory"]["total"]
+    device = need_free / 2 / 0.9  # 90% of it usable
+    small = dataclasses.replace(load_hardware("h100"), memory_bytes=device, fused_attention=False)  # memory as XLA compiles it
+    monkeypatch.setattr(hardware_module, "load_hardware", lambda key, **_: small)
+    assert plan_cli.main(["--gpus", "4", "--hardware", "h100", "--max-compiles", "4", "--json", *words]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["candidates"], result["did_not_fit"]
+    best = result["candidates"][0]
+    assert parse_mesh(best["mesh"])["context"] > 1 and best["context_strategy"] in ("all_gather", "ring")
+    assert best["memory_source"] == "compiled" and best["memory_per_device_bytes"] <= need_free / 2
+    assert all(parse_mesh(c["mesh"])["context"] > 1 for c in result["candidates"])
+    assert all(parse_mesh(c["mesh"])["context"] == 1 for c in result["did_not_fit"])  # what XLA found too big
+
+
+def test_the_128k_preset_fits_an_80gb_device():
+    """configs/llama3-8b-128k on its mesh (fsdp=2,context=4, 8 devices): XLA's compiled program
+    holds under 90% of 80 GB per device, with the sequence split four ways."""
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.training.compiled import analyze
+
+    config = load_config("llama3-8b-128k", [])
+    assert config.train.seq_len == 131072 and config.parallel.mesh == "fsdp=2,context=4"
+    report = analyze(config, parse_mesh(config.parallel.mesh), jax.devices()[:8])
+    assert report["mesh"]["context"] == 4 and report["mesh"]["fsdp"] == 2 and report["params"] > 8e9
+    assert report["memory_per_device_bytes"]["total"] <= 0.9 * 80e9
+    assert report["collectives_by_axes"]["context"]["bytes"] > 0

@@ -3,13 +3,14 @@
     python -m jaxdist.plan --config llama3-8b --gpus 8 --hardware h100 [--gpus-per-node 8] [--links PATH]
         [--global-batch B] [--top K] [--time-budget S] [--max-compiles K] [--json] [key=value ...]
 
-Every (data, fsdp, tensor, pipe) x microbatches x remat layout jaxdist accepts is screened
+Every (data, fsdp, context, tensor, pipe) x microbatches x remat (x context strategy) layout
+jaxdist accepts is screened
 (memory must fit with 10% headroom; a rough time orders them), then the best are compiled
 against N fake CPU devices, best first, until ``--time-budget`` seconds or
 ``--max-compiles`` compiles; each compiled step is priced by ``jaxdist.plan.cost`` on the
 hardware profile (``--links PATH``: its links as ``python -m jaxdist.commbench --json PATH`` measured
 them, ``jaxdist.plan.links``). Compiles are cached, so a rerun is fast. ``--json`` prints
-``{"candidates": [...]}`` best first, each with ``mesh``, ``microbatches``, ``remat``,
+``{"candidates": [...]}`` best first, each with ``mesh``, ``microbatches``, ``remat``, ``context_strategy``,
 ``step_time_s``, ``tokens_per_sec_per_device``, ``mfu``, ``memory_per_device_bytes`` and
 ``bound``.
 """
@@ -57,10 +58,12 @@ def check_limits(args) -> None:
 
 
 def plan(args, log=print) -> dict:
+    from collections import Counter
+
     from jaxdist.config import load_config
     from jaxdist.models.llama import count_params
     from jaxdist.plan.hardware import load_hardware
-    from jaxdist.plan.search import HEADROOM, enumerate_candidates, estimated_memory, estimated_time
+    from jaxdist.plan.search import CONTEXT_STRATEGIES, HEADROOM, enumerate_candidates, estimated_memory, estimated_time
 
     check_limits(args)
     overrides = list(args.overrides)
@@ -79,16 +82,23 @@ def plan(args, log=print) -> dict:
     config = load_config(args.config, overrides)
     if config.model.kind != "llama":
         raise JaxdistError("the planner prices language models (model.kind=llama)")
+    if config.parallel.context_strategy not in CONTEXT_STRATEGIES:  # the search tries both; a typo is still an error
+        raise JaxdistError(
+            f"parallel.context_strategy must be one of {', '.join(CONTEXT_STRATEGIES)}, got {config.parallel.context_strategy!r}"
+        )
     if config.model.vocab_size == 0:
         config.model.vocab_size = 128 * 256  # the tokenizer decides at run time; a 32K vocab for planning
     n_params = count_params(config.model)
     per_node = min(hardware.gpus_per_node, args.gpus)
-    candidates = enumerate_candidates(config, args.gpus, per_node)
+    rejected: Counter = Counter()
+    candidates = enumerate_candidates(config, args.gpus, per_node, rejected)
+    if not candidates and len(rejected) == 1:  # every layout fails the same way: the config itself is wrong
+        raise JaxdistError(next(iter(rejected)))
     if not candidates:
         raise JaxdistError(
             f"no layout of {config.name} uses {args.gpus} GPUs: data x fsdp must divide the global batch "
             f"({config.train.global_batch}), tensor the heads ({config.model.n_heads}/{config.model.n_kv_heads}) within a node "
-            f"({per_node}), pipe the layers ({config.model.n_layers})"
+            f"({per_node}), pipe the layers ({config.model.n_layers}), 2 x context the sequence ({config.train.seq_len})"
         )
     budget = HEADROOM * hardware.memory_bytes
     screened = [(c, estimated_memory(config, c, n_params, hardware.fused_attention)) for c in candidates]
@@ -99,7 +109,7 @@ def plan(args, log=print) -> dict:
             f"{config.name} fits no layout on {args.gpus} x {hardware.name}: the smallest ({smallest.label()}) needs "
             f"{need / GIB:.1f} GiB per device, {budget / GIB:.1f} GiB usable; use more GPUs or a smaller train.global_batch"
         )
-    fitting.sort(key=lambda cm: estimated_time(config, cm[0], n_params, hardware.matmul_flops_per_s))
+    fitting.sort(key=lambda cm: estimated_time(config, cm[0], n_params, hardware))
     return _price(config, fitting, hardware, args, log)
 
 
@@ -108,7 +118,7 @@ def _price(config, fitting, hardware, args, log) -> dict:
 
     from jaxdist.plan.cost import predict
     from jaxdist.plan.hlo_cost import ProgramCost
-    from jaxdist.plan.search import HEADROOM, compile_summary, configured
+    from jaxdist.plan.search import HEADROOM, compile_summary, configured, states_bytes
 
     start, priced, skipped, failed = time.monotonic(), [], 0, []
     todo = fitting[: args.max_compiles]
@@ -137,7 +147,7 @@ def _price(config, fitting, hardware, args, log) -> dict:
         states = summary["memory"]["arguments"]
         if hardware.fused_attention:  # XLA:CPU's temp holds unfused attention scores: states + activation estimate
             memory, source = (
-                states + max(estimate - _states_estimate(config, candidate, summary["params"]), 0.0),
+                states + max(estimate - states_bytes(candidate, summary["params"]), 0.0),
                 "states compiled + activations estimated",
             )
         else:
@@ -147,6 +157,7 @@ def _price(config, fitting, hardware, args, log) -> dict:
                 "mesh": candidate.mesh_spec,
                 "microbatches": candidate.microbatches,
                 "remat": candidate.remat,
+                "context_strategy": candidate.context_strategy or None,
                 **p.to_dict(),
                 "memory_per_device_bytes": int(memory),
                 "memory_source": source,
@@ -171,13 +182,6 @@ def _price(config, fitting, hardware, args, log) -> dict:
     }
 
 
-def _states_estimate(config, candidate, n_params: int) -> float:
-    from jaxdist.plan.search import STATE_BYTES_PER_PARAM
-
-    sizes = candidate.sizes
-    return STATE_BYTES_PER_PARAM * n_params / (sizes["fsdp"] * sizes["tensor"] * sizes["pipe"])
-
-
 def format_table(result: dict, top: int) -> str:
     lines = [
         f"{result['config']} on {result['gpus']} x {result['hardware_name']} ({result['gpus_per_node']} per node), "
@@ -186,8 +190,9 @@ def format_table(result: dict, top: int) -> str:
         f"{'#':>2}  {'mesh':<34} {'mb':>3} {'remat':<13} {'step s':>8} {'tok/s/dev':>10} {'MFU':>6} {'mem GiB':>8}  bound",
     ]
     for i, c in enumerate(result["candidates"][:top], 1):
+        mesh = f"{c['mesh']} {c['context_strategy']}" if c.get("context_strategy") else c["mesh"]
         lines.append(
-            f"{i:>2}  {c['mesh']:<34} {c['microbatches']:>3} {c['remat']:<13} {c['step_time_s']:>8.3f} "
+            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {c['remat']:<13} {c['step_time_s']:>8.3f} "
             f"{c['tokens_per_sec_per_device']:>10,.0f} {c['mfu']:>6.1%} {c['memory_per_device_bytes'] / GIB:>8.1f}  {c['bound']}"
         )
     if not result["candidates"]:

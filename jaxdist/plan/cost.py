@@ -2,15 +2,20 @@
 
     compute    = matmul_flops / (peak x matmul_efficiency) + memory_bytes / (HBM x memory_efficiency)
                  on a GPU: attention's FLOPs halved (causal flash skips masked blocks), its score
-                 traffic and XLA:CPU's f32 conversion copies left out (see hlo_cost)
+                 traffic and XLA:CPU's f32 conversion copies left out (see hlo_cost); with a
+                 context axis attention is parallel.context's tiled XLA kernel on every backend:
+                 half its tiles' FLOPs and score traffic are skipped (lax.cond), the rest of its
+                 score traffic stays (no flash kernel keeps it on chip)
     collective = ring steps x link latency + wire bytes / (link bandwidth x link efficiency)
                  on the link its groups cross: within a node, or across nodes when any mesh
                  axis they span is split over nodes (data first, then fsdp, as jaxdist's
                  hybrid mesh does)
     exposed    = collectives on the critical path (tensor-parallel activations, pipeline
-                 sends, everything outside the layer loop but gradient reductions)
+                 sends, attention's K/V gathers and their reduce-scatters over context,
+                 everything outside the layer loop but gradient reductions)
                  + max(0, the hideable ones - overlap x compute); hideable: the layer loop's
-                 other collectives, and on GPUs the gradient reductions over the batch axes
+                 other collectives (a ring's K/V permutes among them), and on GPUs the gradient
+                 reductions over the batch axes
                  (XLA's loop pipeliner moves them into the backward loop)
     step       = compute + exposed
 
@@ -29,7 +34,7 @@ from jaxdist.inspect.collectives import CollectiveOp
 from jaxdist.plan.hardware import Hardware, Link
 from jaxdist.plan.hlo_cost import ProgramCost
 
-CAUSAL_SKIP = 0.5  # share of attention FLOPs a causal flash kernel skips (whole blocks above the diagonal)
+CAUSAL_SKIP = 0.5  # share of attention work a causal kernel skips (whole blocks above the diagonal; 0.5 - 1/(2 x tiles))
 CRITICAL_AXES = ("tensor", "pipe")  # their collectives feed the next op: nothing to hide them behind
 
 
@@ -83,15 +88,20 @@ def predict(
     devices = math.prod(mesh_shape.values())
     share = devices if hardware.shared_host else 1
     flops = cost.matmul_flops
-    if hardware.fused_attention:  # a causal flash kernel skips the masked half of the scores
+    if cost.tiled_attention:  # the context kernel's lax.cond skips the masked tiles, on any backend
+        flops -= CAUSAL_SKIP * cost.skippable_flops
+    elif hardware.fused_attention:  # a causal flash kernel skips the masked half of the scores
         flops -= CAUSAL_SKIP * cost.attention_flops
     if hardware.matmul_curve and cost.dots:  # each matmul at the rate of its size (small ones run slower)
-        matmul_s = share * sum(calls * f / hardware.matmul_rate(f) for f, calls in cost.dots)
+        kept = flops / cost.matmul_flops if cost.matmul_flops else 1.0  # the skipped share, spread over every size
+        matmul_s = share * kept * sum(calls * f / hardware.matmul_rate(f) for f, calls in cost.dots)
     else:
         matmul_s = share * flops / hardware.matmul_flops_per_s
     memory = cost.memory_bytes
+    if cost.tiled_attention:
+        memory -= CAUSAL_SKIP * cost.skippable_bytes
     if not hardware.shared_host:  # a GPU: flash attention keeps the scores on chip; bf16 GEMMs need no f32 copies
-        memory -= (cost.score_bytes if hardware.fused_attention else 0.0) + cost.layout_bytes
+        memory -= (cost.score_bytes if hardware.fused_attention and not cost.tiled_attention else 0.0) + cost.layout_bytes
     memory_s = share * memory / (hardware.memory_bandwidth * hardware.memory_efficiency)
     compute = matmul_s + memory_s + share * cost.op_executions * hardware.op_overhead_s
     crossing = node_split(mesh_shape, hardware.gpus_per_node)
@@ -131,6 +141,8 @@ def _hideable(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -> bool:
     axes = set(op.axes or ())
     if axes & set(CRITICAL_AXES):
         return False
+    if op.name in cost.attention_collectives and op.kind != "collective-permute":
+        return False  # K/V gathered for the attention that follows (and dK/dV scattered back): nothing to hide them behind
     if cost.in_loop(op):
         return True
     return not hardware.shared_host and op.kind in ("all-reduce", "reduce-scatter") and bool(axes) and axes <= GRADIENT_AXES

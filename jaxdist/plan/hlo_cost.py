@@ -20,7 +20,13 @@ once per layer; here every count is multiplied by the trip counts of the loops a
 
 A fusion that contains a ``dot`` is a matmul (XLA:CPU fuses dots with their neighbours;
 a GPU runs them as GEMMs): its time is the matmul's, and it adds no memory traffic.
-- ``collectives``: ``jaxdist.inspect.collectives.collective_ops``, with each one's loop membership.
+- ``collectives``: ``jaxdist.inspect.collectives.collective_ops``, with each one's loop membership;
+  ``attention_collectives`` names those inside attention (a context axis's K/V gathers, permutes
+  and their gradients' reduce-scatters).
+- ``skippable_flops`` / ``skippable_bytes``: the part of attention's work inside ``conditional``
+  branches, which the counts above include in full (every branch is counted): the tiled kernel of
+  context parallelism (``jaxdist.parallel.blockwise``) computes a pair of tiles only where some
+  query sees some key, so about half of it never runs under a causal mask.
 """
 
 from __future__ import annotations
@@ -30,7 +36,17 @@ import math
 import re
 
 from jaxdist.inspect.collectives import CollectiveOp, collective_kind, collective_ops
-from jaxdist.inspect.hlo import ARRAY_RE, COMMENT_RE, NAME_RE, HloModule, Instruction, computation_multipliers, parse_hlo, shape_bytes
+from jaxdist.inspect.hlo import (
+    ARRAY_RE,
+    COMMENT_RE,
+    NAME_RE,
+    HloModule,
+    Instruction,
+    callees,
+    computation_multipliers,
+    parse_hlo,
+    shape_bytes,
+)
 from jaxdist.models.attention import SCOPE
 
 # Ops that move no data of their own (or whose work is counted elsewhere).
@@ -59,6 +75,14 @@ class ProgramCost:
     f32_collectives: frozenset[str] = frozenset()  # names of the collectives that move f32
     dots: tuple[tuple[float, float], ...] = ()  # (FLOPs of one matrix product, products per step) of every dot
     op_executions: float = 0.0  # top-level ops executed per step (what a per-op dispatch cost multiplies)
+    attention_collectives: frozenset[str] = frozenset()  # names of the collectives inside attention
+    skippable_flops: float = 0.0  # the part of attention_flops inside conditional branches (tiles a causal mask skips)
+    skippable_bytes: float = 0.0  # the part of score_bytes inside them
+
+    @property
+    def tiled_attention(self) -> bool:
+        """Whether attention runs as tiles that ``lax.cond`` skips (context parallelism's kernel)."""
+        return self.skippable_flops > 0
 
     def is_f32(self, op: CollectiveOp) -> bool:
         return op.name in self.f32_collectives
@@ -80,6 +104,9 @@ class ProgramCost:
             "f32_collectives": sorted(self.f32_collectives),
             "dots": [list(d) for d in self.dots],
             "op_executions": self.op_executions,
+            "attention_collectives": sorted(self.attention_collectives),
+            "skippable_flops": self.skippable_flops,
+            "skippable_bytes": self.skippable_bytes,
         }
 
     @classmethod
@@ -93,6 +120,12 @@ class ProgramCost:
             data["layout_bytes"],
             ops,
             frozenset(data["loop_computations"]),
+            frozenset(data.get("f32_collectives", ())),
+            tuple((float(f), float(n)) for f, n in data.get("dots", ())),
+            float(data.get("op_executions", 0.0)),
+            frozenset(data.get("attention_collectives", ())),
+            float(data.get("skippable_flops", 0.0)),
+            float(data.get("skippable_bytes", 0.0)),
         )
 
 
@@ -238,6 +271,18 @@ def _score_shaped(shapes: list[str], seq_len: int, min_elements: int) -> bool:
     return False
 
 
+def conditional_computations(module: HloModule) -> set[str]:
+    """Every computation that runs inside a ``conditional``'s branches (and what they call)."""
+    todo = [name for body in module.computations.values() for i in body if i.opcode == "conditional" for name, _ in callees(i)]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += [callee for i in module.computations.get(name, []) for callee, _ in callees(i)]
+    return seen
+
+
 def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_len: int = 0, heads_per_device: int = 1) -> ProgramCost:
     module = parse_hlo(hlo_text)
     counts = computation_multipliers(module)
@@ -248,8 +293,9 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
                 fused.update(_CALLS_RE.findall(i.attributes))
             reducers.update(_REDUCER_RE.findall(i.attributes))
     with_dot = {name for name in fused if any(i.opcode in ("dot", "convolution") for i in module.computations.get(name, []))}
-    matmul = attention_flops = memory = scores = layout = 0.0
-    f32, dots, ops = set(), {}, 0.0
+    branches = conditional_computations(module)
+    matmul = attention_flops = memory = scores = layout = skippable_flops = skippable_bytes = 0.0
+    f32, dots, ops, in_attention = set(), {}, 0.0, set()
     for name, executions in counts.items():
         if name in reducers or not executions:
             continue
@@ -266,9 +312,13 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
                 dots[one / batch] = dots.get(one / batch, 0) + executions * batch
                 # XLA:CPU drops the metadata of dots it fuses; a dot with batch dimensions is then
                 # attention's (scores or their weighted sum): the projections contract weights.
-                attention_flops += flops if tag or (tag is None and "lhs_batch_dims" in i.attributes) else 0.0
+                attention_dot = bool(tag or (tag is None and "lhs_batch_dims" in i.attributes))
+                attention_flops += flops if attention_dot else 0.0
+                skippable_flops += flops if attention_dot and name in branches else 0.0
             if collective_kind(i.opcode) and i.shape.lstrip("(").startswith("f32"):
                 f32.add(i.name)
+            if collective_kind(i.opcode) and tag:
+                in_attention.add(i.name)
             if name in fused or i.opcode in _NO_TRAFFIC or i.opcode.endswith("-done") or collective_kind(i.opcode):
                 continue
             ops += executions
@@ -278,6 +328,7 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
             memory += executions * traffic
             if i.name in attention or (seq_len > 1 and _score_shaped(shapes, seq_len, heads_per_device * seq_len**2)):
                 scores += executions * traffic
+                skippable_bytes += executions * traffic if name in branches else 0.0
             elif _only_casts(i, module):
                 layout += executions * traffic
     loops = frozenset(name for name, n in counts.items() if n > 1)
@@ -292,4 +343,7 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
         frozenset(f32),
         tuple(sorted(dots.items())),
         ops,
+        frozenset(in_attention),
+        skippable_flops,
+        skippable_bytes,
     )

@@ -1,14 +1,16 @@
 """The planner's search: enumerate layouts, screen them, compile the promising ones.
 
-Candidates are every (data, fsdp, tensor, pipe) mesh whose product is the GPU count, with
-``tensor`` inside a node, every microbatch count and remat policy that
-``jaxdist.layout.validate.check_config_on_mesh`` accepts. Each is screened without compiling:
-model states (16 bytes per parameter, sharded as the mesh shards them) plus activations
-(Korthikanti et al. 2022's per-layer counts) must fit the device, and a rough time (6 x
-params x tokens, remat's recompute, the pipeline bubble) orders them. Then they are
-compiled best-first against fake CPU devices until the time budget runs out; each compile
-is cached on disk (``~/.cache/jaxdist/plan``), keyed by the resolved config and the JAX
-version, so a rerun is fast.
+Candidates are every (data, fsdp, context, tensor, pipe) mesh whose product is the GPU count,
+with ``context`` and ``tensor`` inside a node, every microbatch count and remat policy (and,
+with a context axis, both context strategies) that ``jaxdist.layout.validate.check_config_on_mesh``
+accepts (a context axis needs the sequence divisible by 2 x context). Each is screened without
+compiling: model states (16 bytes per parameter, sharded as the mesh shards them: fsdp, context,
+tensor, pipe) plus activations (Korthikanti et al. 2022's per-layer counts, for the device's
+share of the sequence) must fit the device, and a rough time (6 x params x tokens plus causal
+attention, remat's recompute, the pipeline bubble, the K/V traffic of a context axis) orders
+them. Then they are compiled best-first against fake CPU devices until the time budget runs
+out; each compile is cached on disk (``~/.cache/jaxdist/plan``), keyed by the resolved config
+and the JAX version, so a rerun is fast.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -30,27 +33,33 @@ REMATS = ("none", "save_matmuls", "full")
 RECOMPUTE = {"none": 1.0, "save_matmuls": 1.1, "full": 4 / 3}  # training FLOPs with remat / without
 STATE_BYTES_PER_PARAM = 16  # fp32 params, grads, Adam's two moments
 HEADROOM = 0.9  # plan to use at most this share of device memory
+CONTEXT_STRATEGIES = ("all_gather", "ring")
+KERNEL_TILE = 512  # tokens per tile of the context kernel (parallel.context's DEFAULT_TILE): bounds its fp32 scores
+LAYOUT_AXES = ("data", "fsdp", "context", "tensor", "pipe")
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    mesh: tuple[tuple[str, int], ...]  # (axis, size) for data, fsdp, tensor, pipe
+    mesh: tuple[tuple[str, int], ...]  # (axis, size) for data, fsdp, context, tensor, pipe (an axis left out is 1)
     microbatches: int
     remat: str
+    context_strategy: str = ""  # all_gather | ring with a context axis; "" without one
 
     @property
     def sizes(self) -> dict[str, int]:
-        return dict(self.mesh)
+        return {axis: 1 for axis in LAYOUT_AXES} | dict(self.mesh)
 
     @property
     def mesh_spec(self) -> str:
         return format_mesh(parse_mesh(",".join(f"{a}={n}" for a, n in self.mesh)))
 
     def overrides(self) -> list[str]:
-        return [f"parallel.mesh={self.mesh_spec}", f"train.microbatches={self.microbatches}", f"model.remat={self.remat}"]
+        out = [f"parallel.mesh={self.mesh_spec}", f"train.microbatches={self.microbatches}", f"model.remat={self.remat}"]
+        return out + ([f"parallel.context_strategy={self.context_strategy}"] if self.context_strategy else [])
 
     def label(self) -> str:
-        return f"{self.mesh_spec} mb={self.microbatches} remat={self.remat}"
+        strategy = f" {self.context_strategy}" if self.context_strategy else ""
+        return f"{self.mesh_spec}{strategy} mb={self.microbatches} remat={self.remat}"
 
 
 def divisors(n: int) -> list[int]:
@@ -61,29 +70,36 @@ def configured(config: Config, candidate: Candidate) -> Config:
     out = copy.deepcopy(config)
     out.parallel.mesh, out.train.microbatches, out.model.remat = candidate.mesh_spec, candidate.microbatches, candidate.remat
     out.parallel.strategy = "auto"  # fsdp where the mesh has an fsdp axis, tensor parallel where it has a tensor axis
+    if candidate.context_strategy:
+        out.parallel.context_strategy = candidate.context_strategy
     return out
 
 
-def enumerate_candidates(config: Config, gpus: int, gpus_per_node: int) -> list[Candidate]:
-    """Every layout of ``config`` on ``gpus`` devices that jaxdist accepts."""
+def enumerate_candidates(config: Config, gpus: int, gpus_per_node: int, rejected: Counter | None = None) -> list[Candidate]:
+    """Every layout of ``config`` on ``gpus`` devices that jaxdist accepts; ``rejected`` (if
+    given) counts the validator's reasons for the others."""
     from jaxdist.layout.validate import check_config_on_mesh
 
     out = []
     batch = config.train.global_batch
     for pipe in divisors(gpus):
         for tensor in (t for t in divisors(gpus // pipe) if t <= gpus_per_node):
-            for fsdp in divisors(gpus // (pipe * tensor)):
-                data = gpus // (pipe * tensor * fsdp)
-                mesh = (("data", data), ("fsdp", fsdp), ("tensor", tensor), ("pipe", pipe))
-                shards = data * fsdp
-                for microbatches in (m for m in (1, 2, 4, 8, 16) if batch % (shards * m) == 0):
-                    for remat in REMATS:
-                        candidate = Candidate(mesh, microbatches, remat)
-                        try:
-                            check_config_on_mesh(configured(config, candidate), parse_mesh(candidate.mesh_spec))
-                        except JaxdistError:
-                            continue
-                        out.append(candidate)
+            for context in (c for c in divisors(gpus // (pipe * tensor)) if c * tensor <= gpus_per_node):  # both inside a node
+                for fsdp in divisors(gpus // (pipe * tensor * context)):
+                    data = gpus // (pipe * tensor * context * fsdp)
+                    mesh = (("data", data), ("fsdp", fsdp), ("context", context), ("tensor", tensor), ("pipe", pipe))
+                    shards = data * fsdp
+                    for microbatches in (m for m in (1, 2, 4, 8, 16) if batch % (shards * m) == 0):
+                        for remat in REMATS:
+                            for strategy in CONTEXT_STRATEGIES if context > 1 else ("",):
+                                candidate = Candidate(mesh, microbatches, remat, strategy)
+                                try:
+                                    check_config_on_mesh(configured(config, candidate), parse_mesh(candidate.mesh_spec))
+                                except JaxdistError as e:
+                                    if rejected is not None:
+                                        rejected[str(e)] += 1
+                                    continue
+                                out.append(candidate)
     return out
 
 
@@ -91,40 +107,105 @@ def enumerate_candidates(config: Config, gpus: int, gpus_per_node: int) -> list[
 # Screening without compiling
 
 
+def states_bytes(candidate: Candidate, n_params: int) -> float:
+    """Model states per device: sharded over fsdp, context (as FSDP shards them), tensor and pipe."""
+    sizes = candidate.sizes
+    return STATE_BYTES_PER_PARAM * n_params / (sizes["fsdp"] * sizes["context"] * sizes["tensor"] * sizes["pipe"])
+
+
+def _compute_bytes(config: Config) -> int:
+    return 4 if config.model.dtype == "float32" else 2
+
+
 def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_attention: bool) -> float:
-    """Bytes per device: model states sharded by fsdp x tensor x pipe, plus activations.
+    """Bytes per device: model states sharded by fsdp x context x tensor x pipe, plus activations.
 
     Activations per layer and microbatch row (Korthikanti et al. 2022, 16-bit, tensor size
-    t, no sequence parallelism): s d (10 + 24 / t) bytes, plus 5 h s^2 / t without a fused
-    attention; full remat keeps only each layer's input (2 s d) plus one layer's working
-    set; save_matmuls about half. The fp32 logits (and their gradient) of one microbatch
-    come on top.
+    t, no sequence parallelism) for the device's s = seq_len / context tokens: s d (10 + 24 / t)
+    bytes, plus 5 h s^2 / t without a fused attention. A context axis runs parallel.context's
+    tiled kernel (no [s, s] scores; a few fp32 tiles) and, with all_gather, keeps the whole
+    sequence's K/V per layer. Full remat keeps only each layer's input (2 s d) plus one
+    layer's working set; save_matmuls about half. The fp32 logits (and their gradient) of one
+    microbatch (one ``model.loss_chunk`` of it, when set) come on top.
     """
     m, t = config.model, config.train
     sizes = candidate.sizes
-    shards = sizes["fsdp"] * sizes["tensor"] * sizes["pipe"]
-    states = STATE_BYTES_PER_PARAM * n_params / shards
     rows = t.global_batch // (sizes["data"] * sizes["fsdp"] * candidate.microbatches)
-    s, d, tp = t.seq_len, m.d_model, sizes["tensor"]
-    per_layer = s * d * (10 + 24 / tp) + (0 if fused_attention else 5 * m.n_heads * s * s / tp)
+    context, tp = sizes["context"], sizes["tensor"]
+    s, d = t.seq_len // context, m.d_model
+    per_layer = s * d * (10 + 24 / tp)
+    working = 0.0  # the attention kernel's scratch, alive for one layer at a time
+    if context > 1:
+        heads, kv_heads = max(m.n_heads // tp, 1), max(m.n_kv_heads // tp, 1)
+        tile = min(KERNEL_TILE, s)
+        working = 3 * 4 * heads * tile * tile  # fp32 scores, probabilities and their gradient for one pair of tiles
+        if candidate.context_strategy == "all_gather":
+            per_layer += 2 * t.seq_len * kv_heads * m.resolved_head_dim * _compute_bytes(config)  # the gathered K and V
+    elif not fused_attention:
+        per_layer += 5 * m.n_heads * s * s / tp
     layers = m.n_layers // sizes["pipe"]
     in_flight = sizes["pipe"] if sizes["pipe"] > 1 else 1  # 1F1B-like: S microbatches alive per stage
     kept = {"none": per_layer * layers, "save_matmuls": per_layer * layers / 2, "full": 2 * s * d * layers + per_layer}[candidate.remat]
-    logits = 2 * 4 * s * m.vocab_size / tp
-    return states + rows * (kept * in_flight + logits)
+    logit_tokens = min(s, m.loss_chunk) if m.loss_chunk > 0 else s
+    logits = 2 * 4 * logit_tokens * m.vocab_size / tp
+    return states_bytes(candidate, n_params) + rows * (kept * in_flight + logits + working)
 
 
-def estimated_time(config: Config, candidate: Candidate, n_params: int, flops_per_device: float) -> float:
-    """Seconds per step, roughly: compute with remat's recompute, stretched by the bubble."""
+def attention_flops_per_sequence(config: Config) -> float:
+    """Training FLOPs of causal attention for one sequence: forward QK^T and PV (4 s^2 h hd per
+    layer), half of it masked, times 3 for the backward."""
+    m, s = config.model, config.train.seq_len
+    return 6.0 * m.n_layers * s * s * m.n_heads * m.resolved_head_dim
+
+
+def context_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
+    """(bytes one device sends over the context axis per step, collectives per step) for attention,
+    as jaxdist's compiled program moves them (checked against it in tests/test_plan.py). Per layer
+    and row, with K/V the whole sequence's keys and values and ids its segment ids and positions:
+
+    - all_gather: each forward (the recomputed one too, under remat) gathers (N-1)/N of K/V and
+      ids; the backward reduce-scatters (N-1)/N of dK/dV (in the compute dtype).
+    - ring: K/V and ids travel N-1 shifts forward and again backward (XLA merges the backward's
+      with a recomputed forward's), (N-1)/N of them each time; dK/dV (fp32) travel N shifts.
+    """
+    sizes, m = candidate.sizes, config.model
+    n = sizes["context"]
+    if n <= 1:
+        return 0.0, 0
+    rows = config.train.global_batch // (sizes["data"] * sizes["fsdp"])
+    tokens = rows * config.train.seq_len
+    kv_elements = 2 * tokens * max(m.n_kv_heads // sizes["tensor"], 1) * m.resolved_head_dim
+    kv, ids, share = kv_elements * _compute_bytes(config), 2 * 4 * tokens, (n - 1) / n
+    layers, mb = m.n_layers // sizes["pipe"], candidate.microbatches
+    if candidate.context_strategy == "all_gather":
+        forwards = 1 + (candidate.remat != "none")
+        return layers * (forwards * share * (kv + ids) + share * kv), layers * mb * (4 * forwards + 2)
+    return layers * (2 * share * (kv + ids) + 4 * kv_elements), layers * mb * (2 * 4 * (n - 1) + 2 * n)
+
+
+def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware) -> float:
+    """Seconds per step, roughly: compute (matmuls and causal attention) with remat's recompute,
+    stretched by the bubble, plus the exposed K/V traffic of a context axis (all_gather's is on the
+    critical path; ring's hides behind the attention it feeds, up to ``hardware.overlap`` of it)."""
     t, sizes = config.train, candidate.sizes
     devices = math.prod(sizes.values())
-    compute = 6 * n_params * t.global_batch * t.seq_len / devices / flops_per_device * RECOMPUTE[candidate.remat]
+    rate = hardware.matmul_flops_per_s
+    attention = attention_flops_per_sequence(config) * t.global_batch / devices / rate * RECOMPUTE[candidate.remat]
+    if sizes["context"] > 1 and not config.parallel.context_load_balance:  # the last shard's causal share: (2N-1)/N of the mean
+        attention *= (2 * sizes["context"] - 1) / sizes["context"]
+    compute = 6 * n_params * t.global_batch * t.seq_len / devices / rate * RECOMPUTE[candidate.remat] + attention
     pipe = sizes["pipe"]
     if pipe > 1:
         m = max(config.parallel.pipeline_microbatches or pipe, 1)
         compute *= (m + pipe - 1) / m
     comm_penalty = 1 + 0.05 * (sizes["tensor"] > 1) + 0.02 * math.log2(sizes["tensor"])
-    return compute * comm_penalty
+    wire, count = context_traffic(config, candidate)
+    link = hardware.intra_node  # context stays inside a node
+    steps = sizes["context"] - 1 if candidate.context_strategy == "all_gather" else 1  # ring steps per collective
+    kv = wire / (link.bandwidth * link.efficiency) + count * steps * link.latency
+    if candidate.context_strategy == "ring":
+        kv = max(0.0, kv - hardware.overlap * attention)
+    return compute * comm_penalty + kv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +220,7 @@ def cache_dir() -> Path:
 def cache_key(config: Config) -> str:
     import jax
 
-    payload = json.dumps({"config": config.to_dict(), "jax": jax.__version__, "format": 5}, sort_keys=True)
+    payload = json.dumps({"config": config.to_dict(), "jax": jax.__version__, "format": 6}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
