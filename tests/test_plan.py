@@ -394,3 +394,30 @@ def test_the_128k_preset_fits_an_80gb_device():
     assert report["mesh"]["context"] == 4 and report["mesh"]["fsdp"] == 2 and report["params"] > 8e9
     assert report["memory_per_device_bytes"]["total"] <= 0.9 * 80e9
     assert report["collectives_by_axes"]["context"]["bytes"] > 0
+
+
+def test_the_screen_takes_a_context_axis_only_where_nothing_else_fits():
+    """On a flash-attention GPU a context-free layout keeps the scores on chip while the context
+    kernel's XLA tiles move them through memory: the screen ranks a fitting context-free layout
+    first (Llama 3 8B at 32K tokens on 8 H100), and a context layout where none fits (at 256K);
+    without load balancing the last context shard's causal share stretches the step."""
+    from jaxdist.models.llama import count_params
+    from jaxdist.plan.search import estimated_time
+
+    h100 = load_hardware("h100")
+    shapes = ["model.vocab_size=128256", "model.d_model=4096", "model.n_layers=32", "model.n_heads=32", "model.n_kv_heads=8"]
+    for seq, batch, context_wanted in ((32768, 8, False), (262144, 1, True)):
+        config = load_config(
+            None, [*shapes, "model.mlp_dim=14336", "model.dtype=bfloat16", f"train.seq_len={seq}", f"train.global_batch={batch}"]
+        )
+        n = count_params(config.model)
+        fitting = [c for c in enumerate_candidates(config, 8, 8) if estimated_memory(config, c, n, True) <= 0.9 * h100.memory_bytes]
+        assert fitting and any(c.sizes["context"] > 1 for c in fitting)
+        best = min(fitting, key=lambda c: estimated_time(config, c, n, h100))
+        assert (best.sizes["context"] > 1) == context_wanted, best.label()
+        if context_wanted:
+            unbalanced = load_config(
+                None,
+                [*shapes, "model.mlp_dim=14336", f"train.seq_len={seq}", "train.global_batch=1", "parallel.context_load_balance=false"],
+            )
+            assert estimated_time(unbalanced, best, n, h100) > estimated_time(config, best, n, h100)

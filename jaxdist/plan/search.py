@@ -183,16 +183,38 @@ def context_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
     return layers * (2 * share * (kv + ids) + 4 * kv_elements), layers * mb * (2 * 4 * (n - 1) + 2 * n)
 
 
+# fp32 bytes each visible attention score moves through memory where no flash kernel keeps the
+# scores on chip (scores and probabilities written and read; the backward also their gradients)
+SCORE_BYTES_FORWARD, SCORE_BYTES_BACKWARD = 16, 32
+
+
+def score_traffic(config: Config, candidate: Candidate, fused_attention: bool) -> float:
+    """Bytes per device per step of attention scores through memory: none with a flash kernel
+    (context-free layouts on a GPU); XLA's full scores without one; with a context axis,
+    parallel.context's tiled XLA kernel, which skips the masked half of them on any hardware."""
+    sizes, m, t = candidate.sizes, config.model, config.train
+    context = sizes["context"]
+    if context == 1 and fused_attention:
+        return 0.0
+    rows = t.global_batch // (sizes["data"] * sizes["fsdp"])
+    scores = rows * (m.n_layers // sizes["pipe"]) * max(m.n_heads // sizes["tensor"], 1) * (t.seq_len // context) * t.seq_len
+    visible = 0.5 if context > 1 else 1.0
+    passes = SCORE_BYTES_FORWARD * (1 + (candidate.remat != "none")) + SCORE_BYTES_BACKWARD
+    return scores * visible * passes
+
+
 def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware) -> float:
-    """Seconds per step, roughly: compute (matmuls and causal attention) with remat's recompute,
-    stretched by the bubble, plus the exposed K/V traffic of a context axis (all_gather's is on the
-    critical path; ring's hides behind the attention it feeds, up to ``hardware.overlap`` of it)."""
+    """Seconds per step, roughly: compute (matmuls and causal attention, plus the attention scores'
+    memory traffic where no flash kernel keeps them on chip) with remat's recompute, stretched by
+    the bubble, plus the exposed K/V traffic of a context axis (all_gather's is on the critical
+    path; ring's hides behind the attention it feeds, up to ``hardware.overlap`` of it)."""
     t, sizes = config.train, candidate.sizes
     devices = math.prod(sizes.values())
     rate = hardware.matmul_flops_per_s
     attention = attention_flops_per_sequence(config) * t.global_batch / devices / rate * RECOMPUTE[candidate.remat]
     if sizes["context"] > 1 and not config.parallel.context_load_balance:  # the last shard's causal share: (2N-1)/N of the mean
         attention *= (2 * sizes["context"] - 1) / sizes["context"]
+    attention += score_traffic(config, candidate, hardware.fused_attention) / (hardware.memory_bandwidth * hardware.memory_efficiency)
     compute = 6 * n_params * t.global_batch * t.seq_len / devices / rate * RECOMPUTE[candidate.remat] + attention
     pipe = sizes["pipe"]
     if pipe > 1:
