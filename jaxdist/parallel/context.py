@@ -142,7 +142,9 @@ class ContextAttention:
         q_spec = PartitionSpec(batch, CONTEXT_AXIS, self.heads_axis, None)
         kv_spec = PartitionSpec(batch, CONTEXT_AXIS, self.kv_heads_axis, None)
         token_spec = PartitionSpec(batch, CONTEXT_AXIS)
-        axes = {CONTEXT_AXIS, *self.batch_axes} | ({self.heads_axis} if self.heads_axis else set())
+        # Manual over every mesh axis (those the specs leave out are replicated): with a partial-manual shard_map the
+        # transpose of a bf16 all_gather is a reduce-scatter whose reducer XLA:CPU's all-reduce promotion aborts on.
+        axes = set(self.mesh.axis_names)
         run = jax.shard_map(
             lambda *a: self._local(*a, count=count),
             mesh=self.mesh,
@@ -197,6 +199,11 @@ class ContextAttention:
         return jnp.take(k, index, axis=2), jnp.take(v, index, axis=2)
 
     def _local(self, q, k, v, segment_ids, positions, *, count: bool):
+        if not count:
+            # Segment ids and positions are the same in every layer: under grad JAX hoists the masks built from them
+            # out of the model's layer scan, one [tile, tile] mask per tile pair at once ([T/c, T] per device). Tying
+            # them to q keeps the masks inside the loop.
+            q, segment_ids, positions = jax.lax.optimization_barrier((q, segment_ids, positions))
         k, v = self._local_kv_heads(q.shape[2], k, v)
         tiles = self._tiles(q.shape[1])
         if self.strategy == "ring":
