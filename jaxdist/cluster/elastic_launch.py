@@ -241,11 +241,18 @@ def _processes(n: int) -> str:
 def run_elastic(plan: ElasticPlan) -> int:
     """The elastic run ``plan`` describes, until it ends; the exit status. SIGINT / SIGTERM
     are forwarded to the running set (no relaunch after them)."""
-    loop = Elastic(plan)
+    return drive(Elastic(plan))
+
+
+def drive(loop) -> int:
+    """Run an elastic loop (``run()``, ``on_signal``, its current set ``gen``) with SIGINT /
+    SIGTERM forwarded to it; whatever way it ends, its set is stopped and closed. A
+    ``JaxdistError`` (the first start does not fit, an unwritable run dir, an etcd that
+    does not answer at start) is one line and exit 2."""
     forwarded = {s: signal.signal(s, loop.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return loop.run()
-    except JaxdistError as e:  # the first start does not fit (nothing started), or the run dir is not writable
+    except JaxdistError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     finally:

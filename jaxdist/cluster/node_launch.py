@@ -20,12 +20,11 @@ import hashlib
 import json
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
 from jaxdist.cluster import elastic
-from jaxdist.cluster.elastic_launch import after_failure, save_and_stop, stopped_at
+from jaxdist.cluster.elastic_launch import after_failure, drive, save_and_stop, stopped_at
 from jaxdist.cluster.etcd import Etcd, EtcdError, EtcdUnavailable
 from jaxdist.cluster.launcher import (
     GRACE_S,
@@ -435,19 +434,9 @@ class NodeElastic:
 def run_node(plan: NodePlan) -> int:
     """This node's part of the run ``plan`` describes, until it ends here; the exit status."""
     loop = NodeElastic(plan)
-    forwarded = {s: signal.signal(s, loop.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return loop.run()
-    except JaxdistError as e:  # etcd unreachable at start, nothing fits, an address that is not this machine's
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return drive(loop)
     finally:
-        for s, handler in forwarded.items():
-            signal.signal(s, handler)
-        if loop.gen is not None and any(p.poll() is None for p in loop.gen.procs):
-            loop.gen.stop_all()
-        if loop.gen is not None:
-            loop.gen.close()
         if loop.reservation is not None:
             loop.reservation.close()
         loop.reg.leave()
