@@ -245,7 +245,7 @@ def torchtitan_rows(max_compiles: int) -> str:
     import types
 
     from jaxdist.plan.__main__ import plan
-    from jaxdist.plan.cost import predict
+    from jaxdist.plan.cost import predict_summary
     from jaxdist.plan.hardware import load_hardware
     from jaxdist.plan.hlo_cost import ProgramCost
     from jaxdist.plan.search import compile_summary
@@ -267,25 +267,11 @@ def torchtitan_rows(max_compiles: int) -> str:
             overrides = [*base, f"parallel.mesh={mesh}"] + ([f"parallel.context_strategy={strategy}"] if cp > 1 else [])
             summary, _ = compile_summary(load_config(None, overrides))
             cost = ProgramCost.from_dict(summary["program"])
-            p = predict(
-                cost,
-                hardware,
-                summary["mesh"],
-                model_flops_per_step=summary["model_flops_per_step"],
-                tokens_per_step=summary["tokens_per_step"],
-                bubble=summary["bubble"],
-            )
+            p = predict_summary(cost, hardware, summary)
             kv, other = _collective_split(cost, hardware, summary["mesh"], p)
             # the same program with the attention scores kept on chip, as a flash kernel per block would
             flash_cost = dataclasses.replace(cost, memory_bytes=cost.memory_bytes - cost.score_bytes, score_bytes=0.0, skippable_bytes=0.0)
-            flash = predict(
-                flash_cost,
-                hardware,
-                summary["mesh"],
-                model_flops_per_step=summary["model_flops_per_step"],
-                tokens_per_step=summary["tokens_per_step"],
-                bubble=summary["bubble"],
-            ).tokens_per_sec_per_device
+            flash = predict_summary(flash_cost, hardware, summary).tokens_per_sec_per_device
             label = f"{mesh} {strategy}" if cp > 1 else mesh
             print(f"torchtitan FSDP {fsdp} CP {cp} seq {seq}: {label}: {p.tokens_per_sec_per_device:,.0f} tok/s/GPU", flush=True)
             pick = ""

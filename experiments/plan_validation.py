@@ -96,21 +96,14 @@ def priced(config, hardware, gpus_per_node: int | None = None):
     """(prediction, compile summary) of one config on one hardware profile."""
     import dataclasses
 
-    from jaxdist.plan.cost import predict
+    from jaxdist.plan.cost import predict_summary
     from jaxdist.plan.hlo_cost import ProgramCost
     from jaxdist.plan.search import compile_summary
 
     summary, _ = compile_summary(config)
     if gpus_per_node is not None:
         hardware = dataclasses.replace(hardware, gpus_per_node=gpus_per_node)
-    p = predict(
-        ProgramCost.from_dict(summary["program"]),
-        hardware,
-        summary["mesh"],
-        model_flops_per_step=summary["model_flops_per_step"],
-        tokens_per_step=summary["tokens_per_step"],
-        bubble=summary["bubble"],
-    )
+    p = predict_summary(ProgramCost.from_dict(summary["program"]), hardware, summary)
     return p, summary
 
 

@@ -116,7 +116,7 @@ def plan(args, log=print) -> dict:
 def _price(config, fitting, hardware, args, log) -> dict:
     from tqdm import tqdm
 
-    from jaxdist.plan.cost import predict
+    from jaxdist.plan.cost import predict_summary
     from jaxdist.plan.hlo_cost import ProgramCost
     from jaxdist.plan.search import HEADROOM, compile_summary, configured, states_bytes
 
@@ -136,14 +136,7 @@ def _price(config, fitting, hardware, args, log) -> dict:
             failed.append({"layout": candidate.label(), "error": reason})
             continue
         program = ProgramCost.from_dict(summary["program"])
-        p = predict(
-            program,
-            hardware,
-            summary["mesh"],
-            model_flops_per_step=summary["model_flops_per_step"],
-            tokens_per_step=summary["tokens_per_step"],
-            bubble=summary["bubble"],
-        )
+        p = predict_summary(program, hardware, summary)
         states = summary["memory"]["arguments"]
         if hardware.fused_attention:  # XLA:CPU's temp holds unfused attention scores: states + activation estimate
             memory, source = (

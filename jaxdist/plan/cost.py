@@ -133,6 +133,19 @@ def predict(
 GRADIENT_AXES = {"data", "fsdp", "replica"}
 
 
+def predict_summary(cost: ProgramCost, hardware: Hardware, summary: dict) -> Prediction:
+    """``predict`` for a compiled step's summary (``plan.search.compile_summary``): its mesh,
+    model FLOPs, tokens and pipeline bubble."""
+    return predict(
+        cost,
+        hardware,
+        summary["mesh"],
+        model_flops_per_step=summary["model_flops_per_step"],
+        tokens_per_step=summary["tokens_per_step"],
+        bubble=summary["bubble"],
+    )
+
+
 def _hideable(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -> bool:
     """Whether compute can hide ``op``: the layer loop's collectives off the critical path
     (FSDP's gathers and reduce-scatters), and on a GPU every gradient reduction over the
