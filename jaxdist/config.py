@@ -48,6 +48,18 @@ class ModelConfig:
     attention: str = "auto"  # auto (cuDNN flash attention on GPU when it applies, packed documents too) | xla | cudnn | pallas
     fused_projections: bool = True  # one QKV matmul and one gate/up matmul per layer; false: separate wq/wk/wv, w_gate/w_up
     loss_chunk: int = 0  # tokens of the sequence per cross-entropy chunk (logits never whole); 0: whole sequence
+    # mixture of experts (models.moe): 0 experts = a dense decoder
+    moe_experts: int = 0  # routed SwiGLU experts per MoE layer
+    moe_top_k: int = 2  # experts each token is sent to
+    moe_shared_experts: int = 0  # always-on experts beside the routed ones (DeepSeek)
+    moe_mlp_dim: int = 0  # each expert's SwiGLU width; 0: model.mlp_dim's resolved width
+    moe_first_dense: int = 0  # leading layers that keep a dense MLP
+    moe_router: str = "softmax"  # softmax (top-k of the softmax, renormalised) | sigmoid (DeepSeek-V3 scores)
+    moe_renormalize: bool = True  # softmax: rescale the k chosen probabilities to sum to 1 (Mixtral)
+    moe_capacity_factor: float = 0.0  # <= 0: dropless; > 0: each expert takes ceil(tokens x k / experts x factor), the rest drop
+    moe_aux_loss_coef: float = 0.0  # Switch / Megatron load-balancing loss E x sum_i f_i P_i (from global counts)
+    moe_z_loss_coef: float = 0.0  # router z-loss: mean logsumexp(logits)^2
+    moe_bias_rate: float = 0.0  # aux-loss-free balancing: per-expert selection bias moved by this much per step; 0: off
     # resnet only
     image_size: int = 32
     num_classes: int = 10
@@ -63,6 +75,13 @@ class ModelConfig:
         if self.mlp_dim:
             return self.mlp_dim
         return -(-int(8 * self.d_model / 3) // 64) * 64
+
+    @property
+    def resolved_moe_mlp_dim(self) -> int:
+        return self.moe_mlp_dim or self.resolved_mlp_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe_experts > 0 and layer >= self.moe_first_dense
 
 
 @dataclasses.dataclass
@@ -137,6 +156,9 @@ class ParallelConfig:
     replica_link_gbps: float = 0.0  # its bandwidth in Gbit/s (0: not simulated)
     context_strategy: str = "all_gather"  # attention over a context axis: all_gather (K/V gathered) | ring (K/V passed around)
     context_load_balance: bool = True  # give context shard r sequence chunks r and 2N-1-r (even causal work)
+    # expert axis, dropless routing: rows each device may send each other device, as a multiple of its
+    # even share (tokens x k / expert); 0: the worst case (never overflows); overflow is dropped and counted
+    expert_buffer_factor: float = 0.0
 
 
 @dataclasses.dataclass

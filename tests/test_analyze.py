@@ -210,7 +210,7 @@ def _grad_bytes(r: dict) -> int:
 def test_report_has_the_contract_keys() -> None:
     r = report("data=8")
     assert set(r) >= CONTRACT_KEYS
-    assert r["devices"] == 8 and r["mesh"] == {"replica": 1, "data": 8, "pipe": 1, "fsdp": 1, "context": 1, "tensor": 1}
+    assert r["devices"] == 8 and r["mesh"] == {"replica": 1, "data": 8, "pipe": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
     assert set(r["memory_per_device_bytes"]) >= {"arguments", "outputs", "temp", "total"}
     mem = r["memory_per_device_bytes"]
     assert mem["total"] == mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]

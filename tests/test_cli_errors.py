@@ -11,7 +11,7 @@ from jaxdist.layout.mesh import format_mesh, parse_mesh, resolve_mesh
 from jaxdist.train import main
 
 BAD_INPUTS = {
-    "unknown mesh axis": (["--mesh", "data=2,expert=4"], "unknown axis 'expert'"),
+    "unknown mesh axis": (["--mesh", "data=2,experts=4"], "unknown axis 'experts'"),
     "malformed mesh": (["--mesh", "8x"], "malformed mesh"),
     "too many positional factors": (["--mesh", "2x2x2x2"], "positional mesh"),
     "zero-size axis": (["--mesh", "data=0"], "sizes must be >= 1"),
@@ -122,11 +122,11 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize(
     ("spec", "sizes"),
     [
-        ("8x4", {"replica": 1, "data": 8, "pipe": 1, "fsdp": 1, "context": 1, "tensor": 4}),
-        ("8", {"replica": 1, "data": 8, "pipe": 1, "fsdp": 1, "context": 1, "tensor": 1}),
-        ("data=2,fsdp=2,tensor=2", {"replica": 1, "data": 2, "pipe": 1, "fsdp": 2, "context": 1, "tensor": 2}),
-        ("fsdp=4", {"replica": 1, "data": 1, "pipe": 1, "fsdp": 4, "context": 1, "tensor": 1}),
-        ("replica=2,data=-1", {"replica": 2, "data": -1, "pipe": 1, "fsdp": 1, "context": 1, "tensor": 1}),
+        ("8x4", {"replica": 1, "data": 8, "pipe": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 4}),
+        ("8", {"replica": 1, "data": 8, "pipe": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}),
+        ("data=2,fsdp=2,tensor=2", {"replica": 1, "data": 2, "pipe": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}),
+        ("fsdp=4", {"replica": 1, "data": 1, "pipe": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}),
+        ("replica=2,data=-1", {"replica": 2, "data": -1, "pipe": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}),
     ],
 )
 def test_mesh_specs(spec, sizes):

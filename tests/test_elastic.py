@@ -47,7 +47,7 @@ def test_largest_usable_count_skips_one_the_batch_cannot_split():
     assert largest_usable(config, 2, 2, 3, resuming=False) == 2  # data=3 does not divide 8
     assert largest_usable(config, 2, 1, 4, resuming=False) == 4
     assert largest_usable(config, 2, 3, 3, resuming=False) is None  # min not reachable
-    assert "divisible by replica x data x fsdp (3)" in fit_problem(config, 3, 2, resuming=False)
+    assert "divisible by replica x data x fsdp x expert (3)" in fit_problem(config, 3, 2, resuming=False)
 
 
 def test_a_mesh_without_a_remaining_axis_fits_only_its_own_size():

@@ -130,4 +130,4 @@ def test_resnet_cannot_be_staged():
 
 
 def test_positional_three_factors_are_data_tensor_pipe():
-    assert parse_mesh("2x2x2") == {"replica": 1, "data": 2, "pipe": 2, "fsdp": 1, "context": 1, "tensor": 2}
+    assert parse_mesh("2x2x2") == {"replica": 1, "data": 2, "pipe": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 2}

@@ -49,7 +49,7 @@ def check_fits(config: Config, nproc: int, devices_per_proc: int, resuming: bool
         shards = batch_shards(sizes)
         fitting = fitting_microbatches(config, sizes)
         if fitting is None:
-            raise JaxdistError(f"train.global_batch ({t.global_batch}) does not split over replica x data x fsdp ({shards})")
+            raise JaxdistError(f"train.global_batch ({t.global_batch}) does not split over replica x data x fsdp x expert ({shards})")
         config = copy.deepcopy(config)
         config.train.microbatches = fitting
     check_config_on_mesh(config, sizes)

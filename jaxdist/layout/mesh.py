@@ -13,14 +13,16 @@ import sys
 from jaxdist.errors import MeshError
 
 # Mesh axes, outermost first: replica (DiLoCo's islands), data and pipe cross hosts,
-# fsdp next; context and tensor innermost (NVLink): context moves K/V in every layer's
-# attention, tensor all-reduces activations in every layer, both on the step's critical path.
-MESH_AXES = ("replica", "data", "pipe", "fsdp", "context", "tensor")
+# fsdp next; expert, context and tensor innermost (NVLink): expert's all-to-alls, context's
+# K/V exchange and tensor's all-reduces run in every layer, on the step's critical path.
+MESH_AXES = ("replica", "data", "pipe", "fsdp", "expert", "context", "tensor")
 # What a positional spec means, by its number of factors.
 POSITIONAL_AXES = {1: ("data",), 2: ("data", "tensor"), 3: ("data", "tensor", "pipe")}
 # The axes that split the global batch: the one definition. Inside a DiLoCo replica
-# (and for everything that is not DiLoCo, whose replica axis has size 1) they are data x fsdp.
-BATCH_AXES = ("replica", "data", "fsdp")
+# (and for everything that is not DiLoCo, whose replica axis has size 1) they are data x fsdp
+# x expert: the expert axis splits the batch for attention and the dense layers, so no
+# device idles outside the experts, and its tokens travel to the experts by all-to-all.
+BATCH_AXES = ("replica", "data", "fsdp", "expert")
 INNER_BATCH_AXES = BATCH_AXES[1:]
 REMAINING = -1  # an axis size meaning "the devices that remain"
 

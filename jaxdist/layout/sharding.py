@@ -43,6 +43,7 @@ _BASE_RULES: Rules = {
     "kv_heads": None,
     "head_dim": None,
     "mlp": None,
+    "expert": ("expert",),  # an MoE layer's experts: split over the expert axis (no-op without one)
     "conv": None,  # conv kernel spatial dims
     "channels_in": None,
     "channels": None,  # conv output channels: sharded like embed

@@ -8,9 +8,11 @@ check returns a one-line warning for the caller to print.
 
 from __future__ import annotations
 
+import math
+
 from jaxdist.config import Config
 from jaxdist.errors import ConfigError, MeshError
-from jaxdist.layout.mesh import MeshSizes
+from jaxdist.layout.mesh import BATCH_AXES, MeshSizes
 from jaxdist.layout.strategy import zero_stage
 from jaxdist.parallel.schedule import pipeline_spec, validate
 
@@ -21,6 +23,7 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
     _check_batch(config, sizes)
     _check_strategy(config, sizes, warnings)
     _check_context(config, sizes)
+    _check_moe(config, sizes)
     if config.model.kind == "llama":
         _check_llama(config, sizes)
     else:
@@ -35,8 +38,8 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
 
 
 def batch_shards(sizes: MeshSizes) -> int:
-    """How many ways the global batch is split: replica x data x fsdp."""
-    return sizes.get("replica", 1) * sizes["data"] * sizes["fsdp"]
+    """How many ways the global batch is split: replica x data x fsdp x expert."""
+    return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
 
 
 def fitting_microbatches(config: Config, sizes: MeshSizes) -> int | None:
@@ -54,7 +57,7 @@ def _check_batch(config: Config, sizes: MeshSizes) -> None:
     shards = batch_shards(sizes)
     if t.global_batch % (shards * t.microbatches):
         raise MeshError(
-            f"train.global_batch ({t.global_batch}) must be divisible by replica x data x fsdp ({shards}) x train.microbatches ({t.microbatches})"
+            f"train.global_batch ({t.global_batch}) must be divisible by replica x data x fsdp x expert ({shards}) x train.microbatches ({t.microbatches})"
         )
 
 
@@ -124,6 +127,55 @@ def _check_llama(config: Config, sizes: MeshSizes) -> None:
     shards, over = _embed_shards(config, sizes)
     if shards > 1 and m.d_model % shards:
         raise MeshError(f"model.d_model ({m.d_model}) must be divisible by {over} ({shards}): it is the dimension that is sharded")
+
+
+MOE_ROUTERS = ("softmax", "sigmoid")
+
+
+def _check_moe(config: Config, sizes: MeshSizes) -> None:
+    m, p, expert = config.model, config.parallel, sizes.get("expert", 1)
+    if m.moe_experts < 0:
+        raise ConfigError(f"model.moe_experts must be >= 0 (0: a dense model), got {m.moe_experts}")
+    if m.moe_experts == 0 or m.kind != "llama":
+        if expert > 1:
+            raise MeshError(
+                f"an expert axis splits an MoE layer's experts; this model has none (set model.moe_experts, or drop expert={expert})"
+            )
+        if m.moe_experts and m.kind != "llama":
+            raise ConfigError(f"model.moe_experts is for the llama decoder, not model.kind={m.kind}")
+        return
+    if m.moe_router not in MOE_ROUTERS:
+        raise ConfigError(f"model.moe_router must be one of {', '.join(MOE_ROUTERS)}, got {m.moe_router!r}")
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(f"model.moe_top_k ({m.moe_top_k}) must be between 1 and model.moe_experts ({m.moe_experts})")
+    if not 0 <= m.moe_first_dense < m.n_layers:
+        raise ConfigError(f"model.moe_first_dense ({m.moe_first_dense}) must leave at least one of the {m.n_layers} layers an MoE layer")
+    if m.moe_shared_experts < 0 or m.moe_bias_rate < 0:
+        raise ConfigError("model.moe_shared_experts and model.moe_bias_rate must be >= 0")
+    if m.moe_experts % expert:
+        raise MeshError(f"model.moe_experts ({m.moe_experts}) must be divisible by the expert axis ({expert})")
+    if sizes["tensor"] > 1 and m.resolved_moe_mlp_dim % sizes["tensor"]:
+        raise MeshError(f"the expert width ({m.resolved_moe_mlp_dim}) must be divisible by the tensor axis ({sizes['tensor']})")
+    for axis, what in (("pipe", "a pipe axis"), ("replica", "DiLoCo's replica axis")):
+        if sizes.get(axis, 1) > 1:
+            raise MeshError(
+                f"MoE (model.moe_experts > 0) does not compose with {what} yet (its router statistics leave the layers by the scan)"
+            )
+    if p.grad_reduce != "float32":
+        raise ConfigError(f"parallel.grad_reduce={p.grad_reduce} does not compose with MoE yet (use float32)")
+    if m.moe_capacity_factor > 0 and p.expert_buffer_factor > 0 and expert > 1:
+        # a device's send buffer per destination must hold the capacity of the experts there
+        tokens = (
+            config.train.global_batch * config.train.seq_len // (batch_shards(sizes) * sizes.get("context", 1) * config.train.microbatches)
+        )
+        capacity = max(1, -(-int(tokens * m.moe_top_k * m.moe_capacity_factor) // m.moe_experts))
+        needed = m.moe_experts // expert * capacity
+        buffer = max(1, math.ceil(p.expert_buffer_factor * tokens * m.moe_top_k / expert))
+        if buffer < needed:
+            raise ConfigError(
+                f"parallel.expert_buffer_factor={p.expert_buffer_factor:g} gives {buffer} rows per destination, fewer than the "
+                f"{needed} that model.moe_capacity_factor={m.moe_capacity_factor:g} lets its experts keep (raise it to >= the capacity factor, or 0)"
+            )
 
 
 CONTEXT_STRATEGIES = ("all_gather", "ring")
@@ -200,6 +252,15 @@ def unused_keys(config: Config, sizes: MeshSizes) -> list[str]:
         for key in ("context_strategy", "context_load_balance"):
             if changed("parallel", key):
                 found.append((f"parallel.{key}", "a mesh without a context axis"))
+    if m.kind != "llama" or m.moe_experts == 0:
+        for key in ("moe_top_k", "moe_shared_experts", "moe_mlp_dim", "moe_first_dense", "moe_router", "moe_renormalize",
+                    "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_rate"):  # fmt: skip
+            if changed("model", key):
+                found.append((f"model.{key}", "model.moe_experts=0 (a dense model)"))
+    elif m.moe_router == "sigmoid" and changed("model", "moe_renormalize"):
+        found.append(("model.moe_renormalize", "model.moe_router=sigmoid (its k scores are always normalised)"))
+    if sizes.get("expert", 1) == 1 and changed("parallel", "expert_buffer_factor"):
+        found.append(("parallel.expert_buffer_factor", "a mesh without an expert axis (nothing is dispatched across devices)"))
     if p.diloco_inner_steps == 0:
         for key in ("diloco_outer_lr", "diloco_outer_momentum", "diloco_reduce"):
             if changed("parallel", key):

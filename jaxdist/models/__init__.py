@@ -1,7 +1,8 @@
 """Model registry: what the trainer needs to know about a model, for any NNX module.
 
 The trainer takes a ``Task``: how to build the module, how to turn it and a batch into a
-summed loss and a weight (so gradient accumulation averages exactly), and its FLOPs.
+summed loss, a weight (so gradient accumulation averages exactly) and statistics (sums
+that add over microbatches and devices: MoE's balancing), and its FLOPs.
 """
 
 from __future__ import annotations
@@ -18,30 +19,33 @@ from flax import nnx
 from jaxdist.config import Config
 
 Batch = dict[str, jax.Array]
-LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, jax.Array]]
+Stats = dict[str, jax.Array]
+LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, jax.Array, Stats]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
     make_model: Callable[[nnx.Rngs], nnx.Module]
-    loss_fn: LossFn  # (model, batch) -> (sum of per-example losses, number of examples/tokens)
+    loss_fn: LossFn  # (model, batch) -> (sum of per-example losses, number of examples/tokens, statistics)
     flops_per_example: float  # training FLOPs (forward + backward) per batch row
     tokens_per_example: int  # what "tokens/s" counts per batch row
     n_params: int
     batch_spec: Callable[[int], dict[str, jax.ShapeDtypeStruct]]  # global batch size -> shapes
     notes: tuple[str, ...] = ()  # weaker paths the model takes (one line each, printed once)
     attention: str | None = None  # the attention implementation chosen (decoders): xla | xla_fp32 | cudnn | pallas
+    metrics_from: Callable[[Stats, jax.Array], dict[str, jax.Array]] | None = None  # statistics, weight -> metrics
+    after_update: Callable[[Any, Stats], Any] | None = None  # params, statistics -> params (state moved outside the optimizer)
 
 
-def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Next-token cross-entropy summed over the unmasked target tokens."""
+def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array, Stats]:
+    """Next-token cross-entropy summed over the unmasked target tokens (MoE: plus the balancing losses)."""
     return model.loss(batch)
 
 
-def classification_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def classification_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array, Stats]:
     logits = model(batch["images"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
-    return jnp.sum(losses), jnp.asarray(losses.shape[0], jnp.float32)
+    return jnp.sum(losses), jnp.asarray(losses.shape[0], jnp.float32), {}
 
 
 def compute_dtype(config: Config, platform: str) -> Any:
@@ -49,6 +53,16 @@ def compute_dtype(config: Config, platform: str) -> Any:
     if name == "auto":
         name = "bfloat16" if platform == "gpu" else "float32"
     return jnp.dtype(name)
+
+
+def moe_hooks(cfg) -> dict[str, Any]:
+    """The Task fields of an MoE decoder: its balancing metrics and router-bias update."""
+    from jaxdist.models.moe import metrics_from_sums, update_router_bias
+
+    hooks: dict[str, Any] = {"metrics_from": metrics_from_sums}
+    if cfg.moe_bias_rate > 0:
+        hooks["after_update"] = lambda params, stats: update_router_bias(params, stats["moe_counts"], cfg.moe_bias_rate)
+    return hooks
 
 
 def build_task(config: Config, platform: str = "cpu") -> Task:
@@ -75,6 +89,7 @@ def build_task(config: Config, platform: str = "cpu") -> Task:
             batch_spec=lambda b: {k: jax.ShapeDtypeStruct((b, seq), jnp.float32 if k == "loss_mask" else jnp.int32) for k in keys},
             notes=(f"jaxdist: {note}",) if note else (),
             attention=attention,
+            **(moe_hooks(cfg) if cfg.moe_experts else {}),
         )
     from jaxdist.models.resnet import ResNet, count_params, flops_per_image
 

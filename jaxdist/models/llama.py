@@ -15,7 +15,7 @@ backward pass, so the [batch, seq, vocab] fp32 logits never exist at once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,16 +26,8 @@ from flax import nnx
 from jaxdist.config import ModelConfig
 from jaxdist.layout.sharding import constrain
 from jaxdist.models.attention import model_attention
-
-Initializer = Callable[..., jax.Array]
-
-
-def _param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
-    return nnx.Param(init(rngs.params(), shape, dtype), axes=axes)
-
-
-def _fan_in_init(fan_in: int) -> Initializer:
-    return jax.nn.initializers.normal(stddev=fan_in**-0.5)
+from jaxdist.models.moe import MoE
+from jaxdist.models.params import fan_in_init, param
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype=None) -> jax.Array:
@@ -94,12 +86,12 @@ class Attention(nnx.Module):
             # parallelism splits whole groups (kv_heads), so every shard holds the q, k and v
             # it needs; query head kv_index * (h/kv) + j reads kv head kv_index, the order of
             # the separate wq (``causal_attention``: head i reads kv head i // (h/kv)).
-            self.wqkv = _param(rngs, _fan_in_init(d), (d, kv, h // kv + 2, hd), ("embed", "kv_heads", None, "head_dim"), pd)
+            self.wqkv = param(rngs, fan_in_init(d), (d, kv, h // kv + 2, hd), ("embed", "kv_heads", None, "head_dim"), pd)
         else:
-            self.wq = _param(rngs, _fan_in_init(d), (d, h, hd), ("embed", "heads", "head_dim"), pd)
-            self.wk = _param(rngs, _fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
-            self.wv = _param(rngs, _fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
-        self.wo = _param(rngs, _fan_in_init(h * hd), (h, hd, d), ("heads", "head_dim", "embed"), pd)
+            self.wq = param(rngs, fan_in_init(d), (d, h, hd), ("embed", "heads", "head_dim"), pd)
+            self.wk = param(rngs, fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+            self.wv = param(rngs, fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+        self.wo = param(rngs, fan_in_init(h * hd), (h, hd, d), ("heads", "head_dim", "embed"), pd)
         self.rope_freqs = tuple(rope_frequencies(cfg).tolist())  # static: a numpy attribute would become NNX state
         self.dtype = dtype
         self.implementation = implementation
@@ -166,11 +158,11 @@ class MLP(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         self.fused = cfg.fused_projections
         if self.fused:  # [:, 0] gate, [:, 1] up: one matmul, one input-gradient all-reduce under TP
-            self.w_gate_up = _param(rngs, _fan_in_init(d), (d, 2, f), ("embed", None, "mlp"), pd)
+            self.w_gate_up = param(rngs, fan_in_init(d), (d, 2, f), ("embed", None, "mlp"), pd)
         else:
-            self.w_gate = _param(rngs, _fan_in_init(d), (d, f), ("embed", "mlp"), pd)
-            self.w_up = _param(rngs, _fan_in_init(d), (d, f), ("embed", "mlp"), pd)
-        self.w_down = _param(rngs, _fan_in_init(f), (f, d), ("mlp", "embed"), pd)
+            self.w_gate = param(rngs, fan_in_init(d), (d, f), ("embed", "mlp"), pd)
+            self.w_up = param(rngs, fan_in_init(d), (d, f), ("embed", "mlp"), pd)
+        self.w_down = param(rngs, fan_in_init(f), (f, d), ("mlp", "embed"), pd)
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -186,24 +178,32 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a
+    mixture of experts (``models.moe``) in an MoE layer."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, attention: str = "xla"):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, attention: str = "xla", moe: bool = False):
         pd = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
         self.attn = Attention(cfg, dtype, rngs, attention)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.moe = moe
+        self.mlp = MoE(cfg, dtype, rngs) if moe else MLP(cfg, dtype, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache: tuple | None = None):
+        """(output, the MoE layer's statistics or {}); with a ``cache``, (output, cache)."""
         if cache is None:
             x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         else:
             attended, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache)
             x = x + attended
-        x = x + self.mlp(self.mlp_norm(x))
+        stats = {}
+        if self.moe:
+            mixed, stats = self.mlp(self.mlp_norm(x))
+            x = x + mixed
+        else:
+            x = x + self.mlp(self.mlp_norm(x))
         x = constrain(x, ("batch", "seq", "act_embed"))
-        return x if cache is None else (x, cache)
+        return (x, stats) if cache is None else (x, cache)
 
 
 _REMAT_POLICIES = {
@@ -221,24 +221,45 @@ class Llama(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = _param(rngs, jax.nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd)
-        self.blocks = _stacked_blocks(cfg, dtype, attention, rngs)
+        self.embed = param(rngs, jax.nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd)
+        # An MoE model's leading model.moe_first_dense layers keep a dense MLP: a stack of their own
+        if cfg.moe_experts and cfg.moe_first_dense:
+            self.dense_blocks = _stacked_blocks(cfg, dtype, attention, rngs, cfg.moe_first_dense, moe=False)
+        self.blocks = _stacked_blocks(cfg, dtype, attention, rngs, cfg.n_layers - self._dense_depth, moe=cfg.moe_experts > 0)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd, rngs)
         if not cfg.tie_embeddings:
-            self.head = _param(rngs, _fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd)
+            self.head = param(rngs, fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd)
+
+    @property
+    def _dense_depth(self) -> int:
+        return self.cfg.moe_first_dense if self.cfg.moe_experts else 0
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
         """Logits [batch, seq, vocab] in float32 for tokens [batch, seq]."""
         batch = {"inputs": tokens, "positions": positions, "segment_ids": segment_ids}
         x, aux = self.embed_tokens({k: v for k, v in batch.items() if v is not None})
-        x = self.run_layers(*self.layer_stack(), x, aux)
+        x, _ = self._all_layers(x, aux)
         return self._logits(self.head_params(), x)
 
-    def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        """(sum of next-token cross-entropy over unmasked targets, their count)."""
+    def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """(sum of next-token cross-entropy over unmasked targets plus, for MoE, the
+        balancing losses per target; their count; MoE statistics as sums, see ``moe_sums``)."""
         targets, weight = self.loss_targets(batch)
         x, aux = self.embed_tokens(batch)
-        return self.head_loss(self.head_params(), self.run_layers(*self.layer_stack(), x, aux), targets), weight
+        y, layer_stats = self._all_layers(x, aux)
+        loss_sum = self.head_loss(self.head_params(), y, targets)
+        if not layer_stats:
+            return loss_sum, weight, {}
+        cfg = self.cfg
+        balancing = cfg.moe_aux_loss_coef * jnp.mean(layer_stats["aux"]) + cfg.moe_z_loss_coef * jnp.mean(layer_stats["z"])
+        return loss_sum + weight * balancing, weight, moe_sums(layer_stats, weight)
+
+    def _all_layers(self, x: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Every layer (the dense leading stack first), and the MoE layers' statistics stacked [moe layers, ...]."""
+        *dense, main = self._stacks()
+        for graphdef, stacked in dense:
+            x, _ = self.layers(graphdef, stacked, x, aux)
+        return self.layers(*main, x, aux)
 
     def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Logits [batch, t, vocab] of ``tokens`` [batch, t] placed at positions
@@ -248,17 +269,25 @@ class Llama(nnx.Module):
         b, t = tokens.shape
         positions = jnp.broadcast_to(cache.index + jnp.arange(t), (b, t))
         x, _ = self.embed_tokens({"inputs": tokens, "positions": positions})
-        graphdef, stacked = self.layer_stack()
 
-        def layer(carry, xs):
+        def layer(graphdef, carry, xs):
             h, keys, values = carry
             params, i = xs
             h, (keys, values, _, _) = nnx.merge(graphdef, params)(h, positions, None, (keys, values, i, cache.index))
             return (h, keys, values), None
 
-        depth = jax.tree.leaves(stacked)[0].shape[0]
-        (x, keys, values), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (stacked, jnp.arange(depth)))
+        keys, values, first = cache.k, cache.v, 0
+        for graphdef, stacked in self._stacks():  # the dense leading stack of an MoE model, then the main one
+            depth = jax.tree.leaves(stacked)[0].shape[0]
+            carry = (x, keys, values)
+            (x, keys, values), _ = jax.lax.scan(functools.partial(layer, graphdef), carry, (stacked, first + jnp.arange(depth)))
+            first += depth
         return self._logits(self.head_params(), x), KVCache(keys, values, cache.index + t)
+
+    def _stacks(self):
+        """(graphdef, stacked params) of each layer stack, in order."""
+        dense = [nnx_split_cast(self.dense_blocks, self.dtype)] if self._dense_depth else []
+        return [*dense, self.layer_stack()]
 
     # -- the parts -------------------------------------------------------------------
 
@@ -279,36 +308,34 @@ class Llama(nnx.Module):
 
     def layer_stack(self):
         """(graphdef, stacked block parameters) with matrices cast to the compute dtype."""
-        graphdef, stacked = nnx.split(self.blocks)
-        # Cast the stacked matrices to the compute dtype before the layer loop, so that
-        # FSDP's per-layer all-gathers move bf16 shards, not fp32 master weights.
-        stacked = jax.tree.map(
-            lambda v: v if v.get_metadata().get("no_decay") else v.replace(v[...].astype(self.dtype)),
-            stacked,
-            is_leaf=lambda x: isinstance(x, nnx.Variable),
-        )
-        return graphdef, stacked
+        return nnx_split_cast(self.blocks, self.dtype)
 
     def run_layers(self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array]) -> jax.Array:
-        """The layers of ``stacked`` (leading axis) applied in order: one scan, or with
-        ``model.scan_layers=false`` a Python loop. The loop compiles each layer separately
-        (compile time grows with depth) but saves the scan's stacked residual buffers: on
-        XLA's CPU backend their zero-fills and dynamic-update-slices cost a quarter of a
-        small model's step (experiments/README.md)."""
+        """The layers of ``stacked`` applied in order (what a pipeline stage runs)."""
+        return self.layers(graphdef, stacked, x, aux)[0]
+
+    def layers(self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The layers of ``stacked`` (leading axis) applied in order, and their MoE
+        statistics stacked: one scan, or with ``model.scan_layers=false`` a Python loop.
+        The loop compiles each layer separately (compile time grows with depth) but saves
+        the scan's stacked residual buffers: on XLA's CPU backend their zero-fills and
+        dynamic-update-slices cost a quarter of a small model's step (experiments/README.md)."""
         positions = aux["positions"]
         segment_ids = aux.get("segment_ids")
 
-        def layer(h: jax.Array, params) -> tuple[jax.Array, None]:
-            return nnx.merge(graphdef, params)(h, positions, segment_ids), None
+        def layer(h: jax.Array, params) -> tuple[jax.Array, dict[str, jax.Array]]:
+            return nnx.merge(graphdef, params)(h, positions, segment_ids)
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         if self.cfg.scan_layers:
-            return jax.lax.scan(layer, x, stacked)[0]
+            return jax.lax.scan(layer, x, stacked)
         depth = jax.tree.leaves(stacked)[0].shape[0]
+        per_layer = []
         for i in range(depth):
-            x = layer(x, jax.tree.map(lambda p, i=i: p[i], stacked))[0]
-        return x
+            x, layer_stats = layer(x, jax.tree.map(lambda p, i=i: p[i], stacked))
+            per_layer.append(layer_stats)
+        return x, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer[0] else {}
 
     def head_params(self) -> dict[str, jax.Array]:
         head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
@@ -359,19 +386,48 @@ class Llama(nnx.Module):
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
 
+def nnx_split_cast(blocks: nnx.Module, dtype):
+    """(graphdef, stacked block parameters) with matrices cast to the compute dtype before
+    the layer loop, so that FSDP's per-layer all-gathers move bf16 shards, not fp32 master
+    weights (norm scales and router biases, marked ``no_decay``, stay as they are)."""
+    graphdef, stacked = nnx.split(blocks)
+    stacked = jax.tree.map(
+        lambda v: v if v.get_metadata().get("no_decay") else v.replace(v[...].astype(dtype)),
+        stacked,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    return graphdef, stacked
+
+
+def moe_sums(layer_stats: dict[str, jax.Array], weight: jax.Array) -> dict[str, jax.Array]:
+    """The MoE statistics of one batch as sums that add over microbatches: per-target
+    weighted means (the aux loss, the busiest expert's load over the mean, both averaged
+    over MoE layers), the dropped and assigned counts, and each layer's expert counts
+    (what aux-loss-free balancing moves its bias by)."""
+    counts = layer_stats["counts"]  # [moe layers, experts]
+    load_max = jnp.max(counts, axis=-1) / jnp.maximum(jnp.mean(counts, axis=-1), 1e-9)
+    return {
+        "moe_aux_loss": jnp.mean(layer_stats["aux"]) * weight,
+        "moe_load_max": jnp.mean(load_max) * weight,
+        "moe_dropped": jnp.sum(layer_stats["dropped"]),
+        "moe_assigned": jnp.sum(layer_stats["assigned"]),
+        "moe_counts": counts,
+    }
+
+
 def _cross_entropy_sum(logits: jax.Array, targets: dict[str, jax.Array]) -> jax.Array:
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets["targets"])
     return jnp.sum(losses * targets["loss_mask"])
 
 
-def _stacked_blocks(cfg: ModelConfig, dtype, attention: str, rngs: nnx.Rngs) -> Block:
-    """``n_layers`` blocks whose parameters are stacked on a leading ``layers`` axis."""
-    keys = jax.random.split(rngs.params(), cfg.n_layers)
+def _stacked_blocks(cfg: ModelConfig, dtype, attention: str, rngs: nnx.Rngs, depth: int, moe: bool) -> Block:
+    """``depth`` blocks whose parameters are stacked on a leading ``layers`` axis."""
+    keys = jax.random.split(rngs.params(), depth)
 
     def one(key: jax.Array):
-        return nnx.split(Block(cfg, dtype, nnx.Rngs(params=key), attention))
+        return nnx.split(Block(cfg, dtype, nnx.Rngs(params=key), attention, moe))
 
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Block(cfg, dtype, nnx.Rngs(0), attention)))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Block(cfg, dtype, nnx.Rngs(0), attention, moe)))
     stacked = jax.vmap(lambda k: one(k)[1])(keys)
     stacked = jax.tree.map(
         lambda v: v.replace(v[...], axes=("layers", *v.get_metadata()["axes"])),
@@ -381,15 +437,24 @@ def _stacked_blocks(cfg: ModelConfig, dtype, attention: str, rngs: nnx.Rngs) -> 
     return nnx.merge(graphdef, stacked)
 
 
-def count_params(cfg: ModelConfig) -> int:
-    """Parameter count from the config alone (no JAX arrays)."""
+def count_params(cfg: ModelConfig, *, active: bool = False) -> int:
+    """Parameter count from the config alone (no JAX arrays); ``active``: an MoE layer
+    counts only the k routed experts a token uses (what its FLOPs follow)."""
     d, h, kv, hd, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.resolved_mlp_dim, cfg.vocab_size
-    per_layer = d * hd * (h + 2 * kv) + h * hd * d + 3 * d * f + 2 * d
-    return v * d * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * per_layer + d
+    attention = d * hd * (h + 2 * kv) + h * hd * d + 2 * d
+    dense_layer = attention + 3 * d * f
+    moe_layers = cfg.n_layers - cfg.moe_first_dense if cfg.moe_experts else 0
+    routed = cfg.moe_top_k if active else cfg.moe_experts
+    moe_layer = attention + d * cfg.moe_experts + 3 * d * cfg.resolved_moe_mlp_dim * (routed + cfg.moe_shared_experts)
+    layers = (cfg.n_layers - moe_layers) * dense_layer + moe_layers * moe_layer
+    if cfg.moe_bias_rate > 0:
+        layers += moe_layers * cfg.moe_experts
+    return v * d * (1 if cfg.tie_embeddings else 2) + layers + d
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul params + causal attention (PaLM appendix B)."""
-    matmul_params = count_params(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    """Training FLOPs per token: 6 x matmul params (an MoE layer's active experts only) +
+    causal attention (PaLM appendix B)."""
+    matmul_params = count_params(cfg, active=True) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
     attention = 6 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len  # 12*L*H*Q*T, halved for causal
     return 6 * matmul_params + attention

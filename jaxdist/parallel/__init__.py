@@ -10,9 +10,14 @@ from jaxdist.parallel.schedule import pipeline_spec
 
 def parallelize(task, config: Config, mesh):
     """The task with its loss run through the pipeline schedule when the mesh has a pipe
-    axis, and its attention split over the sequence when it has a context axis; data,
+    axis, its attention split over the sequence when it has a context axis, and an MoE
+    model's experts dispatched per device (all-to-all over an expert axis); data,
     FSDP and tensor parallelism need nothing here (they are sharding rules)."""
     sizes = dict(mesh.shape)
+    if config.model.kind == "llama" and config.model.moe_experts:
+        from jaxdist.parallel.expert_task import with_expert_parallelism
+
+        task = with_expert_parallelism(task, config, mesh)
     if sizes.get("context", 1) > 1:
         from jaxdist.parallel.context_task import with_context_attention
 

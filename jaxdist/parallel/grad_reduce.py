@@ -218,25 +218,25 @@ def per_device_shardings(param_shardings: Any, mesh) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(INNER_BATCH_AXES, *_strip_batch_axes(s.spec))), param_shardings)
 
 
-def per_device_gradients(grad_fn: Callable, params: Any, batch: Any, mesh, microbatched: bool) -> tuple[jax.Array, jax.Array, Any]:
-    """(loss sum, weight) summed over devices and each device's own gradient sum, stacked on
-    a leading device axis. ``grad_fn(params, batch) -> ((loss_sum, weight), grads)``;
+def per_device_gradients(grad_fn: Callable, params: Any, batch: Any, mesh, microbatched: bool) -> tuple[jax.Array, jax.Array, Any, Any]:
+    """(loss sum, weight, statistics) summed over devices and each device's own gradient sum, stacked on
+    a leading device axis. ``grad_fn(params, batch) -> ((loss_sum, weight, stats), grads)``;
     ``microbatched``: ``batch`` leaves are [M, B/M, ...], scanned locally."""
 
     def local(params, rows):
         if microbatched:
-            loss_sum, weight, grads = accumulate(grad_fn, params, rows)
+            loss_sum, weight, stats, grads = accumulate(grad_fn, params, rows)
         else:
-            (loss_sum, weight), grads = grad_fn(params, rows)
-        loss_sum, weight = jax.lax.psum((loss_sum, weight), INNER_BATCH_AXES)
-        return loss_sum, weight, jax.tree.map(lambda g: g[None].astype(jnp.float32), grads)
+            (loss_sum, weight, stats), grads = grad_fn(params, rows)
+        loss_sum, weight, stats = jax.lax.psum((loss_sum, weight, stats), INNER_BATCH_AXES)
+        return loss_sum, weight, stats, jax.tree.map(lambda g: g[None].astype(jnp.float32), grads)
 
     rows = PartitionSpec(None, INNER_BATCH_AXES) if microbatched else PartitionSpec(INNER_BATCH_AXES)
     return jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(PartitionSpec(), rows),  # FSDP shards are gathered once, at entry
-        out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(INNER_BATCH_AXES)),
+        out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec(INNER_BATCH_AXES)),
         axis_names=set(INNER_BATCH_AXES),
         check_vma=False,
     )(params, batch)

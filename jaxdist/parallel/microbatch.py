@@ -20,16 +20,20 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def accumulate(grad_fn: Callable, params: Any, microbatches: Any, zeros: Any = None) -> tuple[jax.Array, jax.Array, Any]:
-    """Gradient accumulation, the one scan every path uses: sums of ``grad_fn(params,
-    microbatch) -> ((loss sum, weight), grads)`` over the leading axis of ``microbatches``.
-    ``zeros``: the gradient accumulator's start (default: zeros like ``params``; GSPMD
-    callers pass one constrained to the parameters' layout)."""
+def accumulate(grad_fn: Callable, params: Any, microbatches: Any, zeros: Any = None) -> tuple[jax.Array, jax.Array, Any, Any]:
+    """Gradient accumulation, the one scan every path uses: (loss sum, weight, statistics,
+    gradients) summed over the leading axis of ``microbatches``, for ``grad_fn(params,
+    microbatch) -> ((loss sum, weight, statistics), grads)``. ``zeros``: the gradient
+    accumulator's start (default: zeros like ``params``; GSPMD callers pass one constrained
+    to the parameters' layout)."""
 
     def add(carry, microbatch):
-        (loss_sum, weight), grads = grad_fn(params, microbatch)
-        return jax.tree.map(jnp.add, carry, (loss_sum, weight, grads)), None
+        (loss_sum, weight, stats), grads = grad_fn(params, microbatch)
+        return jax.tree.map(jnp.add, carry, (loss_sum, weight, stats, grads)), None
 
     grads = jax.tree.map(jnp.zeros_like, params) if zeros is None else zeros
-    sums, _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), grads), microbatches)
+    first = jax.tree.map(lambda x: x[0], microbatches)
+    (_, _, stats_shape), _ = jax.eval_shape(grad_fn, params, first)
+    stats = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats_shape)
+    sums, _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), stats, grads), microbatches)
     return sums

@@ -279,12 +279,12 @@ class StagedModel(Protocol):
     def loss_targets(self, batch: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array]: ...  # (targets, weight)
 
 
-def pipelined_loss(spec: PipelineSpec) -> Callable[[StagedModel, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]:
-    """A task loss ``(model, batch) -> (loss sum, weight)`` that runs the model's layers
+def pipelined_loss(spec: PipelineSpec) -> Callable[[StagedModel, dict[str, jax.Array]], tuple[jax.Array, jax.Array, dict]]:
+    """A task loss ``(model, batch) -> (loss sum, weight, {})`` that runs the model's layers
     through ``spec``'s schedule over the mesh's pipe axis; embedding and head run outside
     the pipeline (GPipe, circular) or on the last stage (1F1B)."""
 
-    def loss(model: StagedModel, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def loss(model: StagedModel, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, dict]:
         x, aux = model.embed_tokens(batch)
         graphdef, stacked = model.layer_stack()
         stage = functools.partial(model.run_layers, graphdef)
@@ -293,8 +293,8 @@ def pipelined_loss(spec: PipelineSpec) -> Callable[[StagedModel, dict[str, jax.A
         if spec.schedule == "1f1b":
             seed = _COTANGENT.get()
             seed = jnp.ones((), jnp.float32) if seed is None else jnp.asarray(seed, jnp.float32)
-            return one_f_one_b_loss(stage, model.head_loss, spec, mesh)(stacked, model.head_params(), x, aux, targets, seed), weight
+            return one_f_one_b_loss(stage, model.head_loss, spec, mesh)(stacked, model.head_params(), x, aux, targets, seed), weight, {}
         y = pipeline_forward(stage, stacked, x, aux, spec, mesh)
-        return model.head_loss(model.head_params(), y, targets), weight
+        return model.head_loss(model.head_params(), y, targets), weight, {}  # dense layers only (validate: no MoE here)
 
     return loss

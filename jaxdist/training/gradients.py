@@ -3,8 +3,9 @@
 reduction over the batch axes, XLA's own or a compressed codec.
 
 Every reduction takes ``(grad_fn, params, batch, residual, scale)`` and returns the summed
-loss, its weight (the targets counted), the summed gradients of ``loss sum x scale`` and
-the new residuals:
+loss, its weight (the targets counted), the model's summed statistics (MoE balancing;
+``{}`` for a dense model), the summed gradients of ``loss sum x scale`` and the new
+residuals:
 
 - ``XlaReduction``: GSPMD places the reduction (all-reduce, or FSDP's reduce-scatter).
   For replicated parameters (DP, ZeRO-1) with several microbatches each device first
@@ -16,6 +17,7 @@ the new residuals:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,19 +32,17 @@ from jaxdist.parallel import grad_reduce
 from jaxdist.parallel.microbatch import accumulate, split_microbatches
 from jaxdist.parallel.pipeline import loss_cotangent
 
-GradFn = Callable[[Any, Any], tuple[tuple[jax.Array, jax.Array], Any]]  # (params, batch) -> ((loss sum, weight), grads)
+GradFn = Callable[[Any, Any], tuple[tuple[jax.Array, jax.Array, Any], Any]]  # (params, batch) -> ((loss sum, weight, stats), grads)
 
 
 def grad_fn(loss: Callable, scale: jax.Array | None = None) -> GradFn:
-    """``(params, batch) -> ((loss sum, weight), gradients of the loss sum x scale)`` for
-    ``loss(params, batch) -> (loss sum, weight)``."""
-    if scale is None:
-        return jax.value_and_grad(loss, has_aux=True)
+    """``(params, batch) -> ((loss sum, weight, stats), gradients of the loss sum x scale)``
+    for ``loss(params, batch) -> (loss sum, weight, stats)``."""
 
     def objective(params, batch):
         with loss_cotangent(scale):  # 1F1B runs its backward inside the forward: it needs the scale now
-            loss_sum, weight = loss(params, batch)
-        return loss_sum * scale, (loss_sum, weight)
+            loss_sum, weight, stats = loss(params, batch)
+        return loss_sum if scale is None else loss_sum * scale, (loss_sum, weight, stats)
 
     scaled = jax.value_and_grad(objective, has_aux=True)
 
@@ -72,8 +72,8 @@ class XlaReduction:
 
     def __call__(self, grad_fn: GradFn, params: Any, batch: Any, residual: Any, scale: jax.Array | None):
         if self.microbatches == 1:
-            (loss_sum, weight), grads = grad_fn(params, batch)
-            return loss_sum, weight, grads, residual
+            (loss_sum, weight, stats), grads = grad_fn(params, batch)
+            return loss_sum, weight, stats, grads, residual
         microbatches = split_for_accumulation(batch, self.microbatches, self.mesh)
         if self.reduce_once:
             return (*self._reduced_once(grad_fn, params, microbatches), residual)
@@ -88,7 +88,7 @@ class XlaReduction:
             per_device,
             mesh=self.mesh,
             in_specs=(PartitionSpec(), PartitionSpec(None, INNER_BATCH_AXES)),
-            out_specs=PartitionSpec(),
+            out_specs=PartitionSpec(),  # loss sum, weight, statistics (sums over the batch) and gradients, reduced
             axis_names=set(INNER_BATCH_AXES),
             check_vma=False,
         )
@@ -104,7 +104,7 @@ class CompressedReduction:
     def __call__(self, grad_fn: GradFn, params: Any, batch: Any, residual: Any, scale: jax.Array | None):
         microbatched = self.microbatches > 1
         rows = split_for_accumulation(batch, self.microbatches, self.mesh) if microbatched else batch
-        loss_sum, weight, local = grad_reduce.per_device_gradients(grad_fn, params, rows, self.mesh, microbatched)
+        loss_sum, weight, stats, local = grad_reduce.per_device_gradients(grad_fn, params, rows, self.mesh, microbatched)
         # Residuals are kept unscaled (gradient units of the loss sum): under fp16 the scale
         # moves between steps, and a residual carried in the old scale's units would count
         # twice after an overflow halves it (half after growth).
@@ -113,7 +113,7 @@ class CompressedReduction:
         grads, residual = grad_reduce.reduce_gradients(local, residual, self.plan, self.param_shardings, self.mesh)
         if scale is not None and residual is not None:
             residual = jax.tree.map(lambda r: r / scale, residual)
-        return loss_sum, weight, grads, residual
+        return loss_sum, weight, stats, grads, residual
 
 
 def reduction_for(config: Config, layout, param_shardings: Any, plan: grad_reduce.ReducePlan | None, diloco: bool):
@@ -128,8 +128,10 @@ def reduction_for(config: Config, layout, param_shardings: Any, plan: grad_reduc
     # partitioner rejects the auto tensor axis's collectives inside a region manual over
     # size-1 axes only.)
     shape = mesh.shape
-    batch_shards = shape.get("data", 1) * shape.get("fsdp", 1)
-    reduce_once = layout.strategy.zero in ("dp", "zero1") and shape.get("pipe", 1) == 1 and not diloco and batch_shards > 1
+    batch_shards = math.prod(shape.get(a, 1) for a in INNER_BATCH_AXES)
+    # (Not for MoE: its router statistics and expert dispatch are global, not per device.)
+    moe = config.model.kind == "llama" and config.model.moe_experts > 0
+    reduce_once = layout.strategy.zero in ("dp", "zero1") and shape.get("pipe", 1) == 1 and not diloco and batch_shards > 1 and not moe
     return XlaReduction(microbatches, mesh, param_shardings, reduce_once)
 
 

@@ -24,6 +24,9 @@ from jaxdist.training.state import TrainState
 if TYPE_CHECKING:
     from jaxdist.training.trainer import Trainer
 
+# metrics.jsonl's MoE fields (models.moe.metrics_from_sums), logged when the step returns them
+MOE_METRICS = {"moe_aux_loss", "moe_load_max", "moe_dropped_fraction"}
+
 
 @dataclasses.dataclass
 class LoopResult:
@@ -111,6 +114,8 @@ def train_loop(
                     }
                     if "loss_scale" in fetched[-1]:
                         record["loss_scale"] = float(fetched[-1]["loss_scale"])
+                    for key in MOE_METRICS & fetched[-1].keys():
+                        record[key] = float(fetched[-1][key])
                     if "skipped" in fetched[-1]:
                         record["skipped_steps"] = result.skipped_steps
                     logger.log(step, record)

@@ -28,7 +28,7 @@ def adapt_microbatches_for_resume(config: Config, run_dir: Path | None, resume: 
     if fitting is None or fitting == t.microbatches:
         return  # fits as configured, or nothing fits (check_config_on_mesh says why)
     print(
-        f"jaxdist: resuming on replica x data x fsdp = {batch_shards(sizes)}: train.microbatches {t.microbatches} -> {fitting} "
+        f"jaxdist: resuming on replica x data x fsdp x expert = {batch_shards(sizes)}: train.microbatches {t.microbatches} -> {fitting} "
         f"keeps the global batch {t.global_batch}",
         file=sys.stderr,
     )

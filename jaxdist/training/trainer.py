@@ -53,7 +53,9 @@ class Trainer:
         )
         self.param_shardings, self.state_shardings = self.state_layout.param_shardings, self.state_layout.shardings
         self.reduction = gradients.reduction_for(config, layout, self.param_shardings, self.reduce_plan, bool(self.inner_steps))
-        self.update = Update(self.tx, self.schedule, float16 == "dynamic", config.train.nonfinite == "skip")
+        self.update = Update(
+            self.tx, self.schedule, float16 == "dynamic", config.train.nonfinite == "skip", task.metrics_from, task.after_update
+        )
         if jax.process_index() == 0:
             notes = gradients.reduction_notes(config, layout, self.reduce_plan, bool(self.inner_steps))
             for line in (*self.state_layout.replicated.values(), *plan_notes, *notes):
@@ -130,7 +132,7 @@ class Trainer:
 
     # -- steps ---------------------------------------------------------------------
 
-    def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         return self.task.loss_fn(nnx.merge(self.graphdef, params), batch)
 
     @property
@@ -141,10 +143,10 @@ class Trainer:
         # fp16: scale the objective to the mean loss x scale (GradScaler's convention), whatever the batch
         scale = None if state.loss_scale is None else state.loss_scale.scale / self._targets_per_step
         with activation_layout(self.layout):
-            loss_sum, weight, grads, residual = self.reduction(
+            loss_sum, weight, stats, grads, residual = self.reduction(
                 gradients.grad_fn(self._loss, scale), state.params, batch, state.residual, scale
             )
-        return self.update(state, loss_sum, weight, grads, residual, scale)
+        return self.update(state, loss_sum, weight, stats, grads, residual, scale)
 
     def loss_and_grads(self, params: Any, batch: Batch, loss_scale: float | None = None) -> tuple[jax.Array, Any]:
         """Mean loss and its gradients (what one train step would apply, with zero
@@ -152,13 +154,15 @@ class Trainer:
         (fp16 loss scaling; the gradients are returned unscaled)."""
         scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32) / self._targets_per_step
         with activation_layout(self.layout):
-            loss_sum, weight, grads, _ = self.reduction(gradients.grad_fn(self._loss, scale), params, batch, self._extras().residual, scale)
+            loss_sum, weight, _, grads, _ = self.reduction(
+                gradients.grad_fn(self._loss, scale), params, batch, self._extras().residual, scale
+            )
         divisor = weight if scale is None else weight * scale
         return loss_sum / weight, jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
 
     def _eval_step(self, params: Any, batch: Batch) -> jax.Array:
         with activation_layout(self.layout):
-            loss_sum, weight = self._loss(params, batch)
+            loss_sum, weight, _ = self._loss(params, batch)
         return jnp.stack([loss_sum, weight])
 
     def compile_step(self, state: TrainState, batch: Batch, logger=None) -> Callable:

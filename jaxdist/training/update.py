@@ -23,17 +23,32 @@ class Update:
     schedule: Callable[[jax.Array], jax.Array]  # the learning rate at an optimizer step count
     dynamic_scale: bool  # fp16 with train.loss_scale=dynamic
     skip_nonfinite: bool  # train.nonfinite=skip
+    # the model's statistics (sums over the batch) -> its metrics (MoE balancing); and what moves
+    # after the optimizer from them (aux-loss-free balancing's router bias)
+    metrics_from: Callable[[dict[str, jax.Array], jax.Array], dict[str, jax.Array]] | None = None
+    after_update: Callable[[Any, dict[str, jax.Array]], Any] | None = None
 
     def __call__(
-        self, state: TrainState, loss_sum: jax.Array, weight: jax.Array, grads: Any, residual: Any, scale: jax.Array | None
+        self,
+        state: TrainState,
+        loss_sum: jax.Array,
+        weight: jax.Array,
+        stats: dict[str, jax.Array],
+        grads: Any,
+        residual: Any,
+        scale: jax.Array | None,
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         divisor = weight if scale is None else weight * scale
         grads = jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if self.after_update is not None:
+            params = self.after_update(params, stats)
         loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
         # The rate this update used: the optimizer's own step count, which skipped steps do not advance.
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(optimizer_step(state.opt_state))}
+        if self.metrics_from is not None:
+            metrics.update(self.metrics_from(stats, weight))
         new_scale = state.loss_scale
         if state.loss_scale is not None:
             metrics["loss_scale"] = state.loss_scale.scale

@@ -1,0 +1,110 @@
+"""Routed experts on one device's tokens: sort by expert, one grouped matmul, combine.
+
+The computation every MoE path shares (``models.moe`` calls it directly on one device,
+``parallel.expert`` inside its ``shard_map`` around an all-to-all):
+
+- dispatch: the tokens x k assignments are stable-sorted by expert, so each expert's rows
+  are contiguous (token order breaks ties: with a capacity the earliest tokens are kept);
+- compute: one ``jax.lax.ragged_dot`` per projection over the groups (a SwiGLU per
+  expert); rows past the used groups are masked, never trusted (GPU leaves them
+  unspecified);
+- combine: each assignment's row is gathered back to its (token, slot) by the inverse
+  permutation and the k slots summed in float32 with their gates: no scatter-add, so the
+  result does not depend on the order atomics land in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+# What a buffer row nothing was written to holds. Tests set NaN: a row that is read without
+# being written (or an unused row that is not masked) then shows, where a zero would hide.
+UNWRITTEN = 0.0
+
+# (rows [r, d] grouped by expert, group sizes [G], w_gate_up, w_down) -> outputs [r, d] fp32, 0 past the groups
+ExpertCompute = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """Where each of one device's n x k assignments goes, sorted by expert."""
+
+    order: jax.Array  # [a]: sorted position i holds assignment order[i] (= token order[i] // k, slot order[i] % k)
+    expert: jax.Array  # [a]: the expert of sorted position i (non-decreasing)
+    counts: jax.Array  # [E]: assignments per expert, int32
+    kept: jax.Array  # [a] bool: within the expert's capacity
+    rank: jax.Array  # [a]: position of sorted row i among its expert's kept rows
+
+
+def dispatch(ids: jax.Array, n_experts: int, capacity: int | None) -> Dispatch:
+    """Sort the assignments ``ids`` [n, k] by expert; with a ``capacity`` an expert keeps
+    its first ``capacity`` rows (the earliest tokens)."""
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    counts = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
+    starts = jnp.cumsum(counts) - counts
+    rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[expert]
+    kept = rank < capacity if capacity is not None else jnp.ones(flat.shape, bool)
+    return Dispatch(order, expert, counts, kept, rank)
+
+
+def capacity_rows(tokens: int, top_k: int, n_experts: int, factor: float) -> int | None:
+    """Rows an expert takes from ``tokens`` tokens: ceil(tokens x k / experts x factor);
+    None (no limit) when ``factor <= 0`` (dropless)."""
+    if factor <= 0:
+        return None
+    return max(1, -(-int(tokens * top_k * factor) // n_experts))
+
+
+def swiglu_groups(rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Expert e's SwiGLU on its contiguous rows (``group_sizes[e]`` of them, in order);
+    rows past the groups come out 0. ``w_gate_up`` [G, d, 2, f], ``w_down`` [G, f, d]."""
+    g, d, _, f = w_gate_up.shape
+    used = jnp.arange(rows.shape[0]) < jnp.sum(group_sizes)
+    rows = jnp.where(used[:, None], rows, 0)  # unused rows never reach a product (their weight gradient included)
+    gate_up = jax.lax.ragged_dot(rows, w_gate_up.reshape(g, d, 2 * f), group_sizes, preferred_element_type=jnp.float32)
+    gate_up = gate_up.reshape(rows.shape[0], 2, f)
+    hidden = (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(rows.dtype)
+    out = jax.lax.ragged_dot(hidden, w_down, group_sizes, preferred_element_type=jnp.float32)
+    return jnp.where(used[:, None], out, 0.0)
+
+
+def combine(per_row: jax.Array, d: Dispatch, gates: jax.Array, dtype) -> jax.Array:
+    """Tokens' outputs [n, D] from the sorted rows' results ``per_row`` [a, D] (dropped rows
+    already 0): unsorted by the inverse permutation, the k slots summed in fp32 with their gates."""
+    n, k = gates.shape
+    unsorted = per_row[jnp.argsort(d.order)]  # a gather: assignment j's row
+    out = jnp.einsum("nkd,nk->nd", unsorted.reshape(n, k, -1).astype(jnp.float32), gates.astype(jnp.float32))
+    return out.astype(dtype)
+
+
+def local_experts(
+    x: jax.Array,
+    ids: jax.Array,
+    gates: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    capacity: int | None,
+    reduce_hidden: Callable[[jax.Array], jax.Array] = lambda y: y,
+    compute: ExpertCompute = swiglu_groups,
+) -> tuple[jax.Array, jax.Array]:
+    """(outputs [n, d], assignments dropped) of tokens ``x`` [n, d] routed to ``ids`` [n, k]
+    with ``gates`` [n, k] over all the experts held here. ``reduce_hidden``: the sum over a
+    split expert width (tensor parallelism) of each row's partial output; ``compute``: the
+    experts (tests put the identity there)."""
+    n_experts = w_gate_up.shape[0]
+    d = dispatch(ids, n_experts, capacity)
+    kept_counts = d.counts if capacity is None else jnp.minimum(d.counts, capacity)
+    starts = jnp.cumsum(kept_counts) - kept_counts
+    rows_total = d.order.shape[0]
+    slot = jnp.where(d.kept, starts[d.expert] + d.rank, rows_total)  # kept rows packed per expert; dropped: out of range
+    token_rows = x[d.order // ids.shape[1]]
+    packed = jnp.full((rows_total, x.shape[1]), UNWRITTEN, x.dtype).at[slot].set(token_rows, mode="drop", unique_indices=True)
+    out = reduce_hidden(compute(packed, kept_counts, w_gate_up, w_down))
+    per_row = jnp.where(d.kept[:, None], out[jnp.minimum(slot, rows_total - 1)], 0.0)
+    return combine(per_row, d, gates, x.dtype), jnp.sum(~d.kept).astype(jnp.float32)

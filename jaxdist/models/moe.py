@@ -1,0 +1,146 @@
+"""A mixture-of-experts SwiGLU layer: a router, ``moe_experts`` routed experts, optional
+shared experts, and the balancing statistics.
+
+The router's logits are float32. ``model.moe_router=softmax`` picks the top k of the
+softmax (Mixtral; renormalised over the k by default); ``sigmoid`` scores each expert on
+its own and normalises the k chosen scores (DeepSeek-V3). With ``model.moe_bias_rate`` a
+per-expert bias is added to the scores for choosing only (aux-loss-free balancing); it
+is no parameter of the loss (no gradient) and moves by the sign rule after each step
+(``balance``).
+
+The layer knows nothing of the mesh: it computes on global arrays and hands the routed
+tokens to the active expert kernel, ``models.experts.local_experts`` by default, or
+``parallel.expert``'s all-to-all across the ``expert`` axis while a train step is traced.
+The statistics (counts, the aux and z losses) are computed here on the global arrays,
+so their values are the same on every mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdist.config import ModelConfig
+from jaxdist.layout.sharding import constrain
+from jaxdist.models.experts import capacity_rows, local_experts
+from jaxdist.models.params import fan_in_init, param
+
+
+class RouterBias(nnx.Variable):
+    """Aux-loss-free balancing's per-expert selection bias: state, not a trained parameter."""
+
+
+# (x [b, t, d], ids [b, t, k], gates [b, t, k], w_gate_up, w_down, capacity factor) -> (y [b, t, d], dropped)
+ExpertKernel = Callable[..., tuple[jax.Array, jax.Array]]
+_EXPERT_KERNEL: contextvars.ContextVar[ExpertKernel | None] = contextvars.ContextVar("jaxdist_expert_kernel", default=None)
+
+
+@contextlib.contextmanager
+def expert_kernel(kernel: ExpertKernel | None) -> Iterator[None]:
+    """Within this context (while tracing), MoE layers send their routed tokens to ``kernel``."""
+    token = _EXPERT_KERNEL.set(kernel)
+    try:
+        yield
+    finally:
+        _EXPERT_KERNEL.reset(token)
+
+
+def one_device_kernel(x, ids, gates, w_gate_up, w_down, capacity_factor: float):
+    """All tokens and experts on one device (no ``expert`` axis, no active layout)."""
+    b, t, d = x.shape
+    k = ids.shape[-1]
+    capacity = capacity_rows(b * t, k, w_gate_up.shape[0], capacity_factor)
+    y, dropped = local_experts(x.reshape(b * t, d), ids.reshape(b * t, k), gates.reshape(b * t, k), w_gate_up, w_down, capacity)
+    return y.reshape(b, t, d), dropped
+
+
+def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(expert ids [..., k], their gates [..., k], per-expert probabilities [..., E] for the
+    aux loss) of float32 router ``logits`` [..., E]."""
+    k = cfg.moe_top_k
+    if cfg.moe_router == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    else:
+        scores = probs = jax.nn.softmax(logits, axis=-1)
+    choice = scores if bias is None else scores + jax.lax.stop_gradient(bias)
+    _, ids = jax.lax.top_k(choice, k)
+    gates = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.moe_router == "sigmoid" or cfg.moe_renormalize:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return ids, gates, probs
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        e, d, f = cfg.moe_experts, cfg.d_model, cfg.resolved_moe_mlp_dim
+        pd = jnp.dtype(cfg.param_dtype)
+        self.cfg, self.dtype = cfg, dtype
+        self.router = param(rngs, fan_in_init(d), (d, e), ("embed", None), pd)
+        self.w_gate_up = param(rngs, fan_in_init(d), (e, d, 2, f), ("expert", "embed", None, "mlp"), pd)
+        self.w_down = param(rngs, fan_in_init(f), (e, f, d), ("expert", "mlp", "embed"), pd)
+        if cfg.moe_shared_experts:  # s always-on SwiGLU experts = one SwiGLU of width s x f
+            width = cfg.moe_shared_experts * f
+            self.shared_gate_up = param(rngs, fan_in_init(d), (d, 2, width), ("embed", None, "mlp"), pd)
+            self.shared_down = param(rngs, fan_in_init(width), (width, d), ("mlp", "embed"), pd)
+        if cfg.moe_bias_rate > 0:
+            self.bias = RouterBias(jnp.zeros((e,), jnp.float32), axes=(None,), no_decay=True)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(output [b, t, d], this layer's statistics: sums over the batch, see ``stats``)."""
+        cfg = self.cfg
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        bias = self.bias[...] if cfg.moe_bias_rate > 0 else None
+        ids, gates, probs = route(cfg, logits, bias)
+        kernel = _EXPERT_KERNEL.get() or one_device_kernel
+        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        y, dropped = kernel(x, ids, gates, w(self.w_gate_up), w(self.w_down), cfg.moe_capacity_factor)
+        if cfg.moe_shared_experts:
+            gate_up = constrain(jnp.einsum("btd,dcf->btcf", x, w(self.shared_gate_up)), ("batch", "seq", None, "act_mlp"))
+            hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+            y = y + jnp.einsum("btf,fd->btd", hidden, w(self.shared_down))
+        return y, stats(cfg, logits, ids, probs, dropped)
+
+
+def stats(cfg: ModelConfig, logits: jax.Array, ids: jax.Array, probs: jax.Array, dropped: jax.Array) -> dict[str, jax.Array]:
+    """One layer's balancing statistics over the whole (global) batch.
+
+    ``aux``: the Switch / Megatron load-balancing loss E x sum_i f_i P_i, f_i the fraction
+    of assignments routed to expert i and P_i its mean router probability (1 when
+    balanced); ``z``: mean logsumexp(logits)^2; ``counts``: assignments per expert;
+    ``dropped`` and ``assigned``: assignments past capacity or buffer, and all of them."""
+    e = cfg.moe_experts
+    counts = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32), axis=tuple(range(ids.ndim)))
+    assigned = jnp.asarray(ids.size, jnp.float32)
+    mean_probs = jnp.mean(probs.reshape(-1, e), axis=0)
+    aux = e * jnp.sum(jax.lax.stop_gradient(counts / assigned) * mean_probs)
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return {"counts": counts, "aux": aux, "z": z, "dropped": dropped, "assigned": assigned}
+
+
+def metrics_from_sums(sums: dict[str, jax.Array], weight: jax.Array) -> dict[str, jax.Array]:
+    """metrics.jsonl's MoE fields from one step's summed statistics (``llama.moe_sums``)."""
+    return {
+        "moe_aux_loss": sums["moe_aux_loss"] / weight,
+        "moe_load_max": sums["moe_load_max"] / weight,
+        "moe_dropped_fraction": sums["moe_dropped"] / jnp.maximum(sums["moe_assigned"], 1.0),
+    }
+
+
+def update_router_bias(params, counts: jax.Array, rate: float):
+    """Aux-loss-free balancing (DeepSeek-V3): each MoE layer's bias moves by ``rate`` toward
+    its under-loaded experts, ``b += rate x sign(mean(counts) - counts)``, from the step's
+    global counts [moe layers, experts]; the optimizer never sees it."""
+
+    def move(leaf):
+        if not isinstance(leaf, RouterBias):
+            return leaf
+        delta = rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
+        return leaf.replace(leaf[...] + delta.astype(leaf[...].dtype))
+
+    return jax.tree.map(move, params, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -1,0 +1,257 @@
+"""Mixture of experts: the sorted, grouped, all-to-all path against a dense loop over experts
+(every token through every expert, weighted by its gates: no sort, no grouped matmul, no
+collective), on one device and split over the expert axis; then training on several meshes
+against one device, the balancing statistics, the router bias and its resume."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import TINY
+
+from jaxdist.config import ModelConfig, load_config
+from jaxdist.layout.mesh import build_mesh, mesh_device_count, parse_mesh
+from jaxdist.layout.sharding import rules_for
+from jaxdist.layout.strategy import resolve_strategy
+from jaxdist.models import experts as experts_lib
+from jaxdist.models.moe import MoE, one_device_kernel, route
+from jaxdist.parallel.expert import ExpertParallel
+from jaxdist.training.run import run
+
+E, K, D, F = 8, 2, 8, 16  # experts, top-k, model width, expert width
+B, T = 8, 4  # batch rows x tokens: 32 tokens
+
+
+def dense_loop(x, ids, gates, w_gate_up, w_down, keep=None):
+    """Every token through every expert; expert e's output weighted by the gates of the
+    slots that chose it (and were kept)."""
+    weights = gates if keep is None else gates * keep
+    y = jnp.zeros(x.shape, jnp.float32)
+    for e in range(w_gate_up.shape[0]):
+        gate_up = jnp.einsum("...d,dcf->...cf", x, w_gate_up[e])
+        out = (jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]) @ w_down[e]
+        y = y + jnp.sum(jnp.where(ids == e, weights, 0.0), axis=-1)[..., None] * out
+    return y
+
+
+def _weights(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(k1, (E, D, 2, F)) * D**-0.5, jax.random.normal(k2, (E, F, D)) * F**-0.5
+
+
+def _routing(kind: str, seed=1):
+    """ids [B, T, K] (distinct per token) and gates for a routing case."""
+    rng = np.random.default_rng(seed)
+    allowed = {"random": range(E), "empty experts": (1, 2, 5), "all to one": (3, 6)}[kind]
+    ids = np.stack([rng.permutation(allowed)[:K] for _ in range(B * T)]).reshape(B, T, K)
+    if kind == "all to one":
+        ids = np.broadcast_to(np.array([3, 6]), (B, T, K)).copy()  # every token: expert 3 first, 6 second
+    gates = rng.uniform(0.1, 1.0, (B, T, K)).astype(np.float32)
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(gates)
+
+
+def _kernel(mesh_spec: str, **kw):
+    sizes = parse_mesh(mesh_spec)
+    mesh = build_mesh(sizes, jax.devices()[: mesh_device_count(sizes)])
+    return ExpertParallel(mesh=mesh, rules=rules_for(resolve_strategy("auto", sizes)), **kw)
+
+
+@pytest.fixture
+def nan_sentinels(monkeypatch):
+    """Buffers start as NaN: a row read before it is written, or an unused row that is not masked, shows."""
+    monkeypatch.setattr(experts_lib, "UNWRITTEN", float("nan"))
+
+
+EP_MESHES = {1: "data=2", 2: "expert=2,tensor=2", 4: "fsdp=2,expert=4"}
+
+
+@pytest.mark.parametrize("routing", ["random", "empty experts", "all to one"])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_experts_match_a_dense_loop_with_their_gradients(ep, routing, nan_sentinels):
+    kernel = _kernel(EP_MESHES[ep])
+    x = jax.random.normal(jax.random.key(2), (B, T, D))
+    ids, gates = _routing(routing)
+    w_gate_up, w_down = _weights()
+    cotangent = jax.random.normal(jax.random.key(3), (B, T, D))
+
+    def objective(fn):
+        return lambda x, gates, w1, w2: jnp.sum(fn(x, ids, gates, w1, w2) * cotangent)
+
+    ours = jax.jit(jax.value_and_grad(objective(lambda *a: kernel(*a, 0.0)[0]), argnums=(0, 1, 2, 3)))
+    reference = jax.jit(jax.value_and_grad(objective(dense_loop), argnums=(0, 1, 2, 3)))
+    (value, grads), (ref_value, ref_grads) = ours(x, gates, w_gate_up, w_down), reference(x, gates, w_gate_up, w_down)
+    assert np.isfinite(value)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for name, got, want in zip(("input", "gates", "gate/up weights", "down weights"), grads, ref_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+    if routing == "empty experts":  # experts nobody chose get exactly zero gradient
+        unused = [e for e in range(E) if e not in (1, 2, 5)]
+        assert not np.any(np.asarray(grads[2])[unused]) and not np.any(np.asarray(grads[3])[unused])
+
+
+def test_the_moe_layer_and_its_router_gradient_match_on_one_device_and_split_over_experts(nan_sentinels):
+    cfg = ModelConfig(d_model=D, moe_experts=E, moe_top_k=K, moe_mlp_dim=F, moe_shared_experts=1)
+    graphdef, params = nnx.split(MoE(cfg, jnp.float32, nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(4), (B, T, D))
+    cotangent = jax.random.normal(jax.random.key(5), (B, T, D))
+    kernel = _kernel("data=2,expert=4")
+
+    def reference(params, x):  # route as the layer does, then the dense loop, plus the shared expert
+        layer = nnx.merge(graphdef, params)
+        logits = jnp.einsum("btd,de->bte", x, layer.router[...])
+        ids, gates, _ = route(cfg, logits, None)
+        y = dense_loop(x, ids, gates, layer.w_gate_up[...], layer.w_down[...])
+        gate_up = jnp.einsum("btd,dcf->btcf", x, layer.shared_gate_up[...])
+        return jnp.sum((y + (jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]) @ layer.shared_down[...]) * cotangent)
+
+    def ours(params, x, kernel):
+        from jaxdist.models.moe import expert_kernel
+
+        with expert_kernel(kernel):
+            y, _ = nnx.merge(graphdef, params)(x)
+        return jnp.sum(y * cotangent)
+
+    want = jax.jit(jax.grad(reference, argnums=(0, 1)))(params, x)
+    for k in (one_device_kernel, kernel):
+        got = jax.jit(jax.grad(lambda p, x, k=k: ours(p, x, k), argnums=(0, 1)))(params, x)
+        for path, g, w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path[0]))
+    assert np.any(np.asarray(want[0]["router"][...]))  # the router does learn through the gates
+
+
+def _identity(rows, group_sizes, w_gate_up, w_down):
+    used = jnp.arange(rows.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(used[:, None], rows, 0.0).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("mesh", ["data=1", "expert=4", "data=2,expert=4"])
+def test_dispatch_then_combine_with_uniform_gates_gives_back_the_input_exactly(mesh, nan_sentinels):
+    kernel = _kernel(mesh, compute=_identity)
+    x = jax.random.normal(jax.random.key(6), (B, T, D))
+    ids, _ = _routing("random")
+    gates = jnp.full((B, T, K), 1.0 / K)
+    cotangent = jax.random.normal(jax.random.key(7), (B, T, D))
+    w_gate_up, w_down = _weights()
+    y, dropped = jax.jit(lambda x: kernel(x, ids, gates, w_gate_up, w_down, 0.0))(x)
+    np.testing.assert_array_equal(y, x)
+    assert float(dropped) == 0
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(kernel(x, ids, gates, w_gate_up, w_down, 0.0)[0] * cotangent)))(x)
+    np.testing.assert_array_equal(grad, cotangent)
+
+
+def _kept(ids: np.ndarray, capacity: int, shards: int) -> np.ndarray:
+    """Which assignments an expert keeps: per device (the batch split ``shards`` ways), the
+    first ``capacity`` in token order, then slot order."""
+    keep = np.zeros(ids.shape, np.float32)
+    for rows in np.split(np.arange(ids.shape[0]), shards):
+        seen = np.zeros(E, int)
+        for index in np.ndindex(ids[rows].shape):
+            e = ids[rows][index]
+            keep[rows[index[0]], *index[1:]] = seen[e] < capacity
+            seen[e] += 1
+    return keep
+
+
+@pytest.mark.parametrize("mesh,shards", [("data=1", 1), ("expert=2", 2), ("data=2,expert=2", 4)])
+def test_capacity_drops_the_latest_tokens_and_counts_them(mesh, shards, nan_sentinels):
+    kernel = _kernel(mesh)
+    x = jax.random.normal(jax.random.key(8), (B, T, D))
+    ids, gates = _routing("empty experts")  # three experts share 64 assignments: most overflow
+    w_gate_up, w_down = _weights()
+    factor = 1.0
+    tokens = B * T // shards
+    capacity = -(-tokens * K // E)  # ceil(tokens x k / experts x 1.0)
+    keep = _kept(np.asarray(ids), capacity, shards)
+    y, dropped = jax.jit(lambda x: kernel(x, ids, gates, w_gate_up, w_down, factor))(x)
+    assert float(dropped) == ids.size - keep.sum() > 0  # counted: kept + dropped = all assignments
+    np.testing.assert_allclose(y, dense_loop(x, ids, gates, w_gate_up, w_down, jnp.asarray(keep)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_stated_buffer_drops_what_overflows_and_counts_it(nan_sentinels):
+    kernel = _kernel("expert=4", buffer_factor=1.0)  # each destination takes its even share, no more
+    x = jax.random.normal(jax.random.key(9), (B, T, D))
+    ids, gates = _routing("all to one")  # experts 3 and 6: devices 1 and 3 get everything
+    w_gate_up, w_down = _weights()
+    y, dropped = jax.jit(lambda x: kernel(x, ids, gates, w_gate_up, w_down, 0.0))(x)
+    # each device's 8 tokens send 8 rows to expert 3's device and 8 to expert 6's; the buffer holds 8 x 2 / 4 = 4 per destination
+    assert float(dropped) == 4 * (16 - 2 * 4)
+    assert np.all(np.isfinite(y))
+
+
+# --- training ------------------------------------------------------------------------------
+
+MOE = (
+    "model.moe_experts=4",
+    "model.moe_top_k=2",
+    "model.moe_mlp_dim=64",
+    "model.moe_aux_loss_coef=0.01",
+    "model.moe_z_loss_coef=0.001",
+    "model.moe_bias_rate=0.01",
+    "train.warmup_steps=1",
+)
+STEPS = 4
+
+
+def _train(run_dir, mesh: str, *overrides: str, stop: int = STEPS):
+    config = load_config(None, [*TINY, *MOE, f"train.steps={STEPS}", "checkpoint.every_steps=2", f"train.stop_after_step={stop}", *overrides])
+    sizes = parse_mesh(mesh)
+    return run(config, sizes, run_dir, devices=jax.devices()[: mesh_device_count(sizes)], progress=False)
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+def _bias(run_dir) -> np.ndarray:
+    from helpers import load_model
+
+    return np.asarray(load_model(run_dir).blocks.mlp.bias[...])
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe_one_device")
+    return out, _train(out, "data=1").losses
+
+
+@pytest.mark.parametrize("mesh", ["expert=4", "data=2,expert=2,tensor=2", "fsdp=2,expert=4"])
+def test_moe_training_on_expert_meshes_matches_one_device(one_device, tmp_path, mesh):
+    reference_dir, reference = one_device
+    losses = _train(tmp_path, mesh).losses
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    if mesh == "data=2,expert=2,tensor=2":  # the balancing statistics and the bias they moved are the mesh's too
+        ours, theirs = _metrics(tmp_path), _metrics(reference_dir)
+        for key in ("moe_aux_loss", "moe_load_max", "moe_dropped_fraction"):
+            np.testing.assert_allclose([m[key] for m in ours], [m[key] for m in theirs], rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(_bias(tmp_path), _bias(reference_dir), atol=1e-7)
+
+
+def test_the_router_bias_moves_toward_idle_experts_and_resumes_bitwise(one_device, tmp_path):
+    reference_dir, reference = one_device
+    metrics = _metrics(reference_dir)
+    assert all(m["moe_dropped_fraction"] == 0 for m in metrics)  # dropless
+    assert all(m["moe_load_max"] >= 1 and m["moe_aux_loss"] > 0 for m in metrics)
+    bias = _bias(reference_dir)
+    assert bias.shape == (2, 4) and np.any(bias)  # [moe layers, experts], moved 4 steps by +-0.01
+    steps = bias / 0.01
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)  # only the sign rule moved it: no optimizer, no decay
+    assert np.abs(bias).max() <= 0.04 + 1e-6
+    first = _train(tmp_path, "data=1", stop=2)
+    resumed = _train(tmp_path, "data=1")
+    np.testing.assert_array_equal(first.losses + resumed.losses, reference)
+    np.testing.assert_array_equal(_bias(tmp_path), bias)
+
+
+def test_the_sign_rule_raises_the_bias_of_under_loaded_experts():
+    from jaxdist.models.moe import RouterBias, update_router_bias
+
+    params = {"bias": RouterBias(jnp.zeros((2, 4))), "w": nnx.Param(jnp.ones(3))}
+    counts = jnp.array([[10.0, 2.0, 6.0, 6.0], [0.0, 0.0, 0.0, 8.0]])
+    moved = update_router_bias(params, counts, 0.5)
+    np.testing.assert_array_equal(moved["bias"][...], [[-0.5, 0.5, 0.0, 0.0], [0.5, 0.5, 0.5, -0.5]])
+    np.testing.assert_array_equal(moved["w"][...], np.ones(3))
