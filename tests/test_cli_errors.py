@@ -65,6 +65,25 @@ BAD_INPUTS = {
         ["--mesh", "replica=2,context=2", "parallel.diloco_inner_steps=4"],
         "DiLoCo (parallel.diloco_inner_steps > 0) does not compose with a context axis yet",
     ),
+    "experts the expert axis cannot split": (
+        ["--mesh", "expert=4", "model.moe_experts=6"],
+        "model.moe_experts (6) must be divisible by the expert axis (4)",
+    ),
+    "top-k above the experts": (
+        ["model.moe_experts=4", "model.moe_top_k=5"],
+        "model.moe_top_k (5) must be between 1 and model.moe_experts (4)",
+    ),
+    "expert axis on a dense model": (["--mesh", "data=2,expert=4"], "an expert axis splits an MoE layer's experts; this model has none"),
+    "capacity the buffer cannot hold": (
+        ["--mesh", "expert=4", "model.moe_experts=8", "model.moe_capacity_factor=2", "parallel.expert_buffer_factor=1"],
+        "parallel.expert_buffer_factor=1 gives",
+    ),
+    "unknown router": (["model.moe_experts=4", "model.moe_router=relu"], "model.moe_router must be one of softmax, sigmoid"),
+    "no MoE layer left": (["model.moe_experts=4", "model.moe_first_dense=2", "model.n_layers=2"], "must leave at least one"),
+    "MoE with a pipe axis": (
+        ["--mesh", "pipe=2", "model.moe_experts=4"],
+        "MoE (model.moe_experts > 0) does not compose with a pipe axis yet",
+    ),
     "negative schedule steps": (["train.schedule_steps=-1"], "train.schedule_steps must be >= 0"),
     "stop after the last step": (["train.stop_after_step=5"], "train.stop_after_step must be in 0..train.steps (1)"),
     "diloco with compressed inner reduction": (
@@ -166,7 +185,7 @@ def test_errors_come_before_jax_starts(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == "jaxdist: error: mesh 'foo=2': unknown axis 'foo' (axes: replica, data, pipe, fsdp, context, tensor)"
+    assert proc.stderr.strip() == "jaxdist: error: mesh 'foo=2': unknown axis 'foo' (axes: replica, data, pipe, fsdp, expert, context, tensor)"
 
 
 @pytest.mark.parametrize("tool", ["train", "analyze"])

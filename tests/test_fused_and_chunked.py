@@ -62,7 +62,7 @@ def _outputs(model: Llama, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
     @jax.jit
     def run(params):
         def loss(params):
-            total, weight = nnx.merge(graphdef, params).loss(batch)
+            total, weight, _ = nnx.merge(graphdef, params).loss(batch)
             return total / weight
 
         value, grads = jax.value_and_grad(loss)(params)

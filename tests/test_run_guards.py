@@ -104,6 +104,11 @@ UNUSED = {
     "parallel.diloco_reduce=int8": "DiLoCo is off",
     "parallel.context_strategy=ring": "without a context axis",
     "parallel.context_load_balance=false": "without a context axis",
+    "model.moe_top_k=1": "model.moe_experts=0 (a dense model)",
+    "model.moe_aux_loss_coef=0.01": "model.moe_experts=0 (a dense model)",
+    "model.moe_bias_rate=0.001": "model.moe_experts=0 (a dense model)",
+    "model.moe_capacity_factor=1.25": "model.moe_experts=0 (a dense model)",
+    "parallel.expert_buffer_factor=2": "without an expert axis",
 }
 
 
@@ -120,6 +125,12 @@ def test_keys_that_apply_are_not_warned_about():
     assert not [x for x in check_config_on_mesh(config, parse_mesh("data=2")) if "has no effect" in x]
     config = load_config(None, [*TINY, "parallel.schedule=1f1b", "model.n_layers=2"])
     assert not [x for x in check_config_on_mesh(config, parse_mesh("pipe=2")) if "has no effect" in x]
+    moe = ("model.moe_experts=4", "model.moe_top_k=1", "model.moe_aux_loss_coef=0.01", "parallel.expert_buffer_factor=2")
+    config = load_config(None, [*TINY, *moe])
+    assert not [x for x in check_config_on_mesh(config, parse_mesh("data=2,expert=4")) if "has no effect" in x]
+    config = load_config(None, [*TINY, "model.moe_experts=4", "model.moe_router=sigmoid", "model.moe_renormalize=false"])
+    (line,) = [x for x in check_config_on_mesh(config, parse_mesh("data=2")) if "has no effect" in x]
+    assert "model.moe_renormalize=False has no effect with model.moe_router=sigmoid" in line
 
 
 def test_messages_are_printed_without_a_run_directory(capsys):
