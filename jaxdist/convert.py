@@ -1,4 +1,4 @@
-"""``python -m jaxdist.convert``: Hugging Face Llama checkpoints in and out.
+"""``python -m jaxdist.convert``: Hugging Face Llama and Mixtral checkpoints in and out.
 
     python -m jaxdist.convert from-hf HF_DIR OUT     # -> OUT/config.yaml, OUT/checkpoints/0 (weights)
     python -m jaxdist.convert to-hf CKPT_OR_RUN_DIR OUT [--dtype auto|float32|bfloat16|float16]
@@ -19,12 +19,16 @@ from jaxdist.hf.convert import DTYPES, from_hf, to_hf
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    parser = OneLineArgumentParser(prog="python -m jaxdist.convert", description="Convert Llama checkpoints to and from Hugging Face.")
+    parser = OneLineArgumentParser(
+        prog="python -m jaxdist.convert", description="Convert Llama and Mixtral checkpoints to and from Hugging Face."
+    )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineArgumentParser)
-    source = commands.add_parser("from-hf", help="a Hugging Face Llama directory -> a jaxdist weights checkpoint")
+    source = commands.add_parser("from-hf", help="a Hugging Face Llama or Mixtral directory -> a jaxdist weights checkpoint")
     source.add_argument("hf_dir", type=Path)
     source.add_argument("out", type=Path)
-    target = commands.add_parser("to-hf", help="a jaxdist checkpoint or run directory -> a Hugging Face directory")
+    target = commands.add_parser(
+        "to-hf", help="a jaxdist checkpoint or run directory -> a Hugging Face directory (Mixtral for an MoE model)"
+    )
     target.add_argument("checkpoint", type=Path)
     target.add_argument("out", type=Path)
     target.add_argument("--dtype", default="auto", choices=DTYPES, help="tensor dtype (auto: the imported model's, else float32)")

@@ -1,8 +1,10 @@
-"""Hugging Face Llama checkpoints without PyTorch: a writer of small random ones, and a
-numpy forward pass written from the Hugging Face model's definition (rotate-half RoPE,
-``repeat_kv`` GQA, Llama 3 inverse-frequency scaling, [out, in] linear weights), so
-tests can check jaxdist's conversion against the checkpoint's own tensors.
-``tests/test_hf_parity.py`` checks this reference against ``transformers`` itself."""
+"""Hugging Face Llama and Mixtral checkpoints without PyTorch: a writer of small random
+ones, and a numpy forward pass written from the Hugging Face models' definitions
+(rotate-half RoPE, ``repeat_kv`` GQA, Llama 3 inverse-frequency scaling, [out, in] linear
+weights; Mixtral's sparse MoE block: a softmax over the experts, its top k renormalised
+to sum to 1, each chosen expert's ``w2(silu(w1 x) * w3 x)``), so tests can check jaxdist's
+conversion against the checkpoint's own tensors. ``tests/test_hf_parity.py`` checks this
+reference against ``transformers`` itself."""
 
 from __future__ import annotations
 
@@ -47,8 +49,41 @@ def hf_config(*, vocab=1000, d=64, layers=2, heads=8, kv_heads=2, mlp=160, tied=
     }
 
 
+def mixtral_config(
+    *, vocab=250, d=32, layers=2, heads=4, kv_heads=2, mlp=48, experts=4, top_k=2, tied=False, dtype="float32", sliding_window=None
+) -> dict:
+    """A small Mixtral ``config.json`` (the fields ``MixtralConfig`` writes)."""
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": vocab,
+        "hidden_size": d,
+        "intermediate_size": mlp,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": d // heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "sliding_window": sliding_window,
+        "num_local_experts": experts,
+        "num_experts_per_tok": top_k,
+        "router_jitter_noise": 0.0,
+        "router_aux_loss_coef": 0.02,
+        "output_router_logits": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": tied,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": dtype,
+    }
+
+
 def write_random_llama(directory: Path, config: dict, seed: int = 0, shards: int = 2) -> dict[str, np.ndarray]:
-    """A random checkpoint in Hugging Face's layout (safetensors shards + index); returns its tensors."""
+    """A random checkpoint in Hugging Face's layout (safetensors shards + index); returns its
+    tensors. A Mixtral ``config`` gets Mixtral's tensors (router and per-expert w1, w2, w3)."""
     rng = np.random.default_rng(seed)
     d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd = config["head_dim"]
@@ -58,6 +93,23 @@ def write_random_llama(directory: Path, config: dict, seed: int = 0, shards: int
     def w(*shape, scale=None):
         return (rng.standard_normal(shape) * (scale or shape[-1] ** -0.5)).astype(dtype)
 
+    def mlp(prefix: str) -> dict[str, np.ndarray]:
+        if config["model_type"] != "mixtral":
+            return {
+                prefix + "mlp.gate_proj.weight": w(f, d),
+                prefix + "mlp.up_proj.weight": w(f, d),
+                prefix + "mlp.down_proj.weight": w(d, f),
+            }
+        moe = prefix + "block_sparse_moe."
+        tensors = {moe + "gate.weight": w(config["num_local_experts"], d, scale=1.0)}  # a router far from uniform
+        for j in range(config["num_local_experts"]):
+            tensors |= {
+                moe + f"experts.{j}.w1.weight": w(f, d),
+                moe + f"experts.{j}.w2.weight": w(d, f),
+                moe + f"experts.{j}.w3.weight": w(f, d),
+            }
+        return tensors
+
     tensors = {"model.embed_tokens.weight": w(v, d, scale=1.0), "model.norm.weight": (1 + 0.1 * rng.standard_normal(d)).astype(dtype)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -66,9 +118,7 @@ def write_random_llama(directory: Path, config: dict, seed: int = 0, shards: int
             p + "self_attn.k_proj.weight": w(kv * hd, d),
             p + "self_attn.v_proj.weight": w(kv * hd, d),
             p + "self_attn.o_proj.weight": w(d, h * hd),
-            p + "mlp.gate_proj.weight": w(f, d),
-            p + "mlp.up_proj.weight": w(f, d),
-            p + "mlp.down_proj.weight": w(d, f),
+            **mlp(p),
             p + "input_layernorm.weight": (1 + 0.1 * rng.standard_normal(d)).astype(dtype),
             p + "post_attention_layernorm.weight": (1 + 0.1 * rng.standard_normal(d)).astype(dtype),
         }
@@ -85,6 +135,13 @@ def write_random_llama(directory: Path, config: dict, seed: int = 0, shards: int
         weight_map |= dict.fromkeys(part, file)
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return tensors
+
+
+def write_random_mixtral(directory: Path, config: dict | None = None, seed: int = 0, shards: int = 2) -> dict[str, np.ndarray]:
+    """A random Mixtral checkpoint in the Hugging Face hub's layout (``mixtral_config()`` by default)."""
+    config = mixtral_config() if config is None else config
+    assert config["model_type"] == "mixtral", config["model_type"]
+    return write_random_llama(directory, config, seed, shards)
 
 
 def read_llama(directory: Path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -161,10 +218,41 @@ def logits(config: dict, tensors: dict[str, np.ndarray], ids: np.ndarray) -> np.
         attn = (scores / scores.sum(-1, keepdims=True)) @ v
         x = x + attn.transpose(0, 2, 1, 3).reshape(b, t, h * hd) @ t32[p + "self_attn.o_proj.weight"].T
         y = rms(x, t32[p + "post_attention_layernorm.weight"])
-        gate, up = y @ t32[p + "mlp.gate_proj.weight"].T, y @ t32[p + "mlp.up_proj.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ t32[p + "mlp.down_proj.weight"].T
+        if config["model_type"] == "mixtral":
+            x = x + _sparse_moe(config, t32, p + "block_sparse_moe.", y)
+        else:
+            x = x + _swiglu(y, *(t32[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
     head = t32["model.embed_tokens.weight"] if config["tie_word_embeddings"] else t32["lm_head.weight"]
     return rms(x, t32["model.norm.weight"]) @ head.T
+
+
+def _swiglu(y: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    g = y @ gate.T
+    return (g / (1 + np.exp(-g)) * (y @ up.T)) @ down.T
+
+
+def _sparse_moe(config: dict, t32: dict[str, np.ndarray], prefix: str, y: np.ndarray) -> np.ndarray:
+    """Mixtral's MoE block on ``y`` [b, t, d]: the router's softmax over all experts, its
+    top k divided by their sum, the k chosen experts' SwiGLUs summed with those weights."""
+    e, k = config["num_local_experts"], config["num_experts_per_tok"]
+    z = y @ t32[prefix + "gate.weight"].T  # [b, t, E]
+    probs = np.exp(z - z.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    chosen = np.argsort(-probs, axis=-1, kind="stable")[..., :k]  # [b, t, k]
+    weights = np.take_along_axis(probs, chosen, axis=-1)
+    weights /= weights.sum(-1, keepdims=True)
+    experts = np.stack([_swiglu(y, *(t32[prefix + f"experts.{j}.{n}.weight"] for n in ("w1", "w3", "w2"))) for j in range(e)])
+    picked = np.take_along_axis(np.moveaxis(experts, 0, -2), chosen[..., None], axis=-2)  # [b, t, k, d]
+    return np.sum(picked * weights[..., None], axis=-2)
+
+
+def greedy(config: dict, tensors: dict[str, np.ndarray], prompt: list[int], new_tokens: int) -> list[int]:
+    """The ``new_tokens`` ids greedy decoding appends to ``prompt`` (the whole sequence rerun each step)."""
+    ids = list(prompt)
+    vocab = config["vocab_size"]
+    for _ in range(new_tokens):
+        ids.append(int(np.argmax(logits(config, tensors, np.asarray([ids]))[0, -1, :vocab])))
+    return ids[len(prompt) :]
 
 
 def mean_loss(config: dict, tensors: dict[str, np.ndarray], inputs: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> float:

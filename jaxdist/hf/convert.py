@@ -1,6 +1,8 @@
-"""Hugging Face Llama checkpoints in and out: ``from_hf`` (a Hugging Face directory -> a
-jaxdist weights checkpoint) and ``to_hf`` (a checkpoint -> a Hugging Face directory), the
-work of ``python -m jaxdist.convert``.
+"""Hugging Face Llama and Mixtral checkpoints in and out: ``from_hf`` (a Hugging Face
+directory -> a jaxdist weights checkpoint) and ``to_hf`` (a checkpoint -> a Hugging Face
+directory), the work of ``python -m jaxdist.convert``. ``config.json``'s ``model_type``
+picks the mapping on the way in (``jaxdist.hf.llama`` or ``jaxdist.hf.mixtral``), the
+model's ``moe_experts`` on the way out.
 
 ``from_hf`` reads ``config.json`` and the ``*.safetensors`` shards (through their index)
 one tensor at a time and writes each parameter straight into its shards (FSDP over the
@@ -23,12 +25,24 @@ import sys
 from pathlib import Path
 
 from jaxdist.errors import JaxdistError
+from jaxdist.hf import llama, mixtral
 from jaxdist.hf.files import SOURCE_DIR, TOKENIZER_FILES, inside, optional_file, read_json, source_dir
 
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("F32", "BF16", "F16")  # safetensors' names of the dtypes a Llama's weights come in
+
+
+def mapping_for_hf(hf: dict):
+    """The module that maps a Hugging Face ``config.json`` of this ``model_type``
+    (anything but mixtral goes to the Llama mapping, which names what converts)."""
+    return mixtral if hf.get("model_type") == "mixtral" else llama
+
+
+def mapping_for_model(model):
+    """The module that writes a jaxdist model as Hugging Face: Mixtral for an MoE decoder."""
+    return mixtral if model.moe_experts > 0 else llama
 
 
 def _first_line(e: BaseException) -> str:
@@ -99,7 +113,7 @@ class SafetensorsReader:
     def check_dtypes(self, names: list[str]) -> None:
         for name in names:
             if self.dtypes[name] not in WEIGHT_DTYPES:
-                raise JaxdistError(f"{self.files[name]}: tensor {name} is {self.dtypes[name]}; Llama weights are F32, BF16 or F16")
+                raise JaxdistError(f"{self.files[name]}: tensor {name} is {self.dtypes[name]}; weights are F32, BF16 or F16")
 
     def __call__(self, name: str):
         from safetensors import safe_open
@@ -184,8 +198,6 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
     from flax import nnx
 
     from jaxdist.config import Config
-    from jaxdist.hf.llama import check_tensors, model_config_from_hf
-    from jaxdist.hf.llama import from_hf as hf_params
     from jaxdist.layout.mesh import build_mesh, parse_mesh
     from jaxdist.layout.sharding import rules_for, tree_shardings
     from jaxdist.layout.strategy import resolve_strategy
@@ -200,12 +212,16 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
     config_file = optional_file(hf_dir, "config.json")
     if config_file is None:
         raise JaxdistError(f"{hf_dir / 'config.json'}: no such file")
-    model = model_config_from_hf(read_json(config_file), str(hf_dir / "config.json"))
+    hf = read_json(config_file)
+    mapping = mapping_for_hf(hf)
+    model = mapping.model_config_from_hf(hf, str(hf_dir / "config.json"))
     kept = {name: path for name in (*TOKENIZER_FILES, "config.json") if (path := optional_file(hf_dir, name)) is not None}
     tokenizer = _source_tokenizer(hf_dir)
     reader = SafetensorsReader(hf_dir, progress)
-    check_tensors(model, reader.shapes, str(hf_dir), str(hf_dir / "config.json"))
+    mapping.check_tensors(model, reader.shapes, str(hf_dir), str(hf_dir / "config.json"))
     reader.check_dtypes(list(reader.shapes))
+    for note in mixtral.training_notes(hf) if mapping is mixtral else []:
+        log(f"jaxdist: {hf_dir / 'config.json'}: {note}")
 
     config = Config(name=re.sub(r"[^A-Za-z0-9._-]+", "-", hf_dir.name).strip(".-") or "hf")  # a name must be one path component
     config.model = model
@@ -222,8 +238,12 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
     flat = dict(nnx.to_flat_state(abstract))
     created = not out.exists()
     try:
-        for path, source in hf_params(model, reader):
+        filled = set()
+        for path, source in mapping.from_hf(model, reader):
             flat[path] = flat[path].replace(_to_device(source, flat[path], shardings[path].get_value(), f"{hf_dir}: {'/'.join(path)}"))
+            filled.add(path)
+        if filled != set(flat):  # a mapping that missed a parameter would save its abstract shape
+            raise JaxdistError(f"{hf_dir}: the mapping leaves {', '.join('/'.join(p) for p in sorted(set(flat) - filled))} unset")
         reader.close()
         out.mkdir(parents=True, exist_ok=True)
         (out / SOURCE_DIR).mkdir()
@@ -242,7 +262,9 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
                     child.unlink()
         raise
     vocab = f"vocab {model.valid_vocab or model.vocab_size}" + (f" (padded to {model.vocab_size})" if model.valid_vocab else "")
-    log(f"jaxdist: converted {hf_dir} -> {step_dir}: {count_params(model) / 1e6:.1f}M params, {vocab}; config {out / 'config.yaml'}")
+    experts = f", {model.moe_experts} experts (top {model.moe_top_k})" if model.moe_experts else ""
+    params = f"{count_params(model) / 1e6:.1f}M params{experts}"
+    log(f"jaxdist: converted {hf_dir} -> {step_dir}: {params}, {vocab}; config {out / 'config.yaml'}")
     return step_dir
 
 
@@ -251,21 +273,22 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
 
 
 def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto", log=print) -> Path:
-    """Export the checkpoint's parameters as a Hugging Face Llama directory."""
+    """Export the checkpoint's parameters as a Hugging Face Llama directory (Mixtral for an MoE model)."""
     import jax
     import ml_dtypes
     import numpy as np
     import orbax.checkpoint as ocp
     from safetensors.numpy import save_file
 
-    from jaxdist.hf.llama import hf_config
-    from jaxdist.hf.llama import to_hf as hf_tensors
     from jaxdist.training.weights import checkpoint_config, find_checkpoint, param_tree_key, read_arrays, state_tree
 
     step_dir = find_checkpoint(checkpoint)
     config = checkpoint_config(step_dir)
     if config.model.kind != "llama":
         raise JaxdistError(f"checkpoint {step_dir}: model.kind {config.model.kind!r} is not a Llama")
+    mapping = mapping_for_model(config.model)
+    if mapping is mixtral:
+        mixtral.check_exportable(config.model, f"checkpoint {step_dir}")
     if out.exists() and any(out.iterdir()):
         raise JaxdistError(f"{out} already exists and is not empty; choose a new output directory")
     source = source_dir(config, step_dir)
@@ -305,7 +328,7 @@ def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto", log=print) -> Pat
                 shards.append((name, list(current)))
                 current, size = {}, 0
 
-        for name, tensor in hf_tensors(config.model, param):
+        for name, tensor in mapping.to_hf(config.model, param):
             tensor = np.ascontiguousarray(tensor.astype(np_dtype))
             if size and size + tensor.nbytes > MAX_SHARD_BYTES:
                 flush()
@@ -317,10 +340,10 @@ def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto", log=print) -> Pat
             (out / old).rename(out / new)
             weight_map.update(dict.fromkeys(names, new))
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2))
-        extra = {k: v for k, v in source_config.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")}
+        extra = {k: v for k, v in source_config.items() if k in mapping.KEPT_FIELDS}
         m = config.model
         longest = max(config.train.seq_len, int(m.rope_original_max_len * m.rope_scaling_factor))  # what the rope scaling was made for
-        hf = hf_config(m, dtype=dtype, max_positions=longest, extra=extra)
+        hf = mapping.hf_config(m, dtype=dtype, max_positions=longest, extra=extra)
         (out / "config.json").write_text(json.dumps(hf, indent=2))
         copied = []
         if source is not None:
