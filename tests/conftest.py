@@ -9,10 +9,13 @@ for this session and removed after it, so every session starts cold.
 """
 
 import collections
+import json
 import os
 import re
 import shutil
+import statistics
 import tempfile
+from pathlib import Path
 
 # Tests compile with LLVM's optimisation off: the suite is compile-bound (a tiny model's
 # train step compiles in ~4 s and runs in milliseconds), and -O0 halves XLA:CPU's compile
@@ -49,9 +52,36 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
+# Seconds each test file took in a recorded full run (``--record-file-seconds`` rewrites it):
+# the files are handed out longest first, so the run ends on short files, not on one long
+# file while the other worker idles.
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+_seconds: collections.Counter = collections.Counter()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-seconds", action="store_true", help=f"write each test file's total seconds to {FILE_SECONDS.name}")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Files with the most heavy (multi-process, long) tests first: with one file per
-    worker (``-n 2 --dist loadfile``) the light files then fill in at the end, so neither
-    worker is left alone with a long file while the other idles."""
+    """Longest recorded files first (a file not on record: by its heavy tests, then as a
+    median file), so that with one file per worker (``-n 2 --dist loadfile``) the short
+    files fill in at the end."""
+    recorded = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    median = statistics.median(recorded.values()) if recorded else 0.0
     heavy = collections.Counter(item.path for item in items if item.get_closest_marker("heavy"))
-    items.sort(key=lambda item: -heavy[item.path])  # stable: a file's tests keep their order
+
+    def cost(item) -> float:
+        name = item.path.name
+        return recorded.get(name, median + 60.0 * heavy[item.path])
+
+    items.sort(key=lambda item: -cost(item))  # stable: a file's tests keep their order
+
+
+def pytest_runtest_logreport(report):
+    _seconds[Path(report.nodeid.split("::")[0]).name] += report.duration  # setup, call and teardown
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("--record-file-seconds") and not hasattr(session.config, "workerinput") and _seconds:
+        FILE_SECONDS.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_seconds.items(), key=lambda kv: -kv[1])}, indent=1) + "\n")
