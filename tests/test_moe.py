@@ -220,10 +220,13 @@ def one_device(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh", ["expert=4", "data=2,expert=2,tensor=2", "fsdp=2,expert=4"])
-def test_moe_training_on_expert_meshes_matches_one_device(one_device, tmp_path, mesh):
+def test_moe_training_on_expert_meshes_matches_one_device(one_device, tmp_path, mesh, capfd):
     reference_dir, reference = one_device
     losses = _train(tmp_path, mesh).losses
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    err = capfd.readouterr().err  # the weaker CPU path and the dispatch are each said in one line
+    assert "jaxdist: MoE on CPU: jax.lax.ragged_dot runs as a dense expansion" in err
+    assert f"over expert={parse_mesh(mesh)['expert']}" in err and "all-to-all dispatch" in err
     if mesh == "data=2,expert=2,tensor=2":  # the balancing statistics and the bias they moved are the mesh's too
         ours, theirs = _metrics(tmp_path), _metrics(reference_dir)
         for key in ("moe_aux_loss", "moe_load_max", "moe_dropped_fraction"):

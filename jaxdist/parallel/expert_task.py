@@ -23,5 +23,10 @@ def with_expert_parallelism(task, config: Config, mesh: jax.sharding.Mesh):
         with expert_kernel(kernel):
             return inner_loss(model, batch)
 
-    notes = (f"jaxdist: {kernel.note(config.model.moe_experts)}",) if kernel.ep > 1 else ()
+    notes = [f"jaxdist: {kernel.note(config.model.moe_experts)}"] if kernel.ep > 1 else []
+    if mesh.devices.flat[0].platform == "cpu":
+        notes.append(
+            "jaxdist: MoE on CPU: jax.lax.ragged_dot runs as a dense expansion (every local expert on every row, "
+            f"{config.model.moe_experts // kernel.ep}x the expert FLOPs); results are exact, timings are not a GPU's"
+        )
     return dataclasses.replace(task, loss_fn=loss_fn, notes=(*task.notes, *notes))
