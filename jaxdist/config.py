@@ -133,6 +133,7 @@ class CheckpointConfig:
     every_minutes: float = 0.0  # also save when this much time passed since the last save
     keep: int = 3  # the newest N
     keep_best: int = 0  # also keep the best N by eval loss
+    params_every_steps: int = 0  # weights-only checkpoints (RUN_DIR/params/STEP) between the full ones; 0: off
     async_save: bool = True
 
 
@@ -372,6 +373,10 @@ def validate(config: Config) -> None:
     _require(d.workers >= 0 and d.prefetch >= 0, "data.workers and data.prefetch must be >= 0")
     _require(d.synthetic_latency_ms >= 0, f"data.synthetic_latency_ms must be >= 0, got {d.synthetic_latency_ms}")
     _require(0 < d.eval_fraction < 1, f"data.eval_fraction must be in (0, 1), got {d.eval_fraction}")
+    _require(
+        config.checkpoint.params_every_steps >= 0,
+        f"checkpoint.params_every_steps must be >= 0 (0: no weights-only checkpoints), got {config.checkpoint.params_every_steps}",
+    )
     p = config.parallel
     _require(p.schedule in ("gpipe", "circular", "1f1b"), f"parallel.schedule must be gpipe, circular or 1f1b, got {p.schedule!r}")
     _require(
