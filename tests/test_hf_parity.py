@@ -1,6 +1,7 @@
-"""Parity with ``transformers``' own PyTorch Llama (needs the ``hf`` extra: torch and
-transformers). CI installs neither; ``tests/test_hf.py`` runs the same checks there against
-``tests/hf_reference.py``, which the first test here holds to ``transformers``."""
+"""Parity with ``transformers``' own PyTorch Llama and Mixtral (needs the ``hf`` extra: torch
+and transformers). CI installs neither; ``tests/test_hf.py`` and ``tests/test_hf_mixtral.py``
+run the same checks there against ``tests/hf_reference.py``, which the logit tests here hold
+to ``transformers``."""
 
 from __future__ import annotations
 
@@ -114,4 +115,101 @@ def test_a_jaxdist_trained_run_exports_to_transformers(tmp_path, caplog):
     ids = np.random.default_rng(2).integers(0, 257, (2, 200))
     with torch.no_grad():
         want = model.eval()(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(load_model(tmp_path / "run")(jnp.asarray(ids))), want, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixtral (MixtralForCausalLM: a softmax router, its top 2 renormalised, per-expert SwiGLU)
+
+MIXTRAL_VOCAB = 250  # not a multiple of 128
+
+
+def _mapping_warnings(caplog) -> list[str]:
+    """transformers' warnings that a checkpoint's names or shapes did not fit the model."""
+    words = ("not initialized", "not used", "newly initialized", "mismatch")
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("transformers") and r.levelno >= logging.WARNING]
+    return [m for m in messages if any(w in m for w in words)]
+
+
+@pytest.fixture(scope="module")
+def mixtral_pair(tmp_path_factory):
+    """A Mixtral checkpoint in the hub's layout (per-expert w1/w2/w3, as Mixtral-8x7B's),
+    loaded by transformers and converted by jaxdist."""
+    root = tmp_path_factory.mktemp("mixtral")
+    config = ref.mixtral_config(vocab=MIXTRAL_VOCAB, d=64, heads=8, kv_heads=2, mlp=96, experts=4, top_k=2)
+    ref.write_random_mixtral(root / "hf", config)
+    model, info = transformers.MixtralForCausalLM.from_pretrained(root / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert convert.main(["from-hf", str(root / "hf"), str(root / "out")]) == 0
+    return model.float().eval(), root
+
+
+def test_mixtral_logits_match_transformers(mixtral_pair):
+    model, root = mixtral_pair
+    ids = np.random.default_rng(0).integers(0, MIXTRAL_VOCAB, (2, 200))
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.float().numpy()
+    got = np.asarray(load_model(root / "out")(jnp.asarray(ids)))[..., :MIXTRAL_VOCAB]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(ref.logits(*ref.read_llama(root / "hf"), ids), want, atol=1e-4, rtol=0)  # the CI reference
+
+
+def test_mixtral_greedy_tokens_match_transformers_generate(mixtral_pair, capsys):
+    """Greedy decoding with the KV cache: the tokens transformers' generate picks, up to its
+    eos (config.json's eos_token_id 2), which jaxdist leaves out of ``ids``."""
+    import json
+
+    model, root = mixtral_pair
+    prompt = [int(i) for i in np.random.default_rng(1).integers(3, MIXTRAL_VOCAB, 30)]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=2)
+    want = want[0, len(prompt) :].tolist()
+    argv = ["--checkpoint", str(root / "out"), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "24", "--json"]
+    assert generate_cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["ids"] == (want[:-1] if want[-1] == 2 else want) and got["decoded"] == len(want)
+
+
+def test_transformers_saved_mixtral_converts(tmp_path):
+    """What ``save_pretrained`` writes (transformers 4: these names; 5: its fused experts
+    written back as them) converts, and the logits agree."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=MIXTRAL_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=2048,
+        initializer_range=0.15,  # a router far from uniform, so near-ties in the top 2 are rare
+    )
+    model = transformers.MixtralForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "hf", max_shard_size="200KB")  # several shards and an index
+    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 0
+    ids = np.random.default_rng(2).integers(0, MIXTRAL_VOCAB, (2, 120))
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.float().numpy()
+    np.testing.assert_allclose(np.asarray(load_model(tmp_path / "out")(jnp.asarray(ids)))[..., :MIXTRAL_VOCAB], want, atol=1e-4, rtol=0)
+
+
+def test_a_jaxdist_trained_moe_run_exports_to_transformers_mixtral(tmp_path, caplog):
+    from jaxdist.config import load_config
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.training.run import run
+
+    moe = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_mlp_dim=64")
+    config = load_config(None, (*TINY, *moe, "train.steps=3", "checkpoint.every_steps=3", "model.rope_theta=50000"))
+    run(config, parse_mesh("data=2,expert=2"), tmp_path / "run", progress=False)
+    assert convert.main(["to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        model, info = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert not _mapping_warnings(caplog), _mapping_warnings(caplog)
+    assert (model.config.num_local_experts, model.config.num_experts_per_tok, model.config.intermediate_size) == (4, 2, 64)
+    ids = np.random.default_rng(2).integers(0, 257, (2, 200))
+    with torch.no_grad():
+        want = model.float().eval()(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(load_model(tmp_path / "run")(jnp.asarray(ids))), want, atol=1e-4, rtol=0)
