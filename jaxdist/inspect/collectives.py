@@ -114,15 +114,18 @@ def collective_stats(ops: Sequence[CollectiveOp]) -> dict[str, dict[str, int | N
     return stats
 
 
-def collectives_by_axes(ops: Sequence[CollectiveOp]) -> dict[str, dict[str, int]]:
-    """Per set of mesh axes spanned ("data", "fsdp,tensor", ...): count, bytes and wire bytes per step."""
-    out: dict[str, dict[str, int]] = {}
+def collectives_by_axes(ops: Sequence[CollectiveOp]) -> dict[str, dict[str, Any]]:
+    """Per set of mesh axes spanned ("data", "fsdp,tensor", ...): count, bytes and wire bytes per step,
+    and the same per collective kind under ``kinds`` (an axis carries several: the expert axis both
+    the experts' all-to-alls and, as a batch axis, gradient all-reduces)."""
+    out: dict[str, dict[str, Any]] = {}
     for op in ops:
         if op.executions and op.axes is not None:
-            entry = out.setdefault(",".join(op.axes) or "none", {"count": 0, "bytes": 0, "wire_bytes": 0})
-            entry["count"] += op.executions
-            entry["bytes"] += op.executions * op.bytes
-            entry["wire_bytes"] += op.executions * (op.wire_bytes or 0)
+            entry = out.setdefault(",".join(op.axes) or "none", {"count": 0, "bytes": 0, "wire_bytes": 0, "kinds": {}})
+            for totals in (entry, entry["kinds"].setdefault(op.kind, {"count": 0, "bytes": 0, "wire_bytes": 0})):
+                totals["count"] += op.executions
+                totals["bytes"] += op.executions * op.bytes
+                totals["wire_bytes"] += op.executions * (op.wire_bytes or 0)
     return out
 
 

@@ -7,8 +7,10 @@ model's analytic training FLOPs for one global batch), ``memory_per_device_bytes
 (``arguments``, ``outputs``, ``temp``, ``alias`` and ``total`` = arguments + outputs -
 alias + temp), ``collectives`` (kind -> ``count``, ``bytes``, ``wire_bytes``, ``largest``) and
 ``collectives_by_axes`` (the mesh axes a collective's groups span, e.g. ``"data"`` or
-``"fsdp,tensor"`` -> ``count``, ``bytes``, ``wire_bytes``; ``jaxdist/inspect/wire.py`` says how), plus
-``strategy``, ``compute_dtype``, ``param_bytes``, ``xla_flops_per_device`` and ``notes``.
+``"fsdp,tensor"`` -> ``count``, ``bytes``, ``wire_bytes`` and the same per kind under ``kinds``;
+``jaxdist/inspect/wire.py`` says how), plus ``strategy``, ``compute_dtype``, ``param_bytes``,
+``xla_flops_per_device`` and ``notes``; an MoE model adds ``experts`` (its all-to-alls over the
+expert axis against the analytical count, ``jaxdist.inspect.expert_traffic``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from jaxdist.config import Config
 from jaxdist.inspect.collectives import CollectiveOp, collective_ops, collective_stats, collectives_by_axes
+from jaxdist.inspect.expert_traffic import expert_section, format_section
 from jaxdist.inspect.hlo import loops_without_trip_count, parse_hlo
 from jaxdist.models import compute_dtype
 from jaxdist.parallel.schedule import pipeline_spec
@@ -53,6 +56,13 @@ def _notes(report: dict[str, Any], config: Config, unknown_loops: int) -> list[s
     """What a reader needs to interpret the numbers, from what this compile actually shows."""
     notes = []
     collectives, on_cpu = report["collectives"], report["platform"] == "cpu"
+    experts = report.get("experts")
+    if experts and experts["moved_dtype"] == "f32" and report["compute_dtype"] != "float32":
+        notes.append(
+            f"the experts' all-to-alls move f32 where the model computes in {report['compute_dtype']}: XLA's "
+            f"{report['platform'].upper()} backend promotes them, so their bytes are twice the analytical count (a GPU moves "
+            f"{report['compute_dtype']})"
+        )
     if report["strategy"].startswith("fsdp") and collectives["reduce-scatter"]["count"] == 0:
         notes.append(
             f"no reduce-scatter: XLA's {report['platform'].upper()} backend reduces the FSDP gradients with all-reduce + "
@@ -97,6 +107,9 @@ def build_report(trainer: Any, compiled: Any) -> dict[str, Any]:
         "collectives": collective_stats(ops),
         "collectives_by_axes": collectives_by_axes(ops),
     }
+    if config.model.kind == "llama" and config.model.moe_experts:
+        itemsize = 4 if report["compute_dtype"] == "float32" else 2
+        report["experts"] = expert_section(config, ops, module, mesh_shape, itemsize)
     spec = pipeline_of(trainer)
     if spec is not None:
         report["pipeline"] = {
@@ -173,6 +186,13 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"{'  over ' + axes:<22}{stats['count']:>12,}{_human_bytes(stats['bytes']):>16}{_human_bytes(stats['wire_bytes']):>16}"
         )
+        kinds = stats.get("kinds", {})
+        for kind, by_kind in kinds.items() if len(kinds) > 1 else ():
+            lines.append(
+                f"{'    ' + kind:<22}{by_kind['count']:>12,}{_human_bytes(by_kind['bytes']):>16}{_human_bytes(by_kind['wire_bytes']):>16}"
+            )
+    if "experts" in report:
+        lines += ["", *format_section(report["experts"], _human_bytes)]
     if "pipeline" in report:
         p = report["pipeline"]
         lines += [

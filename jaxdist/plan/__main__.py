@@ -3,8 +3,8 @@
     python -m jaxdist.plan --config llama3-8b --gpus 8 --hardware h100 [--gpus-per-node 8] [--links PATH]
         [--global-batch B] [--top K] [--time-budget S] [--max-compiles K] [--json] [key=value ...]
 
-Every (data, fsdp, context, tensor, pipe) x microbatches x remat (x context strategy) layout
-jaxdist accepts is screened
+Every (data, fsdp, expert, context, tensor, pipe) x microbatches x remat (x context strategy)
+layout jaxdist accepts is screened (an expert axis only for an MoE model)
 (memory must fit with 10% headroom; a rough time orders them), then the best are compiled
 against N fake CPU devices, best first, until ``--time-budget`` seconds or
 ``--max-compiles`` compiles; each compiled step is priced by ``jaxdist.plan.cost`` on the
@@ -118,7 +118,7 @@ def _price(config, fitting, hardware, args, log) -> dict:
 
     from jaxdist.plan.cost import predict_summary
     from jaxdist.plan.hlo_cost import ProgramCost
-    from jaxdist.plan.search import HEADROOM, compile_summary, configured, states_bytes
+    from jaxdist.plan.search import HEADROOM, compile_summary, configured, routed_expert_params, states_bytes
 
     start, priced, skipped, failed = time.monotonic(), [], 0, []
     todo = fitting[: args.max_compiles]
@@ -140,7 +140,7 @@ def _price(config, fitting, hardware, args, log) -> dict:
         states = summary["memory"]["arguments"]
         if hardware.fused_attention:  # XLA:CPU's temp holds unfused attention scores: states + activation estimate
             memory, source = (
-                states + max(estimate - states_bytes(candidate, summary["params"]), 0.0),
+                states + max(estimate - states_bytes(candidate, summary["params"], routed_expert_params(config)), 0.0),
                 "states compiled + activations estimated",
             )
         else:

@@ -5,13 +5,16 @@
                  traffic and XLA:CPU's f32 conversion copies left out (see hlo_cost); with a
                  context axis attention is parallel.context's tiled XLA kernel on every backend:
                  half its tiles' FLOPs and score traffic are skipped (lax.cond), the rest of its
-                 score traffic stays (no flash kernel keeps it on chip)
+                 score traffic stays (no flash kernel keeps it on chip); an MoE model's grouped
+                 matmuls at their grouped FLOPs on a GPU (XLA:CPU's dense lowering of ragged_dot
+                 does them once per local expert, which cpu-local prices as it runs)
     collective = ring steps x link latency + wire bytes / (link bandwidth x link efficiency)
                  on the link its groups cross: within a node, or across nodes when any mesh
                  axis they span is split over nodes (data first, then fsdp, as jaxdist's
                  hybrid mesh does)
     exposed    = collectives on the critical path (tensor-parallel activations, pipeline
                  sends, attention's K/V gathers and their reduce-scatters over context,
+                 the experts' all-to-alls: the experts wait for their tokens, the layer for the results,
                  everything outside the layer loop but gradient reductions)
                  + max(0, the hideable ones - overlap x compute); hideable: the layer loop's
                  other collectives (a ring's K/V permutes among them), and on GPUs the gradient
@@ -92,6 +95,8 @@ def predict(
         flops -= CAUSAL_SKIP * cost.skippable_flops
     elif hardware.fused_attention:  # a causal flash kernel skips the masked half of the scores
         flops -= CAUSAL_SKIP * cost.attention_flops
+    if not hardware.shared_host and cost.grouped_expansion > 1:  # a GPU's grouped GEMM does each row once
+        flops -= cost.grouped_flops * (1 - 1 / cost.grouped_expansion)
     if hardware.matmul_curve and cost.dots:  # each matmul at the rate of its size (small ones run slower)
         kept = flops / cost.matmul_flops if cost.matmul_flops else 1.0  # the skipped share, spread over every size
         matmul_s = share * kept * sum(calls * f / hardware.matmul_rate(f) for f, calls in cost.dots)
@@ -130,7 +135,7 @@ def predict(
     )
 
 
-GRADIENT_AXES = {"data", "fsdp", "replica"}
+GRADIENT_AXES = {"data", "fsdp", "replica", "expert"}  # the batch axes (expert splits the batch outside the experts)
 
 
 def predict_summary(cost: ProgramCost, hardware: Hardware, summary: dict) -> Prediction:
@@ -152,8 +157,8 @@ def _hideable(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -> bool:
     batch axes, which XLA's loop pipeliner (``xla_gpu_enable_pipelined_all_reduce`` /
     ``_reduce_scatter``, set by ``jaxdist.layout.xla_flags``) moves into the backward loop."""
     axes = set(op.axes or ())
-    if axes & set(CRITICAL_AXES):
-        return False
+    if axes & set(CRITICAL_AXES) or op.kind in ("all-to-all", "ragged-all-to-all"):
+        return False  # all-to-all: the experts' dispatch and return, between the router and the next layer
     if op.name in cost.attention_collectives and op.kind != "collective-permute":
         return False  # K/V gathered for the attention that follows (and dK/dV scattered back): nothing to hide them behind
     if cost.in_loop(op):
@@ -164,8 +169,9 @@ def _hideable(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -> bool:
 def _gpu_bytes_factor(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -> float:
     """What a GPU moves for a collective of the CPU-compiled program, as a share of it.
 
-    XLA:CPU promotes bf16 collectives to f32, so the weight all-gathers and tensor-parallel
-    activation all-reduces of a bf16 model move half on a GPU; and it reduces FSDP gradients
+    XLA:CPU promotes bf16 collectives to f32, so the weight all-gathers, tensor-parallel
+    activation all-reduces and the experts' token all-to-alls of a bf16 model (the planner
+    compiles GPU plans in bf16) move half on a GPU; and it reduces FSDP gradients
     with an all-reduce plus a slice where XLA:GPU forms a reduce-scatter (half the bytes).
     The time is scaled as a whole (latency included): a slight overestimate of the saving.
     """
@@ -173,7 +179,7 @@ def _gpu_bytes_factor(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -
         return 1.0
     axes = set(op.axes or ())
     factor = 1.0
-    if cost.is_f32(op) and (op.kind == "all-gather" or (op.kind == "all-reduce" and "tensor" in axes)):
+    if cost.is_f32(op) and (op.kind in ("all-gather", "all-to-all") or (op.kind == "all-reduce" and "tensor" in axes)):
         factor *= 0.5
     if op.kind == "all-reduce" and "fsdp" in axes and "tensor" not in axes:
         factor *= 0.5

@@ -27,6 +27,14 @@ a GPU runs them as GEMMs): its time is the matmul's, and it adds no memory traff
   branches, which the counts above include in full (every branch is counted): the tiled kernel of
   context parallelism (``jaxdist.parallel.blockwise``) computes a pair of tiles only where some
   query sees some key, so about half of it never runs under a causal mask.
+- ``grouped_flops``: the MoE experts' grouped matmuls as compiled (the dots in
+  ``parallel.expert``'s ``expert_parallel`` name scope, but the small batched combine);
+  ``grouped_expansion`` how many times the compiled program does the grouped work: XLA:CPU
+  lowers ``jax.lax.ragged_dot`` to a dense product over every local expert with the other
+  experts' rows masked (E/expert times the work, forward and backward), a GPU's grouped GEMM
+  does each row once. With one expert per device there is no expansion, and XLA drops the
+  names of the weight gradients' dots, so ``grouped_flops`` then misses them (nothing to price).
+  The dispatch's sorts, scatters and masks stay in ``memory_bytes`` as compiled.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ from jaxdist.inspect.hlo import (
     shape_bytes,
 )
 from jaxdist.models.attention import SCOPE
+
+EXPERT_SCOPE = "expert_parallel"  # parallel.expert's jax.named_scope around its shard_map
 
 # Ops that move no data of their own (or whose work is counted elsewhere).
 _NO_TRAFFIC = {
@@ -78,6 +88,8 @@ class ProgramCost:
     attention_collectives: frozenset[str] = frozenset()  # names of the collectives inside attention
     skippable_flops: float = 0.0  # the part of attention_flops inside conditional branches (tiles a causal mask skips)
     skippable_bytes: float = 0.0  # the part of score_bytes inside them
+    grouped_flops: float = 0.0  # the part of matmul_flops in the experts' grouped matmuls, as compiled
+    grouped_expansion: float = 1.0  # times the compiled program does the grouped work (XLA:CPU: the local experts)
 
     @property
     def tiled_attention(self) -> bool:
@@ -107,6 +119,8 @@ class ProgramCost:
             "attention_collectives": sorted(self.attention_collectives),
             "skippable_flops": self.skippable_flops,
             "skippable_bytes": self.skippable_bytes,
+            "grouped_flops": self.grouped_flops,
+            "grouped_expansion": self.grouped_expansion,
         }
 
     @classmethod
@@ -126,6 +140,8 @@ class ProgramCost:
             frozenset(data.get("attention_collectives", ())),
             float(data.get("skippable_flops", 0.0)),
             float(data.get("skippable_bytes", 0.0)),
+            float(data.get("grouped_flops", 0.0)),
+            float(data.get("grouped_expansion", 1.0)),
         )
 
 
@@ -172,9 +188,9 @@ def dot_flops(instruction: Instruction, module: HloModule) -> float:
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 
 
-def _attention_tag(instruction: Instruction, module: HloModule) -> bool | None:
+def _attention_tag(instruction: Instruction, module: HloModule, scope: str = SCOPE) -> bool | None:
     """True / False when the op (a fusion: the ops fused into it) names its origin: inside
-    the attention name scope or not; None when it carries no op name (a layout copy)."""
+    the ``scope`` name scope (attention's by default) or not; None when it carries no op name (a layout copy)."""
     texts = [instruction.attributes]
     if instruction.opcode == "fusion":
         callee = _CALLS_RE.search(instruction.attributes)
@@ -182,7 +198,7 @@ def _attention_tag(instruction: Instruction, module: HloModule) -> bool | None:
     names = [m.group(1) for m in map(_OP_NAME_RE.search, texts) if m]
     if not names:
         return None
-    return any(re.search(rf"\b{SCOPE}\b", n) for n in names)
+    return any(re.search(rf"\b{scope}\b", n) for n in names)
 
 
 _LAYOUT_OPS = {"convert", "bitcast", "copy", "transpose", "reshape", "parameter", "tuple", "get-tuple-element"}
@@ -283,7 +299,11 @@ def conditional_computations(module: HloModule) -> set[str]:
     return seen
 
 
-def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_len: int = 0, heads_per_device: int = 1) -> ProgramCost:
+def program_cost(
+    hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_len: int = 0, heads_per_device: int = 1, local_experts: int = 0
+) -> ProgramCost:
+    """``local_experts``: an MoE model's experts per device (experts / the expert axis), the
+    factor XLA:CPU's dense lowering of ``ragged_dot`` multiplies the grouped matmuls by."""
     module = parse_hlo(hlo_text)
     counts = computation_multipliers(module)
     fused, reducers = set(), set()
@@ -296,6 +316,7 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
     branches = conditional_computations(module)
     matmul = attention_flops = memory = scores = layout = skippable_flops = skippable_bytes = 0.0
     f32, dots, ops, in_attention = set(), {}, 0.0, set()
+    grouped_flops = 0.0
     for name, executions in counts.items():
         if name in reducers or not executions:
             continue
@@ -315,6 +336,8 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
                 attention_dot = bool(tag or (tag is None and "lhs_batch_dims" in i.attributes))
                 attention_flops += flops if attention_dot else 0.0
                 skippable_flops += flops if attention_dot and name in branches else 0.0
+                if local_experts and _attention_tag(i, module, EXPERT_SCOPE) and batch in (1, local_experts):
+                    grouped_flops += flops  # the combine's einsum is batched over tokens: not a grouped matmul
             if collective_kind(i.opcode) and i.shape.lstrip("(").startswith("f32"):
                 f32.add(i.name)
             if collective_kind(i.opcode) and tag:
@@ -346,4 +369,6 @@ def program_cost(hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_le
         frozenset(in_attention),
         skippable_flops,
         skippable_bytes,
+        grouped_flops,
+        float(local_experts) if local_experts and grouped_flops else 1.0,
     )

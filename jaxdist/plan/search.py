@@ -1,14 +1,16 @@
 """The planner's search: enumerate layouts, screen them, compile the promising ones.
 
-Candidates are every (data, fsdp, context, tensor, pipe) mesh whose product is the GPU count,
-with ``context`` and ``tensor`` inside a node, every microbatch count and remat policy (and,
+Candidates are every (data, fsdp, expert, context, tensor, pipe) mesh whose product is the GPU
+count, with ``expert``, ``context`` and ``tensor`` inside a node (``expert`` > 1 only for an MoE
+model, dividing its experts), every microbatch count and remat policy (and,
 with a context axis, both context strategies) that ``jaxdist.layout.validate.check_config_on_mesh``
 accepts (a context axis needs the sequence divisible by 2 x context). Each is screened without
 compiling: model states (16 bytes per parameter, sharded as the mesh shards them: fsdp, context,
-tensor, pipe) plus activations (Korthikanti et al. 2022's per-layer counts, for the device's
-share of the sequence) must fit the device, and a rough time (6 x params x tokens plus causal
-attention, remat's recompute, the pipeline bubble, the K/V traffic of a context axis) orders
-them. Then they are compiled best-first against fake CPU devices until the time budget runs
+tensor, pipe, and the experts' weights over expert too) plus activations (Korthikanti et al.
+2022's per-layer counts, for the device's share of the sequence, plus an MoE layer's dispatched
+rows) must fit the device, and a rough time (6 x active params x tokens plus causal attention,
+remat's recompute, the pipeline bubble, the K/V traffic of a context axis, the experts'
+all-to-alls) orders them. Then they are compiled best-first against fake CPU devices until the time budget runs
 out; each compile is cached on disk (``~/.cache/jaxdist/plan``), keyed by the resolved config
 and the JAX version, so a rerun is fast.
 """
@@ -35,12 +37,12 @@ STATE_BYTES_PER_PARAM = 16  # fp32 params, grads, Adam's two moments
 HEADROOM = 0.9  # plan to use at most this share of device memory
 CONTEXT_STRATEGIES = ("all_gather", "ring")
 KERNEL_TILE = 512  # tokens per tile of the context kernel (parallel.context's DEFAULT_TILE): bounds its fp32 scores
-LAYOUT_AXES = ("data", "fsdp", "context", "tensor", "pipe")
+LAYOUT_AXES = ("data", "fsdp", "expert", "context", "tensor", "pipe")
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    mesh: tuple[tuple[str, int], ...]  # (axis, size) for data, fsdp, context, tensor, pipe (an axis left out is 1)
+    mesh: tuple[tuple[str, int], ...]  # (axis, size) for data, fsdp, expert, context, tensor, pipe (an axis left out is 1)
     microbatches: int
     remat: str
     context_strategy: str = ""  # all_gather | ring with a context axis; "" without one
@@ -81,25 +83,29 @@ def enumerate_candidates(config: Config, gpus: int, gpus_per_node: int, rejected
     from jaxdist.layout.validate import check_config_on_mesh
 
     out = []
-    batch = config.train.global_batch
+    batch, experts = config.train.global_batch, config.model.moe_experts if config.model.kind == "llama" else 0
     for pipe in divisors(gpus):
         for tensor in (t for t in divisors(gpus // pipe) if t <= gpus_per_node):
             for context in (c for c in divisors(gpus // (pipe * tensor)) if c * tensor <= gpus_per_node):  # both inside a node
-                for fsdp in divisors(gpus // (pipe * tensor * context)):
-                    data = gpus // (pipe * tensor * context * fsdp)
-                    mesh = (("data", data), ("fsdp", fsdp), ("context", context), ("tensor", tensor), ("pipe", pipe))
-                    shards = data * fsdp
-                    for microbatches in (m for m in (1, 2, 4, 8, 16) if batch % (shards * m) == 0):
-                        for remat in REMATS:
-                            for strategy in CONTEXT_STRATEGIES if context > 1 else ("",):
-                                candidate = Candidate(mesh, microbatches, remat, strategy)
-                                try:
-                                    check_config_on_mesh(configured(config, candidate), parse_mesh(candidate.mesh_spec))
-                                except JaxdistError as e:
-                                    if rejected is not None:
-                                        rejected[str(e)] += 1
-                                    continue
-                                out.append(candidate)
+                inner = context * tensor
+                rest = gpus // (pipe * inner)
+                for expert in (e for e in divisors(rest) if e * inner <= gpus_per_node and (e == 1 or experts % e == 0)):
+                    for fsdp in divisors(rest // expert):
+                        data = rest // (expert * fsdp)
+                        sizes = {"data": data, "fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor, "pipe": pipe}
+                        mesh = tuple((a, sizes[a]) for a in LAYOUT_AXES)
+                        shards = data * fsdp * expert
+                        for microbatches in (m for m in (1, 2, 4, 8, 16) if batch % (shards * m) == 0):
+                            for remat in REMATS:
+                                for strategy in CONTEXT_STRATEGIES if context > 1 else ("",):
+                                    candidate = Candidate(mesh, microbatches, remat, strategy)
+                                    try:
+                                        check_config_on_mesh(configured(config, candidate), parse_mesh(candidate.mesh_spec))
+                                    except JaxdistError as e:
+                                        if rejected is not None:
+                                            rejected[str(e)] += 1
+                                        continue
+                                    out.append(candidate)
     return out
 
 
@@ -107,10 +113,20 @@ def enumerate_candidates(config: Config, gpus: int, gpus_per_node: int, rejected
 # Screening without compiling
 
 
-def states_bytes(candidate: Candidate, n_params: int) -> float:
-    """Model states per device: sharded over fsdp, context (as FSDP shards them), tensor and pipe."""
+def routed_expert_params(config: Config) -> int:
+    """Parameters of the routed experts (every MoE layer's E SwiGLUs of width moe_mlp_dim)."""
+    m = config.model
+    if m.kind != "llama" or not m.moe_experts:
+        return 0
+    return (m.n_layers - m.moe_first_dense) * m.moe_experts * 3 * m.d_model * m.resolved_moe_mlp_dim
+
+
+def states_bytes(candidate: Candidate, n_params: int, expert_params: int = 0) -> float:
+    """Model states per device: sharded over fsdp, context (as FSDP shards them), tensor and pipe;
+    the routed experts' ``expert_params`` (part of ``n_params``) over expert too."""
     sizes = candidate.sizes
-    return STATE_BYTES_PER_PARAM * n_params / (sizes["fsdp"] * sizes["context"] * sizes["tensor"] * sizes["pipe"])
+    split = sizes["fsdp"] * sizes["context"] * sizes["tensor"] * sizes["pipe"]
+    return STATE_BYTES_PER_PARAM * ((n_params - expert_params) / split + expert_params / (split * sizes["expert"]))
 
 
 def _compute_bytes(config: Config) -> int:
@@ -122,7 +138,9 @@ def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_
 
     Activations per layer and microbatch row (Korthikanti et al. 2022, 16-bit, tensor size
     t, no sequence parallelism) for the device's s = seq_len / context tokens: s d (10 + 24 / t)
-    bytes, plus 5 h s^2 / t without a fused attention. A context axis runs parallel.context's
+    bytes, plus 5 h s^2 / t without a fused attention; an MoE layer adds its k dispatched rows per
+    token, s k (8 d + 10 f / t) bytes (send, receive, return and the fp32 combine of d, the fp32
+    gate/up and bf16 hidden of the expert width f). A context axis runs parallel.context's
     tiled kernel (no [s, s] scores; a few fp32 tiles) and, with all_gather, keeps the whole
     sequence's K/V per layer. Full remat keeps only each layer's input (2 s d) plus one
     layer's working set; save_matmuls about half. The fp32 logits (and their gradient) of one
@@ -130,10 +148,13 @@ def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_
     """
     m, t = config.model, config.train
     sizes = candidate.sizes
-    rows = t.global_batch // (sizes["data"] * sizes["fsdp"] * candidate.microbatches)
+    rows = t.global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"] * candidate.microbatches)
     context, tp = sizes["context"], sizes["tensor"]
     s, d = t.seq_len // context, m.d_model
     per_layer = s * d * (10 + 24 / tp)
+    if routed_expert_params(config):
+        moe_share = (m.n_layers - m.moe_first_dense) / m.n_layers  # spread over the layers: the screen keeps one per-layer figure
+        per_layer += moe_share * s * m.moe_top_k * (8 * d + 10 * m.resolved_moe_mlp_dim / tp)
     working = 0.0  # the attention kernel's scratch, alive for one layer at a time
     if context > 1:
         heads, kv_heads = max(m.n_heads // tp, 1), max(m.n_kv_heads // tp, 1)
@@ -148,7 +169,7 @@ def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_
     kept = {"none": per_layer * layers, "save_matmuls": per_layer * layers / 2, "full": 2 * s * d * layers + per_layer}[candidate.remat]
     logit_tokens = min(s, m.loss_chunk) if m.loss_chunk > 0 else s
     logits = 2 * 4 * logit_tokens * m.vocab_size / tp
-    return states_bytes(candidate, n_params) + rows * (kept * in_flight + logits + working)
+    return states_bytes(candidate, n_params, routed_expert_params(config)) + rows * (kept * in_flight + logits + working)
 
 
 def attention_flops_per_sequence(config: Config) -> float:
@@ -172,7 +193,7 @@ def context_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
     n = sizes["context"]
     if n <= 1:
         return 0.0, 0
-    rows = config.train.global_batch // (sizes["data"] * sizes["fsdp"])
+    rows = config.train.global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
     tokens = rows * config.train.seq_len
     kv_elements = 2 * tokens * max(m.n_kv_heads // sizes["tensor"], 1) * m.resolved_head_dim
     kv, ids, share = kv_elements * _compute_bytes(config), 2 * 4 * tokens, (n - 1) / n
@@ -181,6 +202,30 @@ def context_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
         forwards = 1 + (candidate.remat != "none")
         return layers * (forwards * share * (kv + ids) + share * kv), layers * mb * (4 * forwards + 2)
     return layers * (2 * share * (kv + ids) + 4 * kv_elements), layers * mb * (2 * 4 * (n - 1) + 2 * n)
+
+
+def expert_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
+    """(bytes one device sends over the expert axis per step, all-to-alls per step) for the
+    experts, as parallel.expert's compiled program moves them (checked against it in
+    tests/test_moe_plan.py): per MoE layer and microbatch, its send buffer (R rows per
+    destination, ``parallel.expert.buffer_rows``, x d in the compute dtype) goes out and comes
+    back in the forward, again in the backward and in remat's recomputed forward, with one
+    int32 id per row each forward; a device keeps (1/N) of each buffer."""
+    from jaxdist.models.experts import capacity_rows
+    from jaxdist.parallel.expert import buffer_rows
+
+    sizes, m, t = candidate.sizes, config.model, config.train
+    n = sizes["expert"]
+    if n <= 1 or not routed_expert_params(config):
+        return 0.0, 0
+    mb = candidate.microbatches
+    tokens = t.global_batch // (sizes["data"] * sizes["fsdp"] * n * mb) * (t.seq_len // sizes["context"])
+    capacity = capacity_rows(tokens, m.moe_top_k, m.moe_experts, m.moe_capacity_factor)
+    rows = n * buffer_rows(tokens, m.moe_top_k, m.moe_experts, n, capacity, config.parallel.expert_buffer_factor)
+    forwards = 1 + (candidate.remat != "none")
+    calls = (m.n_layers - m.moe_first_dense) // sizes["pipe"] * mb
+    per_call = (2 * forwards + 2) * rows * m.d_model * _compute_bytes(config) + forwards * rows * 4
+    return calls * per_call * (n - 1) / n, calls * (2 * forwards + 2 + forwards)
 
 
 # fp32 bytes each visible attention score moves through memory where no flash kernel keeps the
@@ -196,7 +241,7 @@ def score_traffic(config: Config, candidate: Candidate, fused_attention: bool) -
     context = sizes["context"]
     if context == 1 and fused_attention:
         return 0.0
-    rows = t.global_batch // (sizes["data"] * sizes["fsdp"])
+    rows = t.global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
     scores = rows * (m.n_layers // sizes["pipe"]) * max(m.n_heads // sizes["tensor"], 1) * (t.seq_len // context) * t.seq_len
     visible = 0.5 if context > 1 else 1.0
     passes = SCORE_BYTES_FORWARD * (1 + (candidate.remat != "none")) + SCORE_BYTES_BACKWARD
@@ -204,10 +249,12 @@ def score_traffic(config: Config, candidate: Candidate, fused_attention: bool) -
 
 
 def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware) -> float:
-    """Seconds per step, roughly: compute (matmuls and causal attention, plus the attention scores'
-    memory traffic where no flash kernel keeps them on chip) with remat's recompute, stretched by
-    the bubble, plus the exposed K/V traffic of a context axis (all_gather's is on the critical
-    path; ring's hides behind the attention it feeds, up to ``hardware.overlap`` of it)."""
+    """Seconds per step, roughly: compute (matmuls, an MoE layer's active experts only (on
+    cpu-local once per local expert, as XLA:CPU's dense ragged_dot runs them), and causal
+    attention, plus the attention scores' memory traffic where no flash kernel keeps them on
+    chip) with remat's recompute, stretched by the bubble, plus the exposed K/V traffic of a
+    context axis (all_gather's is on the critical path; ring's hides behind the attention it
+    feeds, up to ``hardware.overlap`` of it) and the experts' all-to-alls (critical)."""
     t, sizes = config.train, candidate.sizes
     devices = math.prod(sizes.values())
     rate = hardware.matmul_flops_per_s
@@ -215,7 +262,11 @@ def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware
     if sizes["context"] > 1 and not config.parallel.context_load_balance:  # the last shard's causal share: (2N-1)/N of the mean
         attention *= (2 * sizes["context"] - 1) / sizes["context"]
     attention += score_traffic(config, candidate, hardware.fused_attention) / (hardware.memory_bandwidth * hardware.memory_efficiency)
-    compute = 6 * n_params * t.global_batch * t.seq_len / devices / rate * RECOMPUTE[candidate.remat] + attention
+    routed, m = routed_expert_params(config), config.model
+    active_experts = routed * m.moe_top_k / m.moe_experts if routed else 0
+    expansion = m.moe_experts // sizes["expert"] if routed and hardware.shared_host else 1  # XLA:CPU's dense ragged_dot
+    flop_params = n_params - routed + active_experts * expansion
+    compute = 6 * flop_params * t.global_batch * t.seq_len / devices / rate * RECOMPUTE[candidate.remat] + attention
     pipe = sizes["pipe"]
     if pipe > 1:
         m = max(config.parallel.pipeline_microbatches or pipe, 1)
@@ -227,7 +278,9 @@ def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware
     kv = wire / (link.bandwidth * link.efficiency) + count * steps * link.latency
     if candidate.context_strategy == "ring":
         kv = max(0.0, kv - hardware.overlap * attention)
-    return compute * comm_penalty + kv
+    wire, count = expert_traffic(config, candidate)  # on the critical path, inside a node
+    experts = wire / (link.bandwidth * link.efficiency) + count * (sizes["expert"] - 1) * link.latency
+    return compute * comm_penalty + kv + experts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +295,7 @@ def cache_dir() -> Path:
 def cache_key(config: Config) -> str:
     import jax
 
-    payload = json.dumps({"config": config.to_dict(), "jax": jax.__version__, "format": 6}, sort_keys=True)
+    payload = json.dumps({"config": config.to_dict(), "jax": jax.__version__, "format": 7}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
@@ -283,7 +336,8 @@ def _compile(config: Config) -> dict[str, Any]:
     trainer, compiled = compile_train_step(config, sizes, jax.devices("cpu")[:devices])  # CPU even on a GPU machine
     mesh_shape = {a: int(n) for a, n in trainer.layout.mesh.shape.items()}
     heads = max(config.model.n_heads // mesh_shape.get("tensor", 1), 1)
-    cost = program_cost(compiled.as_text(), mesh_shape, config.train.seq_len, heads)
+    local_experts = config.model.moe_experts // mesh_shape.get("expert", 1) if config.model.kind == "llama" else 0
+    cost = program_cost(compiled.as_text(), mesh_shape, config.train.seq_len, heads, local_experts)
     spec = pipeline_of(trainer)
     return {
         "program": cost.to_dict(),
