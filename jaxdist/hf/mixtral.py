@@ -31,7 +31,8 @@ from jaxdist.errors import JaxdistError
 from jaxdist.hf import llama
 from jaxdist.hf.llama import Path, Stacked, fail, layer_name, linear, linear_t, positive_int
 
-# and the training settings of Hugging Face's own router loss (jaxdist's model.moe_aux_loss_coef is not converted to it)
+# config.json fields to-hf writes back as imported: Llama's, and the settings of Hugging Face's own router
+# loss (a different sum from model.moe_aux_loss_coef's, so neither is converted into the other)
 KEPT_FIELDS = (*llama.KEPT_FIELDS, "router_aux_loss_coef", "output_router_logits")
 # MixtralConfig's defaults where they differ from Llama's (a config.json may leave them out)
 DEFAULTS = {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32}
