@@ -6,6 +6,11 @@ resolved config. Orbax writes each step into a temporary folder and renames it w
 complete, so a process killed mid-save leaves nothing that resume would pick.
 Restoring takes abstract arrays carrying the *target* shardings, so a checkpoint
 written on one mesh lands directly in the shards of another (never gathered).
+
+Between the full checkpoints, ``checkpoint.params_every_steps`` writes weights-only ones
+(``RUN_DIR/params/STEP``: step, parameters, data state and config; no optimizer state),
+asynchronously too; each kind keeps its own newest ``checkpoint.keep``. ``--resume auto``
+only ever picks a full one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxdist.errors import JaxdistError
+
+PARAMS_DIR = "params"  # RUN_DIR/params/STEP: the weights-only checkpoints beside RUN_DIR/checkpoints/STEP
 
 
 class CheckpointError(Exception):
@@ -155,35 +162,50 @@ def state_differences(saved_tree: Any, abstract_state: Any, limit: int = 3) -> l
     ]
 
 
+def params_directory(checkpoints: Path) -> Path:
+    """Where the weights-only checkpoints of the run whose full ones are in ``checkpoints`` go."""
+    return Path(checkpoints).parent / PARAMS_DIR
+
+
+def _manager(directory: Path, cfg, *, read_only: bool, keep_best: int = 0):
+    """An Orbax manager of checkpoints with the train state, data state and config items."""
+    import grain.checkpoint as grain_checkpoint
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint import checkpoint_managers as cm
+
+    policies = [cm.LatestN(n=cfg.keep)]
+    if keep_best:
+        policies.append(cm.BestN(get_metric_fn=lambda m: m["eval_loss"], reverse=True, n=keep_best, keep_checkpoints_without_metrics=False))
+    options = ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=cfg.async_save,
+        preservation_policy=cm.AnyPreservationPolicy(policies),
+        read_only=read_only,
+        create=not read_only,
+    )
+    handlers = {
+        "state": ocp.StandardCheckpointHandler(),
+        "data": grain_checkpoint.CheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler(),
+    }
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options, item_handlers=handlers)
+
+
 class Checkpointer:
     """Saves on a schedule (steps and/or minutes), keeps the last N (and optionally the
-    best by eval loss), restores the newest readable checkpoint."""
+    best by eval loss), restores the newest readable checkpoint. With ``params_dir`` and
+    ``checkpoint.params_every_steps`` it also writes weights-only checkpoints there."""
 
-    def __init__(self, directory: Path, cfg, *, read_only: bool = False):
-        import grain.checkpoint as grain_checkpoint
+    def __init__(self, directory: Path, cfg, *, read_only: bool = False, params_dir: Path | None = None):
         import orbax.checkpoint as ocp
         from orbax.checkpoint import checkpoint_managers as cm
 
-        policies = [cm.LatestN(n=cfg.keep)]
-        if cfg.keep_best:
-            policies.append(
-                cm.BestN(get_metric_fn=lambda m: m["eval_loss"], reverse=True, n=cfg.keep_best, keep_checkpoints_without_metrics=False)
-            )
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=cfg.async_save,
-            preservation_policy=cm.AnyPreservationPolicy(policies),
-            read_only=read_only,
-            create=not read_only,
-        )
         self.directory = Path(directory)
         self.cfg = cfg
         self._ocp = ocp
-        handlers = {
-            "state": ocp.StandardCheckpointHandler(),
-            "data": grain_checkpoint.CheckpointHandler(),
-            "config": ocp.JsonCheckpointHandler(),
-        }
-        self.manager = ocp.CheckpointManager(self.directory.absolute(), options=options, item_handlers=handlers)
+        self.manager = _manager(self.directory, cfg, read_only=read_only, keep_best=cfg.keep_best)
+        self.params_dir = Path(params_dir) if params_dir is not None else None
+        every = getattr(cfg, "params_every_steps", 0)
+        self.params_manager = _manager(self.params_dir, cfg, read_only=False) if self.params_dir and every > 0 and not read_only else None
         # Time-based saves: process 0's clock decides, through Orbax's policy (which
         # broadcasts the primary host's decision), so every process saves the same steps.
         self._minutes_policy = cm.ContinuousCheckpointingPolicy(minimum_interval_secs=60 * cfg.every_minutes)
@@ -198,6 +220,13 @@ class Checkpointer:
         self.manager.reload()
         self.last_saved_step: int | None = self.manager.latest_step()
         self._existing_steps = set(self.manager.all_steps())  # from earlier runs: never overwritten
+        if self.params_manager is not None:
+            self.params_manager.reload()
+        self._existing_params_steps = set(self.params_steps())
+
+    def params_steps(self) -> list[int]:
+        """The committed weights-only checkpoints' steps, oldest first."""
+        return checkpoint_steps(self.params_dir) if self.params_dir is not None else []
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -219,6 +248,29 @@ class Checkpointer:
         previous = _SaveInfo(self.last_saved_step or 0, _clock_time(self._last_save_time))
         context = dataclasses.replace(self._decision_context, is_saving_in_progress=saving)
         return self._minutes_policy.should_save(_SaveInfo(step, _clock_time(now)), [previous], context=context)
+
+    def params_due(self, step: int) -> bool:
+        """Whether to write a weights-only checkpoint at ``step`` (the loop skips it where a full one is saved)."""
+        return self.params_manager is not None and step % self.cfg.params_every_steps == 0
+
+    def save_params(self, step: int, weights: dict, data_state: dict, config: dict) -> None:
+        """Start a weights-only save of ``weights`` ({step, params}), async like ``save``."""
+        import grain.checkpoint as grain_checkpoint
+
+        ocp = self._ocp
+        if step in self._existing_params_steps:  # as for full checkpoints: a bug, never an overwrite
+            raise CheckpointError(
+                f"saving weights-only checkpoint at step {step} in {self.params_dir} refused: it already holds one from an earlier run"
+            )
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(weights),
+            data=grain_checkpoint.CheckpointSave(_IteratorState(json.dumps(data_state).encode())),
+            config=ocp.args.JsonSave(config),
+        )
+        try:
+            self.params_manager.save(step, args=args, force=True)
+        except Exception as e:  # noqa: BLE001 - any failure to write becomes one clear line
+            raise CheckpointError(f"saving weights-only checkpoint at step {step} in {self.params_dir} failed ({_first_line(e)})") from None
 
     def save(self, step: int, state: Any, data_state: dict, config: dict, metrics: dict | None = None) -> None:
         """Start saving (returns once the arrays are copied off the devices when async)."""
@@ -244,11 +296,16 @@ class Checkpointer:
         self.last_saved_step = step
 
     def wait(self) -> None:
-        """Block until every started save has committed."""
+        """Block until every started save (of both kinds) has committed."""
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(self._failure(self.last_saved_step, e)) from None
+        if self.params_manager is not None:
+            try:
+                self.params_manager.wait_until_finished()
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"saving a weights-only checkpoint in {self.params_dir} failed ({_first_line(e)})") from None
 
     def _failure(self, step: int | None, error: Exception) -> str:
         committed = [s for s in checkpoint_steps(self.directory) if s != step]
@@ -258,6 +315,8 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+        if self.params_manager is not None:
+            self.params_manager.close()
 
     # -- restoring ------------------------------------------------------------------
 
@@ -289,22 +348,7 @@ class Checkpointer:
         return Restored(step, state, data_state, saved_config(step_dir) or {}, step_dir, data_problem)
 
     def _restore_data(self, step: int) -> tuple[dict | None, str | None]:
-        """This process's data-iterator state, or why there is none to use."""
-        import grain.checkpoint as grain_checkpoint
-        import jax
-
-        data_dir = self.directory / str(step) / "data"
-        index, count = jax.process_index(), jax.process_count()
-        if not (data_dir / f"process_{index}-of-{count}.json").exists():
-            written = sorted({p.name.split("-of-")[-1].removesuffix(".json") for p in data_dir.glob("process_*-of-*.json")})
-            by = f"saved by {' or '.join(written)} process(es)" if written else "no data state saved"
-            return None, f"{by}, this run has {count}"
-        try:
-            holder = _IteratorState()
-            self.manager.restore(step, args=self._ocp.args.Composite(data=grain_checkpoint.CheckpointRestore(holder)))
-            return json.loads(holder.state.decode()), None
-        except Exception as e:  # noqa: BLE001 - reported by the caller, which resumes the data by step
-            return None, f"{data_dir} is unreadable ({_first_line(e)})"
+        return read_data_state(self.directory / str(step))
 
     def restore_latest(self, abstract_state: Any, *, warn=print) -> Restored | None:
         """The newest checkpoint that reads back, or None when there is none.
@@ -332,6 +376,25 @@ class Checkpointer:
         )
 
 
+def read_data_state(step_dir: Path) -> tuple[dict | None, str | None]:
+    """This process's data-iterator state saved in a checkpoint (either kind), or why there is none to use."""
+    import grain.checkpoint as grain_checkpoint
+    import jax
+
+    data_dir = Path(step_dir) / "data"
+    index, count = jax.process_index(), jax.process_count()
+    if not (data_dir / f"process_{index}-of-{count}.json").exists():
+        written = sorted({p.name.split("-of-")[-1].removesuffix(".json") for p in data_dir.glob("process_*-of-*.json")})
+        by = f"saved by {' or '.join(written)} process(es)" if written else "no data state saved"
+        return None, f"{by}, this run has {count}"
+    try:
+        holder = _IteratorState()
+        grain_checkpoint.CheckpointHandler().restore(data_dir, args=grain_checkpoint.CheckpointRestore(holder))
+        return json.loads(holder.state.decode()), None
+    except Exception as e:  # noqa: BLE001 - reported by the caller, which resumes the data by step
+        return None, f"{data_dir} is unreadable ({_first_line(e)})"
+
+
 def _all_processes_ok(ok: bool) -> bool:
     """Whether ``ok`` holds on every process (a collective when there are several)."""
     import jax
@@ -345,7 +408,8 @@ def _all_processes_ok(ok: bool) -> bool:
 
 
 def parse_resume(resume: str, checkpoints: Path) -> tuple[str, Path, int | None]:
-    """``auto`` | ``never`` | STEP | PATH -> (mode, checkpoint directory, step)."""
+    """``auto`` | ``never`` | STEP | PATH -> (mode, checkpoint directory, step). (``params:STEP``
+    and weights-only PATHs are taken apart before: ``resume.weights_resume``.)"""
     if resume in ("auto", "never"):
         return resume, checkpoints, None
     if resume.isdigit():

@@ -1,6 +1,6 @@
 """The training loop: steps until ``train.steps`` (or ``train.stop_after_step``), with
-metrics fetched only at log points, evaluation, checkpoints, preemption, the profile
-window and the launcher's heartbeat around them."""
+metrics fetched only at log points, evaluation, checkpoints (full and weights-only),
+preemption, the energy meter, the profile window and the launcher's heartbeat around them."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from jaxdist.cluster.heartbeat import beat
 from jaxdist.errors import NonFiniteLoss
 from jaxdist.inspect.tracing import StepTracer
 from jaxdist.models import Batch
+from jaxdist.training.energy import IntervalEnergy, energy_fields
 from jaxdist.training.metrics import MetricsLogger
 from jaxdist.training.preemption import Preempted
 from jaxdist.training.state import TrainState
@@ -46,6 +47,7 @@ class LoopHooks:
     config_dict: dict | None = None
     preemption: Any = None  # jaxdist.training.preemption.PreemptionWatcher
     tracer: StepTracer = dataclasses.field(default_factory=StepTracer)  # --profile-steps
+    energy: IntervalEnergy | None = None  # the GPUs' energy meter per log interval (None: not measured)
 
 
 def train_loop(
@@ -60,12 +62,16 @@ def train_loop(
     tokens_per_step: int,
     step_fn: Callable | None = None,
     hooks: LoopHooks | None = None,
+    fp8_peak_flops: float | None = None,
 ) -> LoopResult:
     """Train until step ``steps`` (the state may start later, when resumed).
 
     Metrics are fetched only at log points, so the host keeps dispatching ahead of the
     devices in between; eval, checkpoint and preemption steps are log points too, so
-    a non-finite loss is always caught before a state is saved.
+    a non-finite loss is always caught before a state is saved. The interval of a log
+    point ends once its results are on the host and the next starts after its eval and
+    saves, so step time, power and energy per token are of training alone.
+    ``fp8_peak_flops``: with fp8 matmuls, also log ``mfu_fp8_peak`` against this peak.
     """
     cfg, hooks = trainer.config.train, hooks or LoopHooks()
     step_fn = step_fn or trainer.train_step
@@ -75,7 +81,9 @@ def train_loop(
     end = min(steps, cfg.stop_after_step or steps)  # train.stop_after_step: a planned interruption, saved like the end
     result = LoopResult(state, [], {})
     pending: list[dict[str, jax.Array]] = []
-    window_start, data_wait = time.perf_counter(), 0.0
+    energy = hooks.energy or IntervalEnergy()
+    energy.start()
+    data_wait = 0.0
     skips_in_a_row = 0
 
     for step in range(start_step + 1, end + 1):
@@ -95,12 +103,14 @@ def train_loop(
             eval_now = hooks.eval_batches is not None and cfg.eval_every > 0 and step % cfg.eval_every == 0
             preempt = hooks.preemption is not None and hooks.preemption.requested(step)
             save_now = checkpointer is not None and (last or preempt or checkpointer.due(step))
-            if step % cfg.log_every == 0 or last or eval_now or save_now:
+            params_now = checkpointer is not None and not save_now and checkpointer.params_due(step)  # weights only
+            if step % cfg.log_every == 0 or last or eval_now or save_now or params_now:
                 # Log point: wait for the devices, check and write this window's metrics.
                 with tracer.phase("log"):
                     fetched = trainer.fetch_metrics(pending)
                     pending.clear()
-                    step_time = (time.perf_counter() - window_start) / len(fetched)
+                    seconds, joules = energy.stop()
+                    step_time = seconds / len(fetched)
                     for offset, m in enumerate(fetched):
                         skips_in_a_row = _check_step(m, step - len(fetched) + 1 + offset, skips_in_a_row, cfg, result, checkpointer)
                     record = {
@@ -111,7 +121,10 @@ def train_loop(
                         "step_time_s": step_time,
                         "data_wait_s": data_wait / len(fetched),
                         "mfu": flops_per_step / (step_time * n_devices * peak_flops),
+                        **energy_fields(joules, seconds, tokens_per_step * len(fetched)),
                     }
+                    if fp8_peak_flops is not None:  # NaN (null) where the device has no fp8 peak
+                        record["mfu_fp8_peak"] = flops_per_step / (step_time * n_devices * fp8_peak_flops)
                     if "loss_scale" in fetched[-1]:
                         record["loss_scale"] = float(fetched[-1]["loss_scale"])
                     for key in MOE_METRICS & fetched[-1].keys():
@@ -126,17 +139,22 @@ def train_loop(
                         result.eval_losses[step] = evaluate(trainer, state, hooks.eval_batches())
                     eval_metrics = {"eval_loss": result.eval_losses[step]}
                     logger.log(step, eval_metrics)
-                if save_now:
+                if save_now or params_now:
                     with tracer.phase("checkpoint"):
                         if not bool(trainer.params_finite(state.params)):
                             raise NonFiniteLoss(f"parameters became non-finite at step {step}; not saving them{_last_saved(checkpointer)}")
-                        checkpointer.save(step, state, hooks.data_state(), hooks.config_dict, metrics=eval_metrics)
+                        if save_now:
+                            checkpointer.save(step, state, hooks.data_state(), hooks.config_dict, metrics=eval_metrics)
+                        else:
+                            weights = {"step": state.step, "params": trainer.synchronized_params(state)}
+                            checkpointer.save_params(step, weights, hooks.data_state(), hooks.config_dict)
                 if preempt:
                     if checkpointer is None:  # library use without a run directory: nothing to save
                         raise Preempted(step, hooks.preemption.reason, saved=False)
                     checkpointer.wait()
                     raise Preempted(step, hooks.preemption.reason)
-                window_start, data_wait = time.perf_counter(), 0.0
+                energy.start()
+                data_wait = 0.0
         tracer.after_step(step, state)
     result.state = state
     return result

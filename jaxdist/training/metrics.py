@@ -25,6 +25,16 @@ GPU_PEAK_FLOPS = (
     ("A10G", 125e12),
 )
 
+# Dense fp8 peak per device (FLOP/s): twice the bf16 dense peak on Hopper and Ada (the
+# datasheets' fp8 figures are with sparsity: halved here); A100 and A10G have no fp8.
+GPU_FP8_PEAK_FLOPS = (
+    ("H100 PCIe", 1513e12),
+    ("H100 NVL", 1671e12),
+    ("H200", 1979e12),
+    ("H100", 1979e12),
+    ("L40S", 733e12),
+)
+
 
 @functools.cache
 def measured_cpu_peak_flops(n: int = 1024, repeats: int = 5) -> float:
@@ -56,6 +66,16 @@ def peak_flops_per_device(devices: list, override: float = 0.0) -> float:
         local = sum(1 for d in devices if d.process_index == devices[0].process_index)
         return measured_cpu_peak_flops() / max(local, 1)
     return math.nan  # unknown accelerator: MFU is logged as null rather than guessed (set train.peak_flops)
+
+
+def fp8_peak_flops_per_device(devices: list) -> float:
+    """Dense fp8 peak FLOP/s of one device: NaN (``mfu_fp8_peak`` null) on CPU and on GPUs
+    without fp8 or not in the table."""
+    kind = devices[0].device_kind.lower()
+    for name, peak in GPU_FP8_PEAK_FLOPS:
+        if name.lower() in kind:
+            return peak
+    return math.nan
 
 
 class MetricsLogger:

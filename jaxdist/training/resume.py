@@ -35,15 +35,27 @@ def adapt_microbatches_for_resume(config: Config, run_dir: Path | None, resume: 
     t.microbatches = fitting
 
 
-def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, checkpointer, log):
+def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, checkpointer, log, weights_dir: Path | None = None):
     """The restored checkpoint for ``--resume``, or None to start fresh (only when there
-    is no checkpoint). A checkpoint that does not fit this run's state is an error, as is
-    a damaged one asked for by step, or every checkpoint being damaged."""
+    is no checkpoint of either kind). A checkpoint that does not fit this run's state is
+    an error, as is a damaged one asked for by step, or every checkpoint being damaged.
+    ``weights_dir``: a weights-only checkpoint named to resume from (``weights_resume``)."""
     from jaxdist.training.checkpoint import Checkpointer, DamagedCheckpoint, IncompatibleCheckpoint, parse_resume
 
+    if weights_dir is not None:
+        restored = restore_weights(trainer, config, weights_dir, log)
+        own = checkpointer.params_dir is not None and weights_dir.parent.absolute() == checkpointer.params_dir.absolute()
+        _set_aside_other_branches(checkpointer, restored, own, log, weights_only=True)
+        return restored
     mode, directory, step = parse_resume(resume, run_dir / "checkpoints")
     if mode == "never":
         return None
+    if mode == "auto" and not checkpointer.steps() and checkpointer.params_steps():
+        light = checkpointer.params_steps()
+        raise JaxdistError(
+            f"--resume auto: {run_dir} has weights-only checkpoints (steps {', '.join(map(str, light))}) but no full one to resume "
+            f"exactly; --resume params:{light[-1]} continues from those weights with a fresh optimizer, or use --resume never with a new --run-dir"
+        )
     own = directory.absolute() == checkpointer.directory.absolute()
     source = checkpointer if own else Checkpointer(directory, config.checkpoint, read_only=True)
     try:
@@ -66,23 +78,29 @@ def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, chec
             source.close()
 
 
-def _set_aside_other_branches(checkpointer, restored, own: bool, log) -> None:
-    """The run continues from ``restored``: its own checkpoints that are not on this branch
-    (newer steps, or every step when it resumes from another run's checkpoints) and the
+def _set_aside_other_branches(checkpointer, restored, own: bool, log, *, weights_only: bool = False) -> None:
+    """The run continues from ``restored``: its own checkpoints of either kind that are not
+    on this branch (newer steps, or every step when it resumes from another run's) and the
     damaged ones it fell back from are moved aside, so the new branch's saves happen and
-    ``--resume auto`` never picks them (nothing is deleted)."""
+    ``--resume auto`` never picks them (nothing is deleted). ``own``: ``restored`` is this
+    run's (of the kind ``weights_only`` says)."""
     from jaxdist.training.checkpoint import move_aside
 
     damaged = restored.damaged if own else []
-    other = [s for s in checkpointer.steps() if s not in damaged and (s > restored.step or not own)]
-    for kind, steps, why in (
-        ("damaged", damaged, "they do not read back"),
-        ("superseded", other, f"the run continues from {restored.path}" if not own else f"the run continues from step {restored.step}"),
-    ):
-        aside = move_aside(checkpointer.directory, steps, kind)
+    why = f"the run continues from {restored.path}" if not own else f"the run continues from step {restored.step}"
+    # A full checkpoint at the weights-only one's step is another branch's state: newer, as it were.
+    full_kept = (lambda s: s < restored.step) if weights_only else (lambda s: s <= restored.step)
+    other = [s for s in checkpointer.steps() if s not in damaged and not (own and full_kept(s))]
+    light = [s for s in checkpointer.params_steps() if not (own and s <= restored.step)]
+    moves = [(checkpointer.directory, "damaged", damaged, "they do not read back"), (checkpointer.directory, "superseded", other, why)]
+    if checkpointer.params_dir is not None:
+        moves.append((checkpointer.params_dir, "superseded", light, why))
+    for directory, kind, steps, reason in moves:
+        aside = move_aside(directory, steps, kind)
         if aside is not None:
-            log(f"jaxdist: checkpoint step(s) {', '.join(map(str, steps))} moved to {aside} ({why}; nothing was deleted)")
-    if damaged or other:
+            what = "weights-only checkpoint" if directory == checkpointer.params_dir else "checkpoint"
+            log(f"jaxdist: {what} step(s) {', '.join(map(str, steps))} moved to {aside} ({reason}; nothing was deleted)")
+    if damaged or other or light:
         checkpointer.reload()
 
 
@@ -142,17 +160,59 @@ def schedule_change(restored, config: Config) -> str | None:
     )
 
 
-def weights_resume(resume: str, init_from: str | None, log) -> tuple[str, str | None]:
-    """``--resume PATH`` naming a weights-only checkpoint (a converted model) starts from
-    its weights, as ``--init-from PATH`` would; (resume, init_from) to use."""
+PARAMS_RESUME = "params:"  # --resume params:STEP: this run's weights-only checkpoint STEP
+
+
+def weights_resume(resume: str, init_from: str | None, log, run_dir: Path | None = None) -> tuple[str, str | None, Path | None]:
+    """``--resume`` naming a weights-only checkpoint: ``params:STEP`` (this run's
+    ``RUN_DIR/params/STEP``) or a PATH that holds weights only. One at step 0 (a converted
+    model) starts from its weights as ``--init-from PATH`` would; one at a later step (a
+    light checkpoint) continues the run from it (``restore_weights``). Returns (resume,
+    init_from, weights step directory to continue from)."""
+    from jaxdist.training.checkpoint import PARAMS_DIR, checkpoint_steps
     from jaxdist.training.weights import find_checkpoint, is_weights_only
 
-    if resume in ("auto", "never") or resume.isdigit() or not is_weights_only(find_checkpoint(resume)):
-        return resume, init_from
+    if resume.startswith(PARAMS_RESUME):
+        step = resume.removeprefix(PARAMS_RESUME)
+        directory = (run_dir / PARAMS_DIR).absolute() if run_dir is not None else None
+        have = checkpoint_steps(directory) if directory is not None else []
+        if not step.isdigit() or int(step) not in have:
+            where = f"in {directory} (have {', '.join(map(str, have)) or 'none'})" if directory is not None else "without a --run-dir"
+            raise JaxdistError(f"--resume {resume}: no weights-only checkpoint at step {step} {where}")
+        step_dir = directory / str(int(step))
+    elif resume in ("auto", "never") or resume.isdigit():
+        return resume, init_from, None
+    else:
+        step_dir = find_checkpoint(resume)
+        if not is_weights_only(step_dir):
+            return resume, init_from, None
     if init_from:
         raise JaxdistError(f"--resume {resume} holds weights only; give it as --init-from, not with another --init-from {init_from}")
-    log(f"jaxdist: --resume {resume} holds weights only: starting from them at step 0 with a fresh optimizer (as --init-from)")
-    return "auto", resume
+    if int(step_dir.name) == 0:
+        log(f"jaxdist: --resume {resume} holds weights only: starting from them at step 0 with a fresh optimizer (as --init-from)")
+        return "auto", resume, None
+    return resume, None, step_dir
+
+
+def restore_weights(trainer, config: Config, step_dir: Path, log):
+    """A run continued from a weights-only checkpoint: its parameters, step and data
+    position, with a fresh optimizer (zero moments, its learning-rate schedule from the
+    start) and fresh loss scale / residuals; said in one line."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdist.training.checkpoint import Restored, read_data_state, saved_config
+    from jaxdist.training.weights import restore_params
+
+    step = int(step_dir.name)
+    state = trainer.init_state(config.train.seed, restore_params(step_dir, trainer.abstract_params()))
+    state.step = jax.jit(lambda: jnp.asarray(step, jnp.int32), out_shardings=trainer.state_shardings.step)()
+    data_state, data_problem = read_data_state(step_dir)
+    log(
+        f"jaxdist: {step_dir} holds weights only: continuing from its weights at step {step}; the optimizer state starts fresh "
+        "(zero moments, its learning-rate schedule from the start)"
+    )
+    return Restored(step, state, data_state, saved_config(step_dir) or {}, step_dir, data_problem)
 
 
 def initial_weights(trainer, init_from: str, log):

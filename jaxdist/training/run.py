@@ -60,48 +60,51 @@ def run(
 ):
     """Train ``config`` on a mesh until ``train.steps``; returns the loop's result.
 
-    With a run directory: checkpoints under it, resumes per ``resume``, and saves and
-    raises ``Preempted`` on SIGTERM / SIGINT. ``init_from``: a checkpoint whose weights
-    start the run (fresh optimizer, step 0) when the run has no checkpoint of its own.
+    With a run directory: checkpoints under it (full ones and, with
+    ``checkpoint.params_every_steps``, weights-only ones), resumes per ``resume`` (auto |
+    never | STEP | PATH | params:STEP), and saves and raises ``Preempted`` on SIGTERM /
+    SIGINT. ``init_from``: a checkpoint whose weights start the run (fresh optimizer,
+    step 0) when the run has no checkpoint of its own.
     """
     import jax
 
     from jaxdist.data.pipeline import eval_batches, make_iterator
     from jaxdist.layout.mesh import format_mesh
-    from jaxdist.training.checkpoint import Checkpointer, checkpoint_steps, parse_resume, warn
+    from jaxdist.training.checkpoint import Checkpointer, checkpoint_steps, params_directory, parse_resume, warn
+    from jaxdist.training.energy import IntervalEnergy, agree_on_meter, open_meter
     from jaxdist.training.loop import LoopHooks, train_loop
-    from jaxdist.training.metrics import MetricsLogger, peak_flops_per_device
+    from jaxdist.training.metrics import MetricsLogger, fp8_peak_flops_per_device, peak_flops_per_device
     from jaxdist.training.optim import schedule_length
     from jaxdist.training.preemption import PreemptionWatcher
     from jaxdist.training.resume import continue_data, initial_weights, restore_checkpoint, schedule_change, weights_resume
 
-    resume, init_from = weights_resume(resume, init_from, warn)
+    resume, init_from, weights_dir = weights_resume(resume, init_from, warn, run_dir)
     compile_cache_dir(config, run_dir)  # refused before anything is written
     config.train.schedule_steps = schedule_length(config.train)  # config.yaml and checkpoints record what the run uses
     trainer = build_trainer(config, mesh_sizes, devices)
     task, layout, mesh = trainer.task, trainer.layout, trainer.layout.mesh
     devices = list(mesh.devices.flat)
     batches = make_iterator(config, layout)  # opens the data: its errors come before anything is written
-    if run_dir is not None:
+    if run_dir is not None and weights_dir is None:
         mode, _, _ = parse_resume(resume, run_dir / "checkpoints")
-        if mode == "never" and checkpoint_steps(run_dir / "checkpoints"):
+        if mode == "never" and (checkpoint_steps(run_dir / "checkpoints") or checkpoint_steps(params_directory(run_dir / "checkpoints"))):
             raise JaxdistError(f"--resume never: {run_dir} already has checkpoints; choose another --run-dir")
-    if init_from and (run_dir is None or not checkpoint_steps(run_dir / "checkpoints")):
+    if weights_dir is not None or (init_from and (run_dir is None or not checkpoint_steps(run_dir / "checkpoints"))):
         from jaxdist.training.weights import check_params_fit, find_checkpoint
 
-        check_params_fit(find_checkpoint(init_from), trainer.abstract_params())  # before anything is written
+        check_params_fit(weights_dir or find_checkpoint(init_from), trainer.abstract_params())  # before anything is written
 
     is_main = jax.process_index() == 0
     checkpointer = None
     if run_dir is not None:
         if is_main:
             create_run_dir(run_dir)
-        checkpointer = Checkpointer(run_dir / "checkpoints", config.checkpoint)
+        checkpointer = Checkpointer(run_dir / "checkpoints", config.checkpoint, params_dir=params_directory(run_dir / "checkpoints"))
     enable_compile_cache(config, run_dir)
     t = config.train
     logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress, print_lines=print_lines)
     try:
-        restored = restore_checkpoint(trainer, config, run_dir, resume, checkpointer, warn) if checkpointer else None
+        restored = restore_checkpoint(trainer, config, run_dir, resume, checkpointer, warn, weights_dir) if checkpointer else None
         if run_dir is not None and is_main:  # after the resume check: a rejected config does not overwrite the saved one
             write_config(run_dir, config)
         if restored is None:
@@ -127,12 +130,16 @@ def run(
         compile_start = time.perf_counter()
         step_fn = trainer.compile_step(state, first, logger)
         logger.message(f"jaxdist: train step compiled in {time.perf_counter() - compile_start:.1f}s")
+        meter, no_meter = agree_on_meter(*open_meter(devices))
+        if meter is None:
+            logger.message(f"jaxdist: energy is not measured ({no_meter}): joules_per_token and power_w are null")
         hooks = LoopHooks(
             eval_batches=lambda: eval_batches(config, layout),
             checkpointer=checkpointer,
             data_state=batches.get_state,
             config_dict=config.to_dict(),
             tracer=profile_window(trainer, step_fn, run_dir, int(jax.device_get(state.step)), logger),
+            energy=IntervalEnergy(meter),
         )
         with PreemptionWatcher(multi_process=jax.process_count() > 1) as hooks.preemption, contextlib.closing(hooks.tracer):
             result = train_loop(
@@ -146,6 +153,7 @@ def run(
                 peak_flops=peak_flops_per_device(devices, t.peak_flops),
                 tokens_per_step=task.tokens_per_example * t.global_batch,
                 hooks=hooks,
+                fp8_peak_flops=fp8_peak_flops_per_device(devices) if getattr(config.model, "fp8", "off") != "off" else None,
             )
         if 0 < t.stop_after_step < t.steps:
             saved = "; saved, run again without train.stop_after_step to continue" if checkpointer else ""
