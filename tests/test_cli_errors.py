@@ -39,6 +39,7 @@ BAD_INPUTS = {
         "parallel.grad_reduce=int8 does not support a pipe axis",
     ),
     "unknown optimizer": (["train.optimizer=lion"], "train.optimizer must be adamw or sgd"),
+    "negative weights-only checkpoint interval": (["checkpoint.params_every_steps=-1"], "checkpoint.params_every_steps must be >= 0"),
     "replica axis without diloco": (["--mesh", "replica=2,data=2"], "the replica mesh axis is for DiLoCo"),
     "negative diloco inner steps": (["parallel.diloco_inner_steps=-1"], "parallel.diloco_inner_steps must be >= 0"),
     "diloco without a replica axis": (["--mesh", "data=2", "parallel.diloco_inner_steps=4"], "needs a replica mesh axis of size > 1"),
