@@ -3,10 +3,13 @@
     python experiments/checkpoint_bench.py [--repeats 3] [--mesh fsdp=8]
 
 For `small` and a larger model (~190M parameters, 2.3 GB of train state) on fake CPU
-devices: the time the loop is blocked by an async save (the stall) against a
+devices, for both kinds of checkpoint -- full (params + AdamW moments + step, the
+training's exact state) and weights-only (``checkpoint.params_every_steps``: step and
+params) -- the time the loop is blocked by an async save (the stall) against a
 synchronous save of the same state (goal: stall <= 10% of the sync save), the time the
-async save takes to commit in the background, restore time into the shardings, and the
-bytes written per checkpoint. Medians of ``--repeats``.
+async save takes to commit in the background, restore time into the shardings (a full
+state; the params for weights-only), and the bytes written per checkpoint. Medians of
+``--repeats``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from jaxdist.data.pipeline import make_iterator  # noqa: E402
 from jaxdist.layout.mesh import parse_mesh  # noqa: E402
 from jaxdist.training.checkpoint import Checkpointer  # noqa: E402
 from jaxdist.training.run import build_trainer  # noqa: E402
+from jaxdist.training.weights import restore_params  # noqa: E402
+
+KINDS = ("full", "weights-only")
 
 MODELS = {
     "small": ("small", []),
@@ -40,7 +46,7 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def bench(name: str, mesh: str, repeats: int, root: Path) -> dict:
+def bench(name: str, mesh: str, repeats: int, root: Path) -> dict[str, dict]:
     preset, overrides = MODELS[name]
     config = load_config(preset, ["data.source=synthetic", "train.global_batch=8", "train.seq_len=64", *overrides])
     trainer = build_trainer(config, parse_mesh(mesh))
@@ -51,31 +57,41 @@ def bench(name: str, mesh: str, repeats: int, root: Path) -> dict:
     batches.close()
     jax.block_until_ready(state)
     data_state, config_dict = {"next_index": 0}, config.to_dict()
-    out = {"params": trainer.n_params}
-    for mode in ("sync", "async"):
-        config.checkpoint.async_save = mode == "async"
-        config.checkpoint.keep = repeats + 1
-        directory = root / f"{name}-{mode}"
-        checkpointer = Checkpointer(directory, config.checkpoint)
-        blocked, total = [], []
-        for step in range(1, repeats + 1):
-            start = time.perf_counter()
-            checkpointer.save(step, state, data_state, config_dict)
-            blocked.append(time.perf_counter() - start)
-            checkpointer.wait()
-            total.append(time.perf_counter() - start)
-        out[f"{mode}_blocked_s"] = statistics.median(blocked)
-        out[f"{mode}_total_s"] = statistics.median(total)
-        out["bytes"] = dir_bytes(directory / "1")
-        restore = []
-        for step in range(1, repeats + 1):
-            start = time.perf_counter()
-            restored = checkpointer.restore(step, trainer.abstract_state())
-            jax.block_until_ready(restored.state)
-            restore.append(time.perf_counter() - start)
-        out["restore_s"] = statistics.median(restore)
-        checkpointer.close()
-        shutil.rmtree(directory)
+    weights = {"step": state.step, "params": state.params}  # what the loop's weights-only save writes
+    out = {kind: {"params": trainer.n_params} for kind in KINDS}
+    for kind in KINDS:
+        for mode in ("sync", "async"):
+            config.checkpoint.async_save = mode == "async"
+            config.checkpoint.keep = repeats + 1
+            config.checkpoint.params_every_steps = 1
+            directory = root / f"{name}-{kind}-{mode}"
+            checkpointer = Checkpointer(directory / "checkpoints", config.checkpoint, params_dir=directory / "params")
+            blocked, total = [], []
+            for step in range(1, repeats + 1):
+                start = time.perf_counter()
+                if kind == "full":
+                    checkpointer.save(step, state, data_state, config_dict)
+                else:
+                    checkpointer.save_params(step, weights, data_state, config_dict)
+                blocked.append(time.perf_counter() - start)
+                checkpointer.wait()
+                total.append(time.perf_counter() - start)
+            out[kind][f"{mode}_blocked_s"] = statistics.median(blocked)
+            out[kind][f"{mode}_total_s"] = statistics.median(total)
+            step_dir = directory / ("checkpoints" if kind == "full" else "params") / "1"
+            out[kind]["bytes"] = dir_bytes(step_dir)
+            restore = []
+            for step in range(1, repeats + 1):
+                start = time.perf_counter()
+                if kind == "full":
+                    restored = checkpointer.restore(step, trainer.abstract_state()).state
+                else:
+                    restored = restore_params(step_dir.parent / str(step), trainer.abstract_params())
+                jax.block_until_ready(restored)
+                restore.append(time.perf_counter() - start)
+            out[kind]["restore_s"] = statistics.median(restore)
+            checkpointer.close()
+            shutil.rmtree(directory)
     return out
 
 
@@ -89,16 +105,18 @@ def main() -> None:
         f"hardware: {jax.devices()[0].device_kind}, {jax.device_count()} devices, {os.cpu_count()} cores; jax {jax.__version__}; mesh {args.mesh}"
     )
     root = Path(tempfile.mkdtemp(prefix="jaxdist-ckpt-bench-"))
-    print("| model | params | bytes/checkpoint | sync save s | async stall s | stall / sync (goal <= 10%) | async commit s | restore s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| model | params | kind | bytes/checkpoint | sync save s | async stall s | stall / sync (goal <= 10%) | async commit s | restore s |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     try:
         for name in args.models.split(","):
-            r = bench(name, args.mesh, args.repeats, root)
-            print(
-                f"| {name} | {r['params'] / 1e6:.0f}M | {r['bytes'] / 1e9:.2f} GB | {r['sync_total_s']:.2f} | {r['async_blocked_s']:.3f} | "
-                f"{r['async_blocked_s'] / r['sync_total_s']:.1%} | {r['async_total_s']:.2f} | {r['restore_s']:.2f} |",
-                flush=True,
-            )
+            for kind, r in bench(name, args.mesh, args.repeats, root).items():
+                print(
+                    f"| {name} | {r['params'] / 1e6:.0f}M | {kind} | {r['bytes'] / 1e9:.3f} GB | {r['sync_total_s']:.2f} | "
+                    f"{r['async_blocked_s']:.3f} | {r['async_blocked_s'] / r['sync_total_s']:.1%} | {r['async_total_s']:.2f} | {r['restore_s']:.2f} |",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

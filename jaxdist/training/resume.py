@@ -44,8 +44,9 @@ def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, chec
 
     if weights_dir is not None:
         restored = restore_weights(trainer, config, weights_dir, log)
-        own = checkpointer.params_dir is not None and weights_dir.parent.absolute() == checkpointer.params_dir.absolute()
-        _set_aside_other_branches(checkpointer, restored, own, log, weights_only=True)
+        if checkpointer is not None:  # None: a library run without a run directory
+            own = checkpointer.params_dir is not None and weights_dir.parent.absolute() == checkpointer.params_dir.absolute()
+            _set_aside_other_branches(checkpointer, restored, own, log, weights_only=True)
         return restored
     mode, directory, step = parse_resume(resume, run_dir / "checkpoints")
     if mode == "never":

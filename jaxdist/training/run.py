@@ -104,7 +104,9 @@ def run(
     t = config.train
     logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress, print_lines=print_lines)
     try:
-        restored = restore_checkpoint(trainer, config, run_dir, resume, checkpointer, warn, weights_dir) if checkpointer else None
+        restored = (
+            restore_checkpoint(trainer, config, run_dir, resume, checkpointer, warn, weights_dir) if checkpointer or weights_dir else None
+        )
         if run_dir is not None and is_main:  # after the resume check: a rejected config does not overwrite the saved one
             write_config(run_dir, config)
         if restored is None:
