@@ -122,3 +122,20 @@ def test_eval_and_export_take_a_weights_only_checkpoint(base, tmp_path):
     exported = ref.read_llama(tmp_path / "hf")[1]["model.embed_tokens.weight"]
     trained = jax.device_get(load_model(run_dir / "params" / "10").embed[...])
     assert (exported == trained[: exported.shape[0]]).all()
+
+
+def test_resume_auto_with_only_weights_only_checkpoints_stops_in_one_line(base, tmp_path):
+    """No full checkpoint to resume exactly: one line naming the weights-only ones, exit 2,
+    and nothing of them is touched (auto neither starts over nor takes one silently)."""
+    from jaxdist.train import main
+
+    run_dir, _, _ = base
+    copy = _copy(run_dir, tmp_path / "light-only")
+    shutil.rmtree(copy / "checkpoints")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["--run-dir", str(copy), *CONFIG])
+    lines = err.getvalue().strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "has weights-only checkpoints (steps 8, 10) but no full one" in lines[0] and "--resume params:10" in lines[0], lines
+    assert checkpoint_steps(copy / "params") == [8, 10]
