@@ -78,10 +78,13 @@ def _grouped_flops_by_hand(t_dev: int) -> float:
     return LAYERS * 6 * t_dev * K * 3 * D * F
 
 
-@pytest.mark.parametrize("mesh, remat", [("expert=1", "none"), ("data=2,expert=2", "full")])
-def test_the_planner_prices_grouped_matmuls_at_the_active_experts_flops(mesh, remat, tmp_path):
-    """XLA:CPU's ragged_dot runs every local expert over every row (E/expert times the work):
-    the planner's compiled summary holds the grouped FLOPs, which divided by that factor are the
+@pytest.mark.parametrize(
+    "mesh, remat, factor, padding", [("expert=1", "none", 1, 1.0), ("data=2,expert=2", "full", 1, 1.0), ("data=2,expert=2", "none", 0, 2.0)]
+)
+def test_the_planner_prices_grouped_matmuls_at_the_active_experts_flops(mesh, remat, factor, padding, tmp_path):
+    """XLA:CPU's ragged_dot runs every local expert over every received row (E/expert times the
+    work, and the worst-case buffer's empty rows too: 2 x the routed rows at expert=2, top-2): the
+    planner's compiled summary holds the grouped FLOPs, which divided by that expansion are the
     active experts' FLOPs counted by hand; on a GPU profile its matmul time drops by exactly the
     expansion, on a shared host (XLA:CPU) it keeps it."""
     from jaxdist.plan.cost import predict, predict_summary
@@ -89,20 +92,22 @@ def test_the_planner_prices_grouped_matmuls_at_the_active_experts_flops(mesh, re
     from jaxdist.plan.hlo_cost import ProgramCost
     from jaxdist.plan.search import compile_summary
 
-    config = load_config(None, [*MOE, f"parallel.mesh={mesh}", f"model.remat={remat}"])
+    config = load_config(None, [*MOE, f"parallel.mesh={mesh}", f"model.remat={remat}", f"parallel.expert_buffer_factor={factor}"])
     summary, cached = compile_summary(config, cache=tmp_path)
     cost = ProgramCost.from_dict(summary["program"])
     sizes = parse_mesh(mesh)
     ep = sizes["expert"]
     local = E // ep
     recompute = 8 / 6 if remat == "full" else 1.0  # remat runs the forward (2 of the 6) again
-    assert not cached and cost.grouped_expansion == local
-    assert cost.grouped_flops / local == pytest.approx(recompute * _grouped_flops_by_hand(TOKENS // (sizes["data"] * ep)), rel=1e-6)
+    assert not cached and cost.grouped_expansion == local * padding
+    assert cost.grouped_flops / (local * padding) == pytest.approx(
+        recompute * _grouped_flops_by_hand(TOKENS // (sizes["data"] * ep)), rel=1e-6
+    )
     assert cost.matmul_flops > cost.grouped_flops
     h100 = load_hardware("h100")
     gpu = predict_summary(cost, h100, summary)
     dense = predict_summary(dataclasses_replace(cost, grouped_expansion=1.0), h100, summary)
-    saved = cost.grouped_flops * (1 - 1 / local) / h100.matmul_flops_per_s
+    saved = cost.grouped_flops * (1 - 1 / (local * padding)) / h100.matmul_flops_per_s
     assert dense.matmul_s - gpu.matmul_s == pytest.approx(saved, rel=1e-9)
     cpu_like = dataclasses_replace(h100, shared_host=True, fused_attention=False)
     cpu = predict(cost, cpu_like, summary["mesh"], model_flops_per_step=1, tokens_per_step=1)

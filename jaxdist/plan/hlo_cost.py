@@ -32,7 +32,8 @@ a GPU runs them as GEMMs): its time is the matmul's, and it adds no memory traff
   ``grouped_expansion`` how many times the compiled program does the grouped work: XLA:CPU
   lowers ``jax.lax.ragged_dot`` to a dense product over every local expert with the other
   experts' rows masked (E/expert times the work, forward and backward), a GPU's grouped GEMM
-  does each row once. With one expert per device there is no expansion, and XLA drops the
+  does each row once (nor the empty rows of ``parallel.expert``'s static receive buffer, which
+  XLA:CPU multiplies too: the expansion includes the buffer's padding). With one expert per device there is no expansion, and XLA drops the
   names of the weight gradients' dots, so ``grouped_flops`` then misses them (nothing to price).
   The dispatch's sorts, scatters and masks stay in ``memory_bytes`` as compiled.
 """
@@ -300,10 +301,17 @@ def conditional_computations(module: HloModule) -> set[str]:
 
 
 def program_cost(
-    hlo_text: str, mesh_shape: dict[str, int] | None = None, seq_len: int = 0, heads_per_device: int = 1, local_experts: int = 0
+    hlo_text: str,
+    mesh_shape: dict[str, int] | None = None,
+    seq_len: int = 0,
+    heads_per_device: int = 1,
+    local_experts: int = 0,
+    buffer_padding: float = 1.0,
 ) -> ProgramCost:
     """``local_experts``: an MoE model's experts per device (experts / the expert axis), the
-    factor XLA:CPU's dense lowering of ``ragged_dot`` multiplies the grouped matmuls by."""
+    factor XLA:CPU's dense lowering of ``ragged_dot`` multiplies the grouped matmuls by;
+    ``buffer_padding``: the rows the experts receive (parallel.expert's static buffer) over the
+    rows routed to them, which XLA:CPU computes too (a GPU's grouped GEMM skips rows past the groups)."""
     module = parse_hlo(hlo_text)
     counts = computation_multipliers(module)
     fused, reducers = set(), set()
@@ -370,5 +378,5 @@ def program_cost(
         skippable_flops,
         skippable_bytes,
         grouped_flops,
-        float(local_experts) if local_experts and grouped_flops else 1.0,
+        float(local_experts * buffer_padding) if local_experts and grouped_flops else 1.0,
     )

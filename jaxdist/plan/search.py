@@ -228,6 +228,39 @@ def expert_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
     return calls * per_call * (n - 1) / n, calls * (2 * forwards + 2 + forwards)
 
 
+def fsdp_traffic(config: Config, candidate: Candidate, n_params: int, gpu: bool) -> float:
+    """Bytes one device sends over the fsdp axis per step for FSDP's weights, roughly: each
+    microbatch gathers its (N-1)/N of the weights it holds a shard of in the forward and again in
+    the backward (in bf16 on a GPU, f32 on XLA:CPU), and reduce-scatters the f32 gradients. An
+    MoE model's routed experts are split over expert too, so each device gathers only its own."""
+    sizes = candidate.sizes
+    n = sizes["fsdp"] * sizes["context"]
+    if n <= 1:
+        return 0.0
+    routed = routed_expert_params(config)
+    held = (n_params - routed + routed / sizes["expert"]) / (sizes["tensor"] * sizes["pipe"])
+    per_microbatch = held * (2 * (2 if gpu else 4) + 4)
+    return candidate.microbatches * per_microbatch * (n - 1) / n
+
+
+def buffer_padding(config: Config, mesh_shape: dict[str, int]) -> float:
+    """Rows an MoE layer's experts receive per device (parallel.expert's static buffer: expert x R)
+    over the rows routed to them (tokens x k): 1 without an expert axis or with
+    ``parallel.expert_buffer_factor=1``; up to expert x min(k, E / expert) / k with the worst case."""
+    from jaxdist.models.experts import capacity_rows
+    from jaxdist.parallel.expert import buffer_rows
+
+    m, t = config.model, config.train
+    ep = mesh_shape.get("expert", 1)
+    if m.kind != "llama" or not m.moe_experts or ep <= 1:
+        return 1.0
+    shards = math.prod(mesh_shape.get(a, 1) for a in ("replica", "data", "fsdp", "expert", "context"))
+    tokens = t.global_batch * t.seq_len // (shards * max(t.microbatches, 1))
+    capacity = capacity_rows(tokens, m.moe_top_k, m.moe_experts, m.moe_capacity_factor)
+    rows = ep * buffer_rows(tokens, m.moe_top_k, m.moe_experts, ep, capacity, config.parallel.expert_buffer_factor)
+    return rows / (tokens * m.moe_top_k)
+
+
 # fp32 bytes each visible attention score moves through memory where no flash kernel keeps the
 # scores on chip (scores and probabilities written and read; the backward also their gradients)
 SCORE_BYTES_FORWARD, SCORE_BYTES_BACKWARD = 16, 32
@@ -254,7 +287,9 @@ def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware
     attention, plus the attention scores' memory traffic where no flash kernel keeps them on
     chip) with remat's recompute, stretched by the bubble, plus the exposed K/V traffic of a
     context axis (all_gather's is on the critical path; ring's hides behind the attention it
-    feeds, up to ``hardware.overlap`` of it) and the experts' all-to-alls (critical)."""
+    feeds, up to ``hardware.overlap`` of it), the experts' all-to-alls (critical) and what
+    compute cannot hide of FSDP's weight gathers (``fsdp_traffic``: they grow with the
+    microbatches and, for an MoE model, with its total, not its active, parameters)."""
     t, sizes = config.train, candidate.sizes
     devices = math.prod(sizes.values())
     rate = hardware.matmul_flops_per_s
@@ -280,7 +315,11 @@ def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware
         kv = max(0.0, kv - hardware.overlap * attention)
     wire, count = expert_traffic(config, candidate)  # on the critical path, inside a node
     experts = wire / (link.bandwidth * link.efficiency) + count * (sizes["expert"] - 1) * link.latency
-    return compute * comm_penalty + kv + experts
+    nodes = max(1, devices // hardware.gpus_per_node)
+    fsdp_link = hardware.inter_node if nodes > sizes["data"] else hardware.intra_node  # data crosses nodes first, then fsdp
+    gather = fsdp_traffic(config, candidate, n_params, not hardware.shared_host) / (fsdp_link.bandwidth * fsdp_link.efficiency)
+    gather = max(0.0, gather - hardware.overlap * compute)  # the layer loop's gathers hide behind its compute
+    return compute * comm_penalty + kv + experts + gather
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +334,7 @@ def cache_dir() -> Path:
 def cache_key(config: Config) -> str:
     import jax
 
-    payload = json.dumps({"config": config.to_dict(), "jax": jax.__version__, "format": 7}, sort_keys=True)
+    payload = json.dumps({"config": config.to_dict(), "jax": jax.__version__, "format": 8}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
@@ -337,7 +376,7 @@ def _compile(config: Config) -> dict[str, Any]:
     mesh_shape = {a: int(n) for a, n in trainer.layout.mesh.shape.items()}
     heads = max(config.model.n_heads // mesh_shape.get("tensor", 1), 1)
     local_experts = config.model.moe_experts // mesh_shape.get("expert", 1) if config.model.kind == "llama" else 0
-    cost = program_cost(compiled.as_text(), mesh_shape, config.train.seq_len, heads, local_experts)
+    cost = program_cost(compiled.as_text(), mesh_shape, config.train.seq_len, heads, local_experts, buffer_padding(config, mesh_shape))
     spec = pipeline_of(trainer)
     return {
         "program": cost.to_dict(),
