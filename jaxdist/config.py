@@ -60,6 +60,10 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.0  # Switch / Megatron load-balancing loss E x sum_i f_i P_i (from global counts)
     moe_z_loss_coef: float = 0.0  # router z-loss: mean logsumexp(logits)^2
     moe_bias_rate: float = 0.0  # aux-loss-free balancing: per-expert selection bias moved by this much per step; 0: off
+    # fp8 matmuls (models.fp8): off | current (scales from this step's amax) | delayed (from an amax history)
+    fp8: str = "off"
+    fp8_history: int = 16  # delayed scaling: steps of amax history per tensor
+    fp8_keep_ends: bool = True  # the first and last decoder layers stay in the compute dtype
     # resnet only
     image_size: int = 32
     num_classes: int = 10
@@ -322,6 +326,18 @@ def validate(config: Config) -> None:
     _require(m.param_dtype in ("float32", "bfloat16"), f"model.param_dtype must be float32 or bfloat16, got {m.param_dtype!r}")
     _require(m.attention in ("auto", "xla", "cudnn", "pallas"), f"model.attention must be auto, xla, cudnn or pallas, got {m.attention!r}")
     _require(m.remat in ("none", "full", "save_matmuls"), f"model.remat must be none, full or save_matmuls, got {m.remat!r}")
+    _require(m.fp8 in ("off", "current", "delayed"), f"model.fp8 must be off, current or delayed, got {m.fp8!r}")
+    _require(m.fp8_history >= 1, f"model.fp8_history must be >= 1, got {m.fp8_history}")
+    if m.fp8 != "off":
+        _require(m.kind == "llama", f"model.fp8 is for the llama decoder's matmuls, not model.kind={m.kind}")
+        _require(
+            m.dtype in ("auto", "bfloat16"),
+            f"model.fp8={m.fp8} needs bfloat16 compute (model.dtype=bfloat16), got model.dtype={m.dtype}",
+        )
+        _require(
+            not m.fp8_keep_ends or m.n_layers > 2,
+            f"model.fp8={m.fp8} with model.fp8_keep_ends=true leaves none of the {m.n_layers} layers in fp8 (set model.fp8_keep_ends=false)",
+        )
     _require(m.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0: the whole sequence), got {m.loss_chunk}")
     _require(m.vocab_size >= 0, f"model.vocab_size must be >= 0 (0: from the tokenizer), got {m.vocab_size}")
     _require(

@@ -29,6 +29,7 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
     else:
         _check_resnet(config, sizes)
     _check_diloco(config, sizes)
+    _check_fp8(config, sizes)
     warnings.extend(unused_keys(config, sizes))
     if sizes["pipe"] > 1:
         _check_pipeline(config, sizes)
@@ -178,6 +179,24 @@ def _check_moe(config: Config, sizes: MeshSizes) -> None:
             )
 
 
+def _check_fp8(config: Config, sizes: MeshSizes) -> None:
+    m, p = config.model, config.parallel
+    if m.fp8 == "off":
+        return
+    if sizes["pipe"] > 1 and m.fp8_keep_ends:
+        raise MeshError("model.fp8_keep_ends does not compose with a pipe axis yet (a stage cannot tell the first layer; set it false)")
+    if m.fp8 != "delayed":
+        return
+    # Paths that add the amax observations rather than taking their max, or average them as weights
+    for problem, what in (
+        (sizes["pipe"] > 1, "a pipe axis (its ticks would add the amax observations)"),
+        (p.grad_reduce != "float32", f"parallel.grad_reduce={p.grad_reduce} (the codec would add the amax observations)"),
+        (p.diloco_inner_steps > 0, "DiLoCo (its outer step would average the amax histories as weights)"),
+    ):
+        if problem:
+            raise ConfigError(f"model.fp8=delayed does not compose with {what} yet; use model.fp8=current")
+
+
 CONTEXT_STRATEGIES = ("all_gather", "ring")
 
 
@@ -259,6 +278,10 @@ def unused_keys(config: Config, sizes: MeshSizes) -> list[str]:
                 found.append((f"model.{key}", "model.moe_experts=0 (a dense model)"))
     elif m.moe_router == "sigmoid" and changed("model", "moe_renormalize"):
         found.append(("model.moe_renormalize", "model.moe_router=sigmoid (its k scores are always normalised)"))
+    if m.fp8 != "delayed" and changed("model", "fp8_history"):
+        found.append(("model.fp8_history", f"model.fp8={m.fp8} (the history is delayed scaling's)"))
+    if m.fp8 == "off" and changed("model", "fp8_keep_ends"):
+        found.append(("model.fp8_keep_ends", "model.fp8=off (every layer runs in the compute dtype)"))
     if sizes.get("expert", 1) == 1 and changed("parallel", "expert_buffer_factor"):
         found.append(("parallel.expert_buffer_factor", "a mesh without an expert axis (nothing is dispatched across devices)"))
     if p.diloco_inner_steps == 0:

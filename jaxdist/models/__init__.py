@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from jaxdist.config import Config
+from jaxdist.errors import ConfigError
 
 Batch = dict[str, jax.Array]
 Stats = dict[str, jax.Array]
@@ -65,9 +66,23 @@ def moe_hooks(cfg) -> dict[str, Any]:
     return hooks
 
 
+def fp8_note(cfg) -> str | None:
+    """The line an MoE decoder under ``model.fp8`` prints about its routed experts."""
+    if cfg.fp8 == "off" or not cfg.moe_experts:
+        return None
+    return (
+        f"model.fp8={cfg.fp8}: the routed experts' grouped matmuls quantise-dequantise their inputs (fp8 rounding, bf16 compute: "
+        "XLA has no fp8 grouped GEMM), scaled per device from the current amax"
+    )
+
+
 def build_task(config: Config, platform: str = "cpu") -> Task:
     """The task for ``config``'s model; parallelism is applied afterwards (``jaxdist.parallel.parallelize``)."""
     cfg, dtype = config.model, compute_dtype(config, platform)
+    if cfg.fp8 != "off" and dtype != jnp.bfloat16:  # config.validate refused the other dtypes; auto is float32 off GPU
+        raise ConfigError(
+            f"model.fp8={cfg.fp8} needs bfloat16 compute; model.dtype=auto is {dtype.name} on {platform}: set model.dtype=bfloat16"
+        )
     if cfg.kind == "llama":
         from jaxdist.models.attention import choose_implementation
         from jaxdist.models.llama import Llama, count_params, flops_per_token
@@ -87,7 +102,7 @@ def build_task(config: Config, platform: str = "cpu") -> Task:
             tokens_per_example=seq,
             n_params=count_params(cfg),
             batch_spec=lambda b: {k: jax.ShapeDtypeStruct((b, seq), jnp.float32 if k == "loss_mask" else jnp.int32) for k in keys},
-            notes=(f"jaxdist: {note}",) if note else (),
+            notes=tuple(f"jaxdist: {line}" for line in (note, fp8_note(cfg)) if line),
             attention=attention,
             **(moe_hooks(cfg) if cfg.moe_experts else {}),
         )

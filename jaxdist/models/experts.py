@@ -16,10 +16,13 @@ The computation every MoE path shares (``models.moe`` calls it directly on one d
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from jaxdist.models import fp8
 
 # What a buffer row nothing was written to holds. Tests set NaN: a row that is read without
 # being written (or an unused row that is not masked) then shows, where a zero would hide.
@@ -67,10 +70,11 @@ def swiglu_groups(rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array,
     g, d, _, f = w_gate_up.shape
     used = jnp.arange(rows.shape[0]) < jnp.sum(group_sizes)
     rows = jnp.where(used[:, None], rows, 0)  # unused rows never reach a product (their weight gradient included)
-    gate_up = jax.lax.ragged_dot(rows, w_gate_up.reshape(g, d, 2 * f), group_sizes, preferred_element_type=jnp.float32)
-    gate_up = gate_up.reshape(rows.shape[0], 2, f)
+    # model.fp8: quantise-dequantise only (fp8 rounding, compute-dtype products: XLA has no fp8 grouped GEMM)
+    dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, preferred_element_type=jnp.float32)
+    gate_up = fp8.grouped_dot(dot, rows, w_gate_up.reshape(g, d, 2 * f)).reshape(rows.shape[0], 2, f)
     hidden = (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(rows.dtype)
-    out = jax.lax.ragged_dot(hidden, w_down, group_sizes, preferred_element_type=jnp.float32)
+    out = fp8.grouped_dot(dot, hidden, w_down)
     return jnp.where(used[:, None], out, 0.0)
 
 

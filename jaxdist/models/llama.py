@@ -14,6 +14,7 @@ backward pass, so the [batch, seq, vocab] fp32 logits never exist at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -26,6 +27,7 @@ from flax import nnx
 from jaxdist.config import ModelConfig
 from jaxdist.layout.sharding import constrain
 from jaxdist.models.attention import model_attention
+from jaxdist.models.fp8 import Fp8Einsum, disabled
 from jaxdist.models.moe import MoE
 from jaxdist.models.params import fan_in_init, param
 
@@ -87,11 +89,14 @@ class Attention(nnx.Module):
             # it needs; query head kv_index * (h/kv) + j reads kv head kv_index, the order of
             # the separate wq (``causal_attention``: head i reads kv head i // (h/kv)).
             self.wqkv = param(rngs, fan_in_init(d), (d, kv, h // kv + 2, hd), ("embed", "kv_heads", None, "head_dim"), pd)
+            self.qkv_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history)
         else:
             self.wq = param(rngs, fan_in_init(d), (d, h, hd), ("embed", "heads", "head_dim"), pd)
             self.wk = param(rngs, fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
             self.wv = param(rngs, fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+            self.q_dot, self.k_dot, self.v_dot = (Fp8Einsum(cfg.fp8, cfg.fp8_history) for _ in range(3))
         self.wo = param(rngs, fan_in_init(h * hd), (h, hd, d), ("heads", "head_dim", "embed"), pd)
+        self.o_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history)  # model.fp8 (models.fp8); plain einsums when off
         self.rope_freqs = tuple(rope_frequencies(cfg).tolist())  # static: a numpy attribute would become NNX state
         self.dtype = dtype
         self.implementation = implementation
@@ -101,22 +106,22 @@ class Attention(nnx.Module):
         ``cached_attention``) also the cache with this call's keys and values written."""
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731 - cast fp32 master weights to compute dtype
         if self.fused:
-            qkv = constrain(jnp.einsum("btd,dkgh->btkgh", x, w(self.wqkv)), ("batch", "seq", "act_kv_heads", None, None))
+            qkv = constrain(self.qkv_dot("btd,dkgh->btkgh", x, w(self.wqkv)), ("batch", "seq", "act_kv_heads", None, None))
             b, t, kv, groups, hd = qkv.shape
             q = constrain(qkv[:, :, :, : groups - 2].reshape(b, t, kv * (groups - 2), hd), ("batch", "seq", "act_heads", None))
             k = constrain(qkv[:, :, :, groups - 2], ("batch", "seq", "act_kv_heads", None))
             v = constrain(qkv[:, :, :, groups - 1], ("batch", "seq", "act_kv_heads", None))
         else:
-            q = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wq)), ("batch", "seq", "act_heads", None))
-            k = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wk)), ("batch", "seq", "act_kv_heads", None))
-            v = constrain(jnp.einsum("btd,dhk->bthk", x, w(self.wv)), ("batch", "seq", "act_kv_heads", None))
+            q = constrain(self.q_dot("btd,dhk->bthk", x, w(self.wq)), ("batch", "seq", "act_heads", None))
+            k = constrain(self.k_dot("btd,dhk->bthk", x, w(self.wk)), ("batch", "seq", "act_kv_heads", None))
+            v = constrain(self.v_dot("btd,dhk->bthk", x, w(self.wv)), ("batch", "seq", "act_kv_heads", None))
         q, k = rope(q, positions, self.rope_freqs), rope(k, positions, self.rope_freqs)
         if cache is None:
             out = model_attention(q, k, v, segment_ids, positions, implementation=self.implementation)
         else:
             out, cache = cached_attention(q, k, v, cache)
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        out = jnp.einsum("bthk,hkd->btd", out, w(self.wo))
+        out = self.o_dot("bthk,hkd->btd", out, w(self.wo))
         return out if cache is None else (out, cache)
 
 
@@ -159,22 +164,25 @@ class MLP(nnx.Module):
         self.fused = cfg.fused_projections
         if self.fused:  # [:, 0] gate, [:, 1] up: one matmul, one input-gradient all-reduce under TP
             self.w_gate_up = param(rngs, fan_in_init(d), (d, 2, f), ("embed", None, "mlp"), pd)
+            self.gate_up_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history)
         else:
             self.w_gate = param(rngs, fan_in_init(d), (d, f), ("embed", "mlp"), pd)
             self.w_up = param(rngs, fan_in_init(d), (d, f), ("embed", "mlp"), pd)
+            self.gate_dot, self.up_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history), Fp8Einsum(cfg.fp8, cfg.fp8_history)
         self.w_down = param(rngs, fan_in_init(f), (f, d), ("mlp", "embed"), pd)
+        self.down_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history)
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.fused:
-            gate_up = jnp.einsum("btd,dcf->btcf", x, self.w_gate_up[...].astype(self.dtype))
+            gate_up = self.gate_up_dot("btd,dcf->btcf", x, self.w_gate_up[...].astype(self.dtype))
             gate_up = constrain(gate_up, ("batch", "seq", None, "act_mlp"))
             gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
         else:
-            gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(self.dtype))
-            up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(self.dtype))
+            gate = self.gate_dot("btd,df->btf", x, self.w_gate[...].astype(self.dtype))
+            up = self.up_dot("btd,df->btf", x, self.w_up[...].astype(self.dtype))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-        return jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(self.dtype))
+        return self.down_dot("btf,fd->btd", hidden, self.w_down[...].astype(self.dtype))
 
 
 class Block(nnx.Module):
@@ -256,10 +264,16 @@ class Llama(nnx.Module):
 
     def _all_layers(self, x: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Every layer (the dense leading stack first), and the MoE layers' statistics stacked [moe layers, ...]."""
-        *dense, main = self._stacks()
-        for graphdef, stacked in dense:
-            x, _ = self.layers(graphdef, stacked, x, aux)
-        return self.layers(*main, x, aux)
+        stacks = self._stacks()
+        for i, (graphdef, stacked) in enumerate(stacks):
+            x, stats = self.layers(graphdef, stacked, x, aux, self._kept_ends(i, len(stacks)))
+        return x, stats
+
+    def _kept_ends(self, stack: int, stacks: int) -> tuple[bool, bool]:
+        """Whether stack ``stack`` of ``stacks`` runs its (first, last) layer outside fp8:
+        ``model.fp8_keep_ends`` keeps the model's first and last layers in the compute dtype."""
+        keep = self.cfg.fp8 != "off" and self.cfg.fp8_keep_ends
+        return keep and stack == 0, keep and stack == stacks - 1
 
     def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Logits [batch, t, vocab] of ``tokens`` [batch, t] placed at positions
@@ -277,10 +291,14 @@ class Llama(nnx.Module):
             return (h, keys, values), None
 
         keys, values, first = cache.k, cache.v, 0
-        for graphdef, stacked in self._stacks():  # the dense leading stack of an MoE model, then the main one
+        stacks = self._stacks()  # the dense leading stack of an MoE model, then the main one
+        for n, (graphdef, stacked) in enumerate(stacks):
             depth = jax.tree.leaves(stacked)[0].shape[0]
-            carry = (x, keys, values)
-            (x, keys, values), _ = jax.lax.scan(functools.partial(layer, graphdef), carry, (stacked, first + jnp.arange(depth)))
+            xs = (stacked, first + jnp.arange(depth))
+            for start, stop, plain in layer_segments(depth, *self._kept_ends(n, len(stacks))):
+                with disabled() if plain else contextlib.nullcontext():
+                    part = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], xs)
+                    (x, keys, values), _ = jax.lax.scan(functools.partial(layer, graphdef), (x, keys, values), part)
             first += depth
         return self._logits(self.head_params(), x), KVCache(keys, values, cache.index + t)
 
@@ -314,9 +332,26 @@ class Llama(nnx.Module):
         """The layers of ``stacked`` applied in order (what a pipeline stage runs)."""
         return self.layers(graphdef, stacked, x, aux)[0]
 
-    def layers(self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def layers(
+        self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array], plain_ends: tuple[bool, bool] = (False, False)
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The layers of ``stacked`` (leading axis) applied in order, and their MoE
-        statistics stacked: one scan, or with ``model.scan_layers=false`` a Python loop.
+        statistics stacked. ``plain_ends``: run the (first, last) layer without fp8, as
+        its own segment of the stack (``model.fp8_keep_ends``: one parameter stack, so
+        checkpoints do not depend on it)."""
+        segments = layer_segments(jax.tree.leaves(stacked)[0].shape[0], *plain_ends)
+        if segments == [(0, segments[0][1], False)]:
+            return self._layer_segment(graphdef, stacked, x, aux)
+        per_segment = []
+        for start, stop, plain in segments:
+            with disabled() if plain else contextlib.nullcontext():
+                part = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], stacked)
+                x, segment_stats = self._layer_segment(graphdef, part, x, aux)
+            per_segment.append(segment_stats)
+        return x, jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_segment) if per_segment[0] else {}
+
+    def _layer_segment(self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The layers of ``stacked``: one scan, or with ``model.scan_layers=false`` a Python loop.
         The loop compiles each layer separately (compile time grows with depth) but saves
         the scan's stacked residual buffers: on XLA's CPU backend their zero-fills and
         dynamic-update-slices cost a quarter of a small model's step (experiments/README.md)."""
@@ -384,6 +419,18 @@ class Llama(nnx.Module):
         if valid and valid < logits.shape[-1]:  # padding rows of an imported vocab: never predicted, never sampled
             logits = jnp.where(jnp.arange(logits.shape[-1]) < valid, logits, -jnp.inf)
         return constrain(logits, ("batch", "seq", "act_vocab"))
+
+
+def layer_segments(depth: int, plain_first: bool, plain_last: bool) -> list[tuple[int, int, bool]]:
+    """A stack of ``depth`` layers as runs (start, stop, without fp8): the first and the
+    last layer on their own when asked, the rest together."""
+    plain = [(plain_first and i == 0) or (plain_last and i == depth - 1) for i in range(depth)]
+    segments, start = [], 0
+    for i in range(1, depth + 1):
+        if i == depth or plain[i] != plain[start] or plain[i]:
+            segments.append((start, i, plain[start]))
+            start = i
+    return segments
 
 
 def nnx_split_cast(blocks: nnx.Module, dtype):

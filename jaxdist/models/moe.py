@@ -27,7 +27,9 @@ from flax import nnx
 
 from jaxdist.config import ModelConfig
 from jaxdist.layout.sharding import constrain
+from jaxdist.models import fp8
 from jaxdist.models.experts import capacity_rows, local_experts
+from jaxdist.models.fp8 import Fp8Einsum
 from jaxdist.models.params import fan_in_init, param
 
 
@@ -88,6 +90,8 @@ class MoE(nnx.Module):
             width = cfg.moe_shared_experts * f
             self.shared_gate_up = param(rngs, fan_in_init(d), (d, 2, width), ("embed", None, "mlp"), pd)
             self.shared_down = param(rngs, fan_in_init(width), (width, d), ("mlp", "embed"), pd)
+            self.shared_gate_up_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history)
+            self.shared_down_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history)
         if cfg.moe_bias_rate > 0:
             self.bias = RouterBias(jnp.zeros((e,), jnp.float32), axes=(None,), no_decay=True)
 
@@ -99,11 +103,12 @@ class MoE(nnx.Module):
         ids, gates, probs = route(cfg, logits, bias)
         kernel = _EXPERT_KERNEL.get() or one_device_kernel
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
-        y, dropped = kernel(x, ids, gates, w(self.w_gate_up), w(self.w_down), cfg.moe_capacity_factor)
+        with fp8.grouped(cfg.fp8 != "off"):
+            y, dropped = kernel(x, ids, gates, w(self.w_gate_up), w(self.w_down), cfg.moe_capacity_factor)
         if cfg.moe_shared_experts:
-            gate_up = constrain(jnp.einsum("btd,dcf->btcf", x, w(self.shared_gate_up)), ("batch", "seq", None, "act_mlp"))
+            gate_up = constrain(self.shared_gate_up_dot("btd,dcf->btcf", x, w(self.shared_gate_up)), ("batch", "seq", None, "act_mlp"))
             hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-            y = y + jnp.einsum("btf,fd->btd", hidden, w(self.shared_down))
+            y = y + self.shared_down_dot("btf,fd->btd", hidden, w(self.shared_down))
         return y, stats(cfg, logits, ids, probs, dropped)
 
 

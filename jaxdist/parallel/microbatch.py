@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxdist.models.fp8 import add_gradients
+
 
 def split_microbatches(x: jax.Array, m: int) -> jax.Array:
     """[B, ...] -> [M, B/M, ...] taking every M-th row, so each device keeps its own rows
@@ -25,11 +27,11 @@ def accumulate(grad_fn: Callable, params: Any, microbatches: Any, zeros: Any = N
     gradients) summed over the leading axis of ``microbatches``, for ``grad_fn(params,
     microbatch) -> ((loss sum, weight, statistics), grads)``. ``zeros``: the gradient
     accumulator's start (default: zeros like ``params``; GSPMD callers pass one constrained
-    to the parameters' layout)."""
+    to the parameters' layout). fp8 amax observations (``models.fp8``) combine by max."""
 
     def add(carry, microbatch):
         (loss_sum, weight, stats), grads = grad_fn(params, microbatch)
-        return jax.tree.map(jnp.add, carry, (loss_sum, weight, stats, grads)), None
+        return add_gradients(carry, (loss_sum, weight, stats, grads)), None
 
     grads = jax.tree.map(jnp.zeros_like, params) if zeros is None else zeros
     first = jax.tree.map(lambda x: x[0], microbatches)

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxdist.config import Config
 from jaxdist.errors import MeshError
 from jaxdist.layout.mesh import INNER_BATCH_AXES
+from jaxdist.models import fp8
 from jaxdist.parallel import grad_reduce
 from jaxdist.parallel.microbatch import accumulate, split_microbatches
 from jaxdist.parallel.pipeline import loss_cotangent
@@ -82,7 +83,7 @@ class XlaReduction:
 
     def _reduced_once(self, grad_fn: GradFn, params: Any, microbatches: Any):
         def per_device(params, microbatches):
-            return jax.lax.psum(accumulate(grad_fn, params, microbatches), INNER_BATCH_AXES)
+            return fp8.reduce_over(accumulate(grad_fn, params, microbatches), INNER_BATCH_AXES)  # psum; fp8 observations: pmax
 
         reduce_once = jax.shard_map(
             per_device,

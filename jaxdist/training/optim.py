@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
 from jaxdist.config import TrainConfig
+from jaxdist.models import fp8
 
 
 def schedule_length(cfg: TrainConfig) -> int:
@@ -33,12 +35,34 @@ def _decay_mask(params):
     )
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def without_histories(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` on the parameters without fp8's amax histories (``models.fp8``): its state,
+    clipping and weight decay never see them, and their update is zero (the step writes
+    their observed values over them, ``training.update``)."""
+
+    def init(params):
+        return tx.init(fp8.without_histories(params))
+
+    def update(updates, state, params=None):
+        histories, rest = fp8.split(updates)
+        rest, state = tx.update(rest, state, None if params is None else fp8.without_histories(params))
+        return fp8.merge(jax.tree.map(jnp.zeros_like, histories), rest), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(cfg: TrainConfig, histories: bool = False) -> optax.GradientTransformation:
     """Clip (on the averaged gradient) then AdamW (weight decay decoupled: ``p -= lr * wd * p``
     beside the Adam update), or SGD with PyTorch's coupled weight decay (``torch.optim.SGD``:
     ``g += wd * p`` before the momentum trace, so the decay goes through the momentum too).
     Moments mirror the parameter tree, so their layout follows the same logical axes (see
-    ``sharding.rules_for``)."""
+    ``sharding.rules_for``). ``histories``: the parameters hold fp8 amax histories, kept
+    out of the optimizer (``without_histories``)."""
+    update = _optimizer(cfg)
+    return without_histories(update) if histories else update
+
+
+def _optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     if cfg.optimizer == "sgd":
         update = optax.chain(
             optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask) if cfg.weight_decay else optax.identity(),

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxdist.config import Config
 from jaxdist.layout.sharding import Layout, activation_layout
-from jaxdist.models import Batch, Task
+from jaxdist.models import Batch, Task, fp8
 from jaxdist.parallel import diloco
 from jaxdist.training import gradients, migrate, wrappers
 from jaxdist.training.optim import lr_schedule, make_optimizer
@@ -42,8 +42,8 @@ class Trainer:
         self.microbatches = config.train.microbatches
         self.inner_steps = config.parallel.diloco_inner_steps  # DiLoCo's H; 0: every step is synchronous
         self.graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: task.make_model(nnx.Rngs(0))))
-        self.n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
-        self.tx, self.schedule = make_optimizer(config.train), lr_schedule(config.train)
+        self.n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(fp8.without_histories(abstract_params)))
+        self.tx, self.schedule = make_optimizer(config.train, fp8.has_history(abstract_params)), lr_schedule(config.train)
         self.outer_tx = diloco.outer_optimizer(config.parallel) if self.inner_steps else None
         self.reduce_plan, plan_notes = gradients.reduce_plan(config, layout.mesh)
         float16 = config.train.loss_scale if config.model.dtype == "float16" else None
@@ -158,7 +158,7 @@ class Trainer:
                 gradients.grad_fn(self._loss, scale), params, batch, self._extras().residual, scale
             )
         divisor = weight if scale is None else weight * scale
-        return loss_sum / weight, jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
+        return loss_sum / weight, fp8.map_gradients(lambda g: g / divisor.astype(g.dtype), grads)
 
     def _eval_step(self, params: Any, batch: Batch) -> jax.Array:
         with activation_layout(self.layout):
@@ -170,6 +170,10 @@ class Trainer:
         compiled = self.train_step.lower(state, batch).compile()
         outer = self.outer_step.lower(state).compile() if self.inner_steps else None
         say = (logger.message if logger is not None else print) if jax.process_index() == 0 else (lambda _: None)
+        if self.config.model.fp8 != "off" and self.layout.mesh.devices.flat[0].platform == "gpu":
+            note = fp8.fp8_gemm_note(self.config.model, compiled.as_text())  # XLA falls back to f16 silently
+            if note:
+                say(note)
         return wrappers.host_step(self.config, self.layout.mesh, compiled, outer, int(jax.device_get(state.step)), say)
 
     # -- results ---------------------------------------------------------------------

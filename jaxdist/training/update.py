@@ -1,7 +1,8 @@
 """The update of one step: gradients of the summed loss -> the mean loss's gradients ->
 optax (clipping, AdamW or SGD, the schedule) -> new parameters; fp16's loss scale moves
 with whether the gradients were finite, and a non-finite update is dropped (the step
-still counts) when ``train.nonfinite=skip`` or under fp16."""
+still counts) when ``train.nonfinite=skip`` or under fp16. fp8's amax histories take
+their observed values (their "gradients") over the old ones, outside the optimizer."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxdist.models import fp8
 from jaxdist.training import loss_scale
 from jaxdist.training.state import TrainState, optimizer_step
 
@@ -39,12 +41,13 @@ class Update:
         scale: jax.Array | None,
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         divisor = weight if scale is None else weight * scale
-        grads = jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
+        grads = fp8.map_gradients(lambda g: g / divisor.astype(g.dtype), grads)  # fp8 observations are values, not sums
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        params = fp8.overwrite_histories(params, grads)
         if self.after_update is not None:
             params = self.after_update(params, stats)
-        loss, grad_norm = loss_sum / weight, optax.tree.norm(grads)
+        loss, grad_norm = loss_sum / weight, optax.tree.norm(fp8.without_histories(grads))
         # The rate this update used: the optimizer's own step count, which skipped steps do not advance.
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(optimizer_step(state.opt_state))}
         if self.metrics_from is not None:

@@ -1,0 +1,286 @@
+"""fp8 matmuls (``model.fp8``): one ``custom_vjp`` einsum with per-tensor scalar scales.
+
+Forward: the input and the weight are quantised to e4m3 (max 448), the output gradient in
+the backward to e5m2 (max 57344); each scale is amax / fp8 max. The quantised operands
+enter the dot as convert -> multiply by the scalar scale -> dot, the form XLA:GPU rewrites
+into cuBLASLt's fp8 matmul (``__cublas$lt$matmul$f8``, 3 per matmul: the forward and the
+two backward dots); XLA:CPU upcasts but keeps fp8's rounding, so CPU runs see its error.
+
+- ``current``: each scale from this call's amax (stateless).
+- ``delayed``: each matmul holds an ``Fp8History`` [3, H] (input, weight, output
+  gradient; newest first), the scale comes from the history's max (this call's amax
+  while the history is empty: step 0). The history is state, not a parameter: its
+  "gradient" is the new history with this call's amax in front (Flax's
+  overwrite-with-gradient pattern), combined by max wherever gradients add
+  (microbatches, the batch axes' reduction) and written over the old value after the
+  update; the optimizer never sees it (``training.optim``).
+
+The amaxes are ``jnp.max`` over global arrays, so under GSPMD they are already reduced
+over every mesh axis the tensor is split on. Flax's ``fp8_ops`` gives the quantise,
+dequantise and scale arithmetic (the form known to be rewritten on GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen import fp8_ops
+
+MODES = ("off", "current", "delayed")
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+CUBLAS_FP8_TARGET = "__cublas$lt$matmul$f8"
+GEMMS_PER_MATMUL = 3  # forward, input gradient, weight gradient
+
+
+class Fp8History(nnx.Variable):
+    """Delayed scaling's amax histories of one fp8 matmul, [3, H] (rows: input, weight,
+    output gradient; newest first): state, not a trained parameter."""
+
+
+def is_history(x: Any) -> bool:
+    return isinstance(x, Fp8History)
+
+
+def has_history(tree: Any) -> bool:
+    return any(is_history(x) for x in jax.tree.leaves(tree, is_leaf=is_history))
+
+
+# -- arithmetic --------------------------------------------------------------------------
+
+
+def amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def scale_for(current: jax.Array, history: jax.Array | None, dtype) -> jax.Array:
+    """amax / fp8 max of ``dtype``, from the history's max, or ``current`` (this call's
+    amax) when there is no history or it holds nothing yet; 1 for an all-zero tensor."""
+    fmax = fp8_ops.get_fp8_max(dtype, jnp.float32)
+    if history is not None:
+        past = jnp.max(history)
+        current = jnp.where((past > 0) & jnp.isfinite(past), past, current)
+    return fp8_ops.compute_scale(current, jnp.ones((), jnp.float32), fmax)
+
+
+def record(history: jax.Array, observed: jax.Array) -> jax.Array:
+    """The history with ``observed`` in front and the oldest entry dropped."""
+    return jnp.concatenate([observed[None].astype(history.dtype), history[:-1]])
+
+
+def qdq(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+    """x rounded to the fp8 ``dtype`` under ``scale`` (clipped to its range), back in x's dtype."""
+    return fp8_ops.dequantize(fp8_ops.quantize(x, dtype, scale, x.dtype), x.dtype, scale)
+
+
+# -- the fp8 einsum ----------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_einsum(equation: str, x: jax.Array, w: jax.Array, history: jax.Array | None = None) -> jax.Array:
+    """``jnp.einsum(equation, x, w)`` with e4m3 operands and an e5m2 output gradient.
+    ``history``: delayed scaling's [3, H] amax histories (None: current scaling); its
+    cotangent is the history with this call's three amaxes recorded."""
+    return _forward(equation, x, w, history)[0]
+
+
+def _forward(equation, x, w, history):
+    if x.dtype != w.dtype:
+        raise TypeError(f"fp8_einsum: operands in one compute dtype, got {x.dtype} and {w.dtype}")
+    seen_x, seen_w = amax(x), amax(w)
+    scale_x = scale_for(seen_x, None if history is None else history[0], E4M3)
+    scale_w = scale_for(seen_w, None if history is None else history[1], E4M3)
+    q_x, q_w = fp8_ops.quantize(x, E4M3, scale_x, x.dtype), fp8_ops.quantize(w, E4M3, scale_w, w.dtype)
+    y = jnp.einsum(equation, fp8_ops.dequantize(q_x, x.dtype, scale_x), fp8_ops.dequantize(q_w, w.dtype, scale_w))
+    return y, (q_x, q_w, scale_x, scale_w, seen_x, seen_w, history)
+
+
+def _backward(equation, residuals, g):
+    q_x, q_w, scale_x, scale_w, seen_x, seen_w, history = residuals
+    dtype = g.dtype  # the operands' compute dtype (the output's)
+    seen_g = amax(g)
+    scale_g = scale_for(seen_g, None if history is None else history[2], E5M2)
+    g = fp8_ops.dequantize(fp8_ops.quantize(g, E5M2, scale_g, dtype), dtype, scale_g)
+    x, w = fp8_ops.dequantize(q_x, dtype, scale_x), fp8_ops.dequantize(q_w, dtype, scale_w)
+    _, transpose = jax.vjp(functools.partial(jnp.einsum, equation), x, w)
+    dx, dw = transpose(g)  # e5m2 x e4m3 both (never e5m2 x e5m2)
+    if history is None:
+        return dx, dw, None
+    return dx, dw, jnp.stack([record(history[0], seen_x), record(history[1], seen_w), record(history[2], seen_g)])
+
+
+fp8_einsum.defvjp(_forward, _backward)
+
+
+@jax.custom_vjp
+def qdq_forward(x: jax.Array) -> jax.Array:
+    """x rounded to e4m3 under its current per-tensor scale; the gradient passes through."""
+    return qdq(x, E4M3, scale_for(amax(x), None, E4M3))
+
+
+qdq_forward.defvjp(lambda x: (qdq_forward(x), None), lambda _, g: (g,))
+
+
+@jax.custom_vjp
+def qdq_gradient(y: jax.Array) -> jax.Array:
+    """The identity whose backward rounds the cotangent to e5m2 under its current scale."""
+    return y
+
+
+qdq_gradient.defvjp(lambda y: (y, None), lambda _, g: (qdq(g, E5M2, scale_for(amax(g), None, E5M2)),))
+
+
+# -- in the model ------------------------------------------------------------------------
+
+_DISABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_fp8_disabled", default=False)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within this context (while tracing), fp8 matmuls run in the compute dtype
+    (``model.fp8_keep_ends``' first and last layers)."""
+    token = _DISABLED.set(True)
+    try:
+        yield
+    finally:
+        _DISABLED.reset(token)
+
+
+def active() -> bool:
+    return not _DISABLED.get()
+
+
+_GROUPED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_fp8_grouped", default=False)
+
+
+@contextlib.contextmanager
+def grouped(enabled: bool) -> Iterator[None]:
+    """Within this context (while tracing), the routed experts' grouped matmuls
+    (``models.experts.swiglu_groups``) quantise-dequantise their operands when ``enabled``."""
+    token = _GROUPED.set(enabled and active())
+    try:
+        yield
+    finally:
+        _GROUPED.reset(token)
+
+
+def grouped_active() -> bool:
+    return _GROUPED.get()
+
+
+def grouped_dot(dot: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array, w: jax.Array) -> jax.Array:
+    """``dot(x, w)`` (a ``jax.lax.ragged_dot``) with fp8 rounding when ``grouped_active``:
+    x and w rounded to e4m3 and the output gradient to e5m2, each under its current
+    per-tensor scale; the products run in the compute dtype (XLA has no fp8 grouped GEMM)."""
+    if not grouped_active():
+        return dot(x, w)
+    return qdq_gradient(dot(qdq_forward(x), qdq_forward(w)))
+
+
+class Fp8Einsum(nnx.Module):
+    """One projection's einsum under ``model.fp8``; under delayed scaling it holds the
+    matmul's amax histories."""
+
+    def __init__(self, mode: str, history_length: int):
+        self.mode = mode
+        if mode == "delayed":
+            self.history = Fp8History(jnp.zeros((3, history_length), jnp.float32), axes=(None, None), no_decay=True)
+
+    def __call__(self, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        if self.mode == "off" or not active():
+            return jnp.einsum(equation, x, w)
+        return fp8_einsum(equation, x, w.astype(x.dtype), self.history[...] if self.mode == "delayed" else None)
+
+
+# -- in the train step -------------------------------------------------------------------
+
+
+def map_gradients(fn: Callable[[jax.Array], jax.Array], grads: Any) -> Any:
+    """``fn`` on every gradient leaf but the fp8 histories' observations (left as they are)."""
+    return jax.tree.map(lambda g: g if is_history(g) else jax.tree.map(fn, g), grads, is_leaf=is_history)
+
+
+def add_gradients(a: Any, b: Any) -> Any:
+    """a + b leaf by leaf, except the fp8 observations: their max."""
+    return jax.tree.map(
+        lambda x, y: x.replace(jnp.maximum(x[...], y[...])) if is_history(x) else jax.tree.map(jnp.add, x, y), a, b, is_leaf=is_history
+    )
+
+
+def reduce_over(tree: Any, axes) -> Any:
+    """``psum`` over ``axes`` inside a ``shard_map``, except the fp8 observations: ``pmax``."""
+    return jax.tree.map(
+        lambda x: x.replace(jax.lax.pmax(x[...], axes)) if is_history(x) else jax.lax.psum(x, axes), tree, is_leaf=is_history
+    )
+
+
+def split(tree: Any) -> tuple[Any, Any]:
+    """(the fp8 histories, everything else) of a parameter-shaped ``nnx.State``."""
+    return nnx.split_state(tree, Fp8History, ...)
+
+
+def merge(histories: Any, rest: Any) -> Any:
+    return nnx.merge_state(histories, rest)
+
+
+def without_histories(tree: Any) -> Any:
+    return split(tree)[1] if has_history(tree) else tree
+
+
+def overwrite_histories(params: Any, grads: Any) -> Any:
+    """The parameters with each fp8 history replaced by its observed new value (its
+    "gradient"), the rest as they are."""
+    return jax.tree.map(lambda p, g: p.replace(g[...]) if is_history(p) else p, params, grads, is_leaf=is_history)
+
+
+# -- on GPU: did XLA use cuBLASLt's fp8 matmul? -------------------------------------------
+
+
+def count_fp8_gemms(hlo_text: str) -> int:
+    """cuBLASLt fp8 matmul custom calls in an optimised HLO module's text."""
+    return len(re.findall(r'custom_call_target="' + re.escape(CUBLAS_FP8_TARGET) + '"', hlo_text))
+
+
+def matmuls_per_layer(cfg, moe_layer: bool) -> int:
+    """The fp8 einsums of one decoder layer (the routed experts' grouped matmuls are
+    quantise-dequantise only: not counted)."""
+    attention = 2 if cfg.fused_projections else 4
+    if moe_layer:
+        return attention + (2 if cfg.moe_shared_experts else 0)
+    return attention + (2 if cfg.fused_projections else 3)
+
+
+def expected_fp8_gemms(cfg) -> int:
+    """The fewest cuBLASLt fp8 calls a compiled train step of ``cfg`` holds: 3 per fp8
+    einsum in the program (a scanned stack's body once, an unrolled stack's every layer;
+    ``model.fp8_keep_ends``' bf16 first and last layers none)."""
+    if cfg.fp8 == "off":
+        return 0
+    dense = cfg.moe_first_dense if cfg.moe_experts else cfg.n_layers
+    stacks = [(dense, False), (cfg.n_layers - dense, True)]
+    first, last = (0, cfg.n_layers - 1) if cfg.fp8_keep_ends else (-1, -1)
+    total, start = 0, 0
+    for depth, moe in stacks:
+        fp8_layers = [i for i in range(start, start + depth) if i not in (first, last)]
+        start += depth
+        if fp8_layers:
+            total += matmuls_per_layer(cfg, moe) * (1 if cfg.scan_layers else len(fp8_layers))
+    return GEMMS_PER_MATMUL * total
+
+
+def fp8_gemm_note(cfg, hlo_text: str) -> str | None:
+    """One line when the compiled step has fewer cuBLASLt fp8 matmuls than ``cfg`` asks for."""
+    found, expected = count_fp8_gemms(hlo_text), expected_fp8_gemms(cfg)
+    if found >= expected:
+        return None
+    return (
+        f"jaxdist: warning: model.fp8={cfg.fp8}: the compiled step has {found} cuBLASLt fp8 matmuls, expected {expected} "
+        f"({GEMMS_PER_MATMUL} per fp8 matmul); XLA computes the others in f16/bf16 (fp8 GEMMs need sm89+ and a supported layout)"
+    )
