@@ -80,6 +80,19 @@ BAD_INPUTS = {
         "parallel.expert_buffer_factor=1 gives",
     ),
     "unknown router": (["model.moe_experts=4", "model.moe_router=relu"], "model.moe_router must be one of softmax, sigmoid"),
+    "unknown fp8 mode": (["model.fp8=e4m3"], "model.fp8 must be off, current or delayed"),
+    "fp8 history of zero": (["model.fp8=delayed", "model.fp8_history=0"], "model.fp8_history must be >= 1"),
+    "fp8 with float32 compute": (["model.fp8=current", "model.dtype=float32"], "needs bfloat16 compute (model.dtype=bfloat16)"),
+    "fp8 with auto compute on cpu": (
+        ["model.fp8=current", "model.n_layers=3"],
+        "model.dtype=auto is float32 on cpu: set model.dtype=bfloat16",
+    ),
+    "fp8 on resnet": (["--config", "resnet", "model.fp8=current"], "model.fp8 is for the llama decoder's matmuls, not model.kind=resnet"),
+    "fp8 keeping every layer": (["model.fp8=current", "model.dtype=bfloat16", "model.n_layers=2"], "leaves none of the 2 layers in fp8"),
+    "delayed fp8 on a pipeline": (
+        ["--mesh", "pipe=2", "model.fp8=delayed", "model.dtype=bfloat16", "model.fp8_keep_ends=false"],
+        "model.fp8=delayed does not compose with a pipe axis",
+    ),
     "no MoE layer left": (["model.moe_experts=4", "model.moe_first_dense=2", "model.n_layers=2"], "must leave at least one"),
     "MoE with a pipe axis": (
         ["--mesh", "pipe=2", "model.moe_experts=4"],

@@ -109,6 +109,8 @@ UNUSED = {
     "model.moe_bias_rate=0.001": "model.moe_experts=0 (a dense model)",
     "model.moe_capacity_factor=1.25": "model.moe_experts=0 (a dense model)",
     "parallel.expert_buffer_factor=2": "without an expert axis",
+    "model.fp8_history=8": "model.fp8=off",
+    "model.fp8_keep_ends=false": "model.fp8=off",
 }
 
 
