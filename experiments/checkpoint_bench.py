@@ -2,7 +2,7 @@
 
     python experiments/checkpoint_bench.py [--repeats 3] [--mesh fsdp=8]
 
-For `small` and a larger model (~190M parameters, 2.3 GB of train state) on fake CPU
+For `small` and a larger model (~206M parameters, a 2.0 GB full checkpoint) on fake CPU
 devices, for both kinds of checkpoint -- full (params + AdamW moments + step, the
 training's exact state) and weights-only (``checkpoint.params_every_steps``: step and
 params) -- the time the loop is blocked by an async save (the stall) against a
