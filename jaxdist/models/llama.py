@@ -10,6 +10,8 @@ costs Megatron's 2 activation all-reduces forward and 2 backward instead of one 
 separate q, k, v, gate and up matmul. ``model.loss_chunk`` computes the head and the
 cross-entropy a sequence chunk at a time, recomputing each chunk's logits in the
 backward pass, so the [batch, seq, vocab] fp32 logits never exist at once.
+``model.fp8`` runs the projection matmuls through ``models.fp8`` (``model.fp8_keep_ends``:
+the first and last layers run as their own segments of the stack, without it).
 """
 
 from __future__ import annotations
