@@ -351,3 +351,26 @@ def test_300_steps_with_current_and_delayed_scaling_end_within_2_percent_of_bf16
     print("fp8 loss gaps against bf16:", final, gap)
     assert abs(gap["current"]) <= 0.02, (final, gap)
     assert abs(gap["delayed"]) <= 0.02, (final, gap)
+
+
+def test_weights_without_histories_start_a_delayed_run_with_empty_histories(tmp_path, capsys):
+    """--init-from a bf16 run's checkpoint into model.fp8=delayed: the weights come back as
+    saved, the histories (absent from the checkpoint) start at zero, said in one line."""
+    from jaxdist.training.weights import check_params_fit, restore_params, save_weights
+
+    base = [*TINY, "model.dtype=bfloat16", "model.n_layers=4"]
+    plain = load_config(None, base)
+    resolve_vocab(plain)
+    source = build_trainer(plain, parse_mesh("data=2"), jax.devices()[:2])
+    saved = source.init_state(3).params
+    step_dir = save_weights(tmp_path, saved, plain)
+    delayed = load_config(None, [*base, "model.fp8=delayed"])
+    resolve_vocab(delayed)
+    target = build_trainer(delayed, parse_mesh("data=2"), jax.devices()[:2])
+    check_params_fit(step_dir, target.abstract_params())
+    restored = restore_params(step_dir, target.abstract_params())
+    histories, rest = fp8.split(restored)
+    assert jax.tree.leaves(histories) and all(not np.any(np.asarray(h)) for h in jax.tree.leaves(histories))
+    for got, want in zip(jax.tree.leaves(rest), jax.tree.leaves(saved), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert "has no fp8 amax histories (model.fp8=delayed): they start empty" in capsys.readouterr().err

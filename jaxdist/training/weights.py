@@ -9,6 +9,7 @@ DiLoCo, the outer parameters), straight into the shardings they are given.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,12 @@ def _params_target(step_dir: Path, abstract_params: Any) -> dict:
 
 
 def check_params_fit(step_dir: Path, abstract_params: Any) -> None:
-    """Raise (one line) unless the checkpoint's parameters fit ``abstract_params``; reads metadata only."""
+    """Raise (one line) unless the checkpoint's parameters fit ``abstract_params`` (fp8
+    histories it lacks start empty); reads metadata only."""
+    from jaxdist.models import fp8
+
+    if _histories_missing(step_dir, abstract_params) is not None:
+        abstract_params = fp8.split(abstract_params)[1]
     _params_target(step_dir, abstract_params)
 
 
@@ -104,10 +110,39 @@ def restore_params(step_dir: Path, abstract_params: Any) -> Any:
     ``abstract_params`` (an ``nnx.State`` of ``jax.ShapeDtypeStruct``); the rest of its
     state is not read. A DiLoCo checkpoint gives its outer (synchronised) parameters."""
 
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdist.models import fp8
+
+    histories = _histories_missing(step_dir, abstract_params)
+    if histories is not None:  # weights of a run without delayed fp8: its amax histories start empty
+        rest = restore_params(step_dir, fp8.split(abstract_params)[1])
+        print(
+            f"jaxdist: {step_dir} has no fp8 amax histories (model.fp8=delayed): they start empty (step 0 scales from the current amax)",
+            file=sys.stderr,
+        )
+        return fp8.merge(jax.tree.map(lambda a: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)(), histories), rest)
     restored = read_arrays(step_dir, _params_target(step_dir, abstract_params))
     for part in param_tree_key(step_dir):
         restored = restored[part]
     return restored
+
+
+def _histories_missing(step_dir: Path, abstract_params: Any):
+    """The fp8 histories ``abstract_params`` holds when the checkpoint holds none (else None)."""
+    from jaxdist.models import fp8
+
+    if not fp8.has_history(abstract_params):
+        return None
+    saved = state_tree(step_dir)
+    for part in param_tree_key(step_dir):
+        saved = saved.get(part, {})
+
+    def holds_history(tree) -> bool:
+        return isinstance(tree, dict) and any(k == "history" or holds_history(v) for k, v in tree.items())
+
+    return None if holds_history(saved) else fp8.split(abstract_params)[0]
 
 
 def read_arrays(step_dir: Path, target: dict) -> dict:
