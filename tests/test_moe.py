@@ -258,3 +258,20 @@ def test_the_sign_rule_raises_the_bias_of_under_loaded_experts():
     moved = update_router_bias(params, counts, 0.5)
     np.testing.assert_array_equal(moved["bias"][...], [[-0.5, 0.5, 0.0, 0.0], [0.5, 0.5, 0.5, -0.5]])
     np.testing.assert_array_equal(moved["w"][...], np.ones(3))
+
+
+def test_eval_loss_is_the_data_loss_without_the_balancing_terms():
+    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.data.sources import resolve_vocab
+    from jaxdist.training.run import build_trainer
+
+    def eval_loss(*coefs: str) -> float:
+        config = load_config(None, [*TINY, *MOE, *coefs])
+        resolve_vocab(config)
+        trainer = build_trainer(config, parse_mesh("expert=2"), jax.devices()[:2])
+        params = trainer.init_state(0).params
+        loss_sum, weight = np.asarray(trainer.eval_step(params, next(make_iterator(config, trainer.layout))))
+        return float(loss_sum / weight)
+
+    heavy = eval_loss("model.moe_aux_loss_coef=1.0", "model.moe_z_loss_coef=1.0")  # would add ~1 + z to the loss
+    np.testing.assert_allclose(heavy, eval_loss("model.moe_aux_loss_coef=0", "model.moe_z_loss_coef=0"), rtol=1e-6)

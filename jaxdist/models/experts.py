@@ -106,7 +106,8 @@ def local_experts(
     kept_counts = d.counts if capacity is None else jnp.minimum(d.counts, capacity)
     starts = jnp.cumsum(kept_counts) - kept_counts
     rows_total = d.order.shape[0]
-    slot = jnp.where(d.kept, starts[d.expert] + d.rank, rows_total)  # kept rows packed per expert; dropped: out of range
+    # kept rows packed per expert; dropped ones out of range, each its own (the scatter's unique_indices holds)
+    slot = jnp.where(d.kept, starts[d.expert] + d.rank, rows_total + jnp.arange(rows_total))
     token_rows = x[d.order // ids.shape[1]]
     packed = jnp.full((rows_total, x.shape[1]), UNWRITTEN, x.dtype).at[slot].set(token_rows, mode="drop", unique_indices=True)
     out = reduce_hidden(compute(packed, kept_counts, w_gate_up, w_down))

@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxdist.config import ModelConfig
 from jaxdist.layout.sharding import constrain
+from jaxdist.models import REGULARIZER
 from jaxdist.models.attention import model_attention
 from jaxdist.models.fp8 import Fp8Einsum, disabled
 from jaxdist.models.moe import MoE
@@ -262,7 +263,9 @@ class Llama(nnx.Module):
             return loss_sum, weight, {}
         cfg = self.cfg
         balancing = cfg.moe_aux_loss_coef * jnp.mean(layer_stats["aux"]) + cfg.moe_z_loss_coef * jnp.mean(layer_stats["z"])
-        return loss_sum + weight * balancing, weight, moe_sums(layer_stats, weight)
+        sums = moe_sums(layer_stats, weight)
+        sums[REGULARIZER] = weight * balancing  # in the loss sum, not the data's loss: eval leaves it out
+        return loss_sum + sums[REGULARIZER], weight, sums
 
     def _all_layers(self, x: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Every layer (the dense leading stack first), and the MoE layers' statistics stacked [moe layers, ...]."""

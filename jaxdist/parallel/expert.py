@@ -124,7 +124,7 @@ def _exchange(x, ids, gates, w_gate_up, w_down, capacity, rows: int, ep: int, re
     position = before[d.expert] + d.rank
     fits = d.kept & (position < rows)
     total = ep * rows
-    slot = jnp.where(fits, (d.expert // local_experts_n) * rows + position, total)
+    slot = jnp.where(fits, (d.expert // local_experts_n) * rows + position, total + jnp.arange(fits.shape[0]))  # unique, dropped
     send = jnp.full((total, x.shape[1]), experts_lib.UNWRITTEN, x.dtype).at[slot].set(x[d.order // k], mode="drop", unique_indices=True)
     send_ids = jnp.full((total,), local_experts_n, jnp.int32).at[slot].set(d.expert % local_experts_n, mode="drop", unique_indices=True)
     received = jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True)  # block q: what device q sent here

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxdist.config import Config
 from jaxdist.layout.sharding import Layout, activation_layout
-from jaxdist.models import Batch, Task, fp8
+from jaxdist.models import REGULARIZER, Batch, Task, fp8
 from jaxdist.parallel import diloco
 from jaxdist.training import gradients, migrate, wrappers
 from jaxdist.training.optim import lr_schedule, make_optimizer
@@ -162,7 +162,9 @@ class Trainer:
 
     def _eval_step(self, params: Any, batch: Batch) -> jax.Array:
         with activation_layout(self.layout):
-            loss_sum, weight, _ = self._loss(params, batch)
+            loss_sum, weight, stats = self._loss(params, batch)
+        # the data's loss only: MoE's balancing terms are in the training objective, not in eval_loss
+        loss_sum = loss_sum - stats.get(REGULARIZER, 0.0)
         return jnp.stack([loss_sum, weight])
 
     def compile_step(self, state: TrainState, batch: Batch, logger=None) -> Callable:
