@@ -211,6 +211,12 @@ def main(argv=None) -> int:
                 f"{fmt(steady(m, 'mfu'), '.1%')} / {fmt(m[-1]['loss'], '.4f')}",
                 "bf16 dense peak / last logged loss",
             )
+            if "fp8" in name:
+                row(
+                    f"  {name}: MFU against the fp8 peak",
+                    fmt(steady(m, "mfu_fp8_peak"), ".1%"),
+                    "mfu_fp8_peak: model FLOPs over the fp8 dense peak",
+                )
             row(f"  {name}: fp8 GEMMs in the step", str(fp8_calls), f"'{FP8_GEMM}' custom calls in the optimized HLO (3 per fp8 matmul)")
             row(f"  {name}: joules/token", fmt(steady(m, "joules_per_token"), ".3g", " J"), "NVML board energy, eval and saves left out")
         for name, overrides in (("bf16 packed", packed), ("bf16 synthetic", synthetic)):
