@@ -31,7 +31,7 @@ from jaxdist.layout.sharding import constrain
 from jaxdist.models import REGULARIZER
 from jaxdist.models.attention import model_attention
 from jaxdist.models.fp8 import Fp8Einsum, disabled
-from jaxdist.models.moe import MoE
+from jaxdist.models.moe import MoE, moe_sums
 from jaxdist.models.params import fan_in_init, param
 
 
@@ -449,22 +449,6 @@ def nnx_split_cast(blocks: nnx.Module, dtype):
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
     return graphdef, stacked
-
-
-def moe_sums(layer_stats: dict[str, jax.Array], weight: jax.Array) -> dict[str, jax.Array]:
-    """The MoE statistics of one batch as sums that add over microbatches: per-target
-    weighted means (the aux loss, the busiest expert's load over the mean, both averaged
-    over MoE layers), the dropped and assigned counts, and each layer's expert counts
-    (what aux-loss-free balancing moves its bias by)."""
-    counts = layer_stats["counts"]  # [moe layers, experts]
-    load_max = jnp.max(counts, axis=-1) / jnp.maximum(jnp.mean(counts, axis=-1), 1e-9)
-    return {
-        "moe_aux_loss": jnp.mean(layer_stats["aux"]) * weight,
-        "moe_load_max": jnp.mean(load_max) * weight,
-        "moe_dropped": jnp.sum(layer_stats["dropped"]),
-        "moe_assigned": jnp.sum(layer_stats["assigned"]),
-        "moe_counts": counts,
-    }
 
 
 def _cross_entropy_sum(logits: jax.Array, targets: dict[str, jax.Array]) -> jax.Array:

@@ -128,8 +128,24 @@ def stats(cfg: ModelConfig, logits: jax.Array, ids: jax.Array, probs: jax.Array,
     return {"counts": counts, "aux": aux, "z": z, "dropped": dropped, "assigned": assigned}
 
 
+def moe_sums(layer_stats: dict[str, jax.Array], weight: jax.Array) -> dict[str, jax.Array]:
+    """The MoE statistics of one batch as sums that add over microbatches: per-target
+    weighted means (the aux loss, the busiest expert's load over the mean, both averaged
+    over MoE layers), the dropped and assigned counts, and each layer's expert counts
+    (what aux-loss-free balancing moves its bias by)."""
+    counts = layer_stats["counts"]  # [moe layers, experts]
+    load_max = jnp.max(counts, axis=-1) / jnp.maximum(jnp.mean(counts, axis=-1), 1e-9)
+    return {
+        "moe_aux_loss": jnp.mean(layer_stats["aux"]) * weight,
+        "moe_load_max": jnp.mean(load_max) * weight,
+        "moe_dropped": jnp.sum(layer_stats["dropped"]),
+        "moe_assigned": jnp.sum(layer_stats["assigned"]),
+        "moe_counts": counts,
+    }
+
+
 def metrics_from_sums(sums: dict[str, jax.Array], weight: jax.Array) -> dict[str, jax.Array]:
-    """metrics.jsonl's MoE fields from one step's summed statistics (``llama.moe_sums``)."""
+    """metrics.jsonl's MoE fields from one step's summed statistics (``moe_sums``)."""
     return {
         "moe_aux_loss": sums["moe_aux_loss"] / weight,
         "moe_load_max": sums["moe_load_max"] / weight,
