@@ -18,7 +18,9 @@ def config_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", default=None, help="preset name (configs/NAME.yaml) or YAML path; default: built-in tiny model")
     parser.add_argument(
-        "--mesh", default=None, help="AxB (data x tensor), name=size,... (replica, data, pipe, fsdp, expert, context, tensor; one size may be -1) or auto"
+        "--mesh",
+        default=None,
+        help="AxB (data x tensor), name=size,... (replica, data, pipe, fsdp, expert, context, tensor; one size may be -1) or auto",
     )
     parser.add_argument("--dcn-mesh", default=None, help="the across-host part of the mesh, e.g. data=2 (default: derived)")
     parser.add_argument("--steps", type=int, default=None, help="train.steps")

@@ -199,7 +199,9 @@ def test_errors_come_before_jax_starts(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == "jaxdist: error: mesh 'foo=2': unknown axis 'foo' (axes: replica, data, pipe, fsdp, expert, context, tensor)"
+    assert (
+        proc.stderr.strip() == "jaxdist: error: mesh 'foo=2': unknown axis 'foo' (axes: replica, data, pipe, fsdp, expert, context, tensor)"
+    )
 
 
 @pytest.mark.parametrize("tool", ["train", "analyze"])

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import TINY
 
 from jaxdist.config import ModelConfig, load_config
 from jaxdist.layout.mesh import build_mesh, mesh_device_count, parse_mesh
@@ -22,6 +21,8 @@ from jaxdist.models import experts as experts_lib
 from jaxdist.models.moe import MoE, one_device_kernel, route
 from jaxdist.parallel.expert import ExpertParallel
 from jaxdist.training.run import run
+
+from helpers import TINY
 
 E, K, D, F = 8, 2, 8, 16  # experts, top-k, model width, expert width
 B, T = 8, 4  # batch rows x tokens: 32 tokens
@@ -198,7 +199,9 @@ STEPS = 4
 
 
 def _train(run_dir, mesh: str, *overrides: str, stop: int = STEPS):
-    config = load_config(None, [*TINY, *MOE, f"train.steps={STEPS}", "checkpoint.every_steps=2", f"train.stop_after_step={stop}", *overrides])
+    config = load_config(
+        None, [*TINY, *MOE, f"train.steps={STEPS}", "checkpoint.every_steps=2", f"train.stop_after_step={stop}", *overrides]
+    )
     sizes = parse_mesh(mesh)
     return run(config, sizes, run_dir, devices=jax.devices()[: mesh_device_count(sizes)], progress=False)
 

@@ -89,7 +89,15 @@ def test_ring_all_reduce_time_is_the_formula():
 
 
 def test_data_crosses_nodes_before_fsdp_and_tensor_stays_inside():
-    assert node_split({"data": 2, "fsdp": 8, "tensor": 4}, 8) == {"replica": 1, "data": 2, "pipe": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
+    assert node_split({"data": 2, "fsdp": 8, "tensor": 4}, 8) == {
+        "replica": 1,
+        "data": 2,
+        "pipe": 1,
+        "fsdp": 4,
+        "expert": 1,
+        "context": 1,
+        "tensor": 1,
+    }
     assert node_split({"fsdp": 8}, 8)["fsdp"] == 1
 
 
