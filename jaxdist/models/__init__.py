@@ -21,9 +21,6 @@ from jaxdist.errors import ConfigError
 
 Batch = dict[str, jax.Array]
 Stats = dict[str, jax.Array]
-# The statistic holding the part of a loss sum that is a regularizer, not the data's loss
-# (MoE's balancing terms): training minimises it, eval leaves it out.
-REGULARIZER = "regularizer"
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, jax.Array, Stats]]
 
 

@@ -28,10 +28,9 @@ from flax import nnx
 
 from jaxdist.config import ModelConfig
 from jaxdist.layout.sharding import constrain
-from jaxdist.models import REGULARIZER
 from jaxdist.models.attention import model_attention
 from jaxdist.models.fp8 import Fp8Einsum, disabled
-from jaxdist.models.moe import MoE, moe_sums
+from jaxdist.models.moe import REGULARIZER, MoE, moe_sums
 from jaxdist.models.params import fan_in_init, param
 
 

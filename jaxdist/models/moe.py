@@ -32,6 +32,10 @@ from jaxdist.models.experts import capacity_rows, local_experts
 from jaxdist.models.fp8 import Fp8Einsum
 from jaxdist.models.params import fan_in_init, param
 
+# The statistic holding the part of a loss sum that is a regularizer, not the data's loss
+# (the balancing terms): training minimises it, eval leaves it out.
+REGULARIZER = "regularizer"
+
 
 class RouterBias(nnx.Variable):
     """Aux-loss-free balancing's per-expert selection bias: state, not a trained parameter."""

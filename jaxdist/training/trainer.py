@@ -26,7 +26,8 @@ from flax import nnx
 
 from jaxdist.config import Config
 from jaxdist.layout.sharding import Layout, activation_layout
-from jaxdist.models import REGULARIZER, Batch, Task, fp8
+from jaxdist.models import Batch, Task, fp8
+from jaxdist.models.moe import REGULARIZER
 from jaxdist.parallel import diloco
 from jaxdist.training import gradients, migrate, wrappers
 from jaxdist.training.optim import lr_schedule, make_optimizer
