@@ -29,7 +29,9 @@ from helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 MESH = "data=2,tensor=4"  # two axes, of 2 and 4 devices: 2(n-1)/n and (n-1)/n differ on both
-SIZES = (64 * 2**10, 128 * 2**10, 256 * 2**10)  # large enough on CPU for the all-reduce time to grow with size
+# 64 KiB to 1 MiB: a 16x range, so that the all-reduce time grows with size on CPU even while the
+# other test worker loads both cores (over 64K:256K a busy neighbour's noise could hide the growth)
+SIZES = tuple(2**k * 2**10 for k in range(6, 11))
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 # nccl-tests' doc/PERFORMANCE.md, written out here rather than taken from the code under test:
@@ -55,7 +57,7 @@ def _run_cli(argv: list[str]) -> tuple[int, str, str]:
 def sweep(tmp_path_factory):
     """One in-process sweep over 8 fake CPU devices, with the table and the link profile it wrote."""
     path = tmp_path_factory.mktemp("commbench") / "links.json"
-    argv = ["--mesh", MESH, "--sizes", "64K:256K", "--iters", "3", "--warmup", "1", "--hardware", "h100", "--json", str(path)]
+    argv = ["--mesh", MESH, "--sizes", "64K:1M", "--iters", "3", "--warmup", "1", "--hardware", "h100", "--json", str(path)]
     code, out, err = _run_cli(argv)
     assert code == 0, err
     return {"table": out, "stderr": err, "profile": json.loads(path.read_text()), "path": path}
@@ -219,7 +221,7 @@ def test_two_processes_under_the_launcher(tmp_path):
     inter-node link: gloo), tensor stays inside each; the profile carries both links."""
     path = tmp_path / "links.json"
     cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", "2", "--devices-per-proc", "2", "--module", "jaxdist.commbench", "--"]
-    cmd += ["--mesh", "data=2,tensor=2", "--sizes", "64K:256K", "--iters", "3", "--warmup", "1", "--hardware", "h100", "--json", str(path)]
+    cmd += ["--mesh", "data=2,tensor=2", "--sizes", "64K:1M", "--iters", "3", "--warmup", "1", "--hardware", "h100", "--json", str(path)]
     proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     launcher = psutil.Process(proc.pid)
     try:
