@@ -148,7 +148,8 @@ class ParallelConfig:
     strategy: str = "auto"  # auto | dp | fsdp | zero1, optionally "+tp"
     schedule: str = "gpipe"  # pipeline schedule on a pipe axis: gpipe | circular | 1f1b
     pipeline_microbatches: int = 0  # M per step (per gradient-accumulation microbatch); 0: the pipe size
-    virtual_stages: int = 1  # V layer chunks per device (circular)
+    virtual_stages: int = 1  # V layer chunks per device (circular; with 1f1b: interleaved 1F1B)
+    pipeline_recompute: bool = False  # 1f1b: recompute each stage's forward in its backward instead of keeping its activations
     grad_reduce: str = "float32"  # what gradients cross devices as: float32 | bfloat16 | int8 (block-quantized) | topk
     grad_topk_fraction: float = 0.01  # topk: the fraction of entries each device sends
     error_feedback: bool | None = None  # keep what compression dropped for the next step; None: on for int8 and topk

@@ -232,7 +232,7 @@ def _check_resnet(config: Config, sizes: MeshSizes) -> None:
 def _check_pipeline(config: Config, sizes: MeshSizes) -> None:
     t = config.train
     spec = pipeline_spec(config.parallel, sizes["pipe"])
-    problem = validate(spec, config.model.n_layers)
+    problem = validate(spec, config.model.n_layers, config.train.seq_len)
     if problem:
         raise MeshError(problem)
     shards = sizes["data"] * sizes["fsdp"]
@@ -264,9 +264,11 @@ def unused_keys(config: Config, sizes: MeshSizes) -> list[str]:
     elif p.grad_reduce != "topk" and changed("parallel", "grad_topk_fraction"):
         found.append(("parallel.grad_topk_fraction", f"parallel.grad_reduce={p.grad_reduce} (it is topk's)"))
     if sizes.get("pipe", 1) == 1:
-        for key in ("schedule", "pipeline_microbatches", "virtual_stages"):
+        for key in ("schedule", "pipeline_microbatches", "virtual_stages", "pipeline_recompute"):
             if changed("parallel", key):
                 found.append((f"parallel.{key}", "a mesh without a pipe axis"))
+    elif p.schedule != "1f1b" and changed("parallel", "pipeline_recompute"):
+        found.append(("parallel.pipeline_recompute", f"parallel.schedule={p.schedule} (its backward is autodiff's; model.remat recomputes)"))
     if sizes.get("context", 1) == 1:
         for key in ("context_strategy", "context_load_balance"):
             if changed("parallel", key):

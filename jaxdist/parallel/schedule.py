@@ -1,6 +1,16 @@
-"""Pipeline schedules as plain numbers: stages, microbatches, ticks and the bubble.
+"""Pipeline schedules as plain numbers: stages, microbatches, ticks, phases and the bubble.
 
 Pure Python (no JAX), so configs are validated against a mesh before JAX starts.
+
+Work is counted in chunk steps: one chunk (L / (S V) layers) of one microbatch, forward
+and backward. Every schedule runs in lockstep SPMD, so a stage also executes the masked
+work of the ticks where it has nothing to do; ``work_units`` is what each device executes,
+``V M`` of it useful, and the bubble is the idle share, (S-1)/(V M + S-1) for all three:
+
+- gpipe / circular: V M + S - 1 forward ticks, and autodiff's backward mirrors them.
+- 1f1b (V = 1) and interleaved 1F1B (V > 1): V M + V S + S - 2 ticks in three phases --
+  V S - 1 forward-only ticks (warm-up), V M - V S + S ticks with a forward and a
+  backward, V S - 1 backward-only ticks (cool-down) -- so the same V M + S - 1 units.
 """
 
 from __future__ import annotations
@@ -14,19 +24,51 @@ SCHEDULES = ("gpipe", "circular", "1f1b")
 class PipelineSpec:
     stages: int  # S: the size of the pipe axis
     microbatches: int  # M
-    virtual: int  # V: chunks per device (circular only; 1 otherwise)
+    virtual: int  # V: chunks per device (circular, interleaved 1F1B; 1 otherwise)
     schedule: str
+    recompute: bool = False  # 1F1B: recompute the stage's forward in its backward instead of keeping its activations
+
+    @property
+    def interleaved(self) -> bool:
+        return self.schedule == "1f1b" and self.virtual > 1
 
     @property
     def ticks(self) -> int:
+        """Scan steps of the schedule (a 1F1B tick may hold a forward, a backward or both)."""
+        s, m, v = self.stages, self.microbatches, self.virtual
         if self.schedule == "1f1b":
-            return self.microbatches + 2 * self.stages - 2
+            return v * m + v * s + s - 2
+        return v * m + s - 1
+
+    @property
+    def phases(self) -> tuple[int, int, int]:
+        """1F1B's (forward-only, forward-and-backward, backward-only) tick counts."""
+        s, m, v = self.stages, self.microbatches, self.virtual
+        return v * s - 1, v * m - v * s + s, v * s - 1
+
+    @property
+    def work_units(self) -> int:
+        """Chunk steps (forward + backward of one chunk) each device executes, masked ones included."""
         return self.virtual * self.microbatches + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """Idle share of the ticks: (ticks - useful ticks) / ticks."""
-        return (self.ticks - self.virtual * self.microbatches) / self.ticks
+        """Idle share of the executed work: (S-1)/(V M + S-1)."""
+        return (self.work_units - self.virtual * self.microbatches) / self.work_units
+
+    @property
+    def ring_slots(self) -> int:
+        """1F1B: microbatch chunks a device holds between their forward and backward (at most 2 V S - 2 ticks apart)."""
+        return 2 * self.virtual * self.stages - 1
+
+    def activations_alive(self) -> float:
+        """Microbatches of a stage's full activations a device keeps at once (the planner's count):
+        GPipe and circular keep every microbatch; 1F1B keeps its ring of chunk residuals
+        (``ring_slots`` chunks of 1/V of a stage), or with ``recompute`` one microbatch's
+        (its backward's working set) while the ring holds only stage inputs."""
+        if self.schedule != "1f1b":
+            return float(self.microbatches)
+        return 1.0 if self.recompute else self.ring_slots / self.virtual
 
 
 def pipeline_spec(parallel_config, stages: int) -> PipelineSpec | None:
@@ -34,17 +76,25 @@ def pipeline_spec(parallel_config, stages: int) -> PipelineSpec | None:
     if stages <= 1:
         return None
     p = parallel_config
-    return PipelineSpec(stages, p.pipeline_microbatches or stages, p.virtual_stages, p.schedule)
+    recompute = bool(getattr(p, "pipeline_recompute", False))
+    return PipelineSpec(stages, p.pipeline_microbatches or stages, p.virtual_stages, p.schedule, recompute)
 
 
-def validate(spec: PipelineSpec, n_layers: int) -> str | None:
-    """The reason this spec cannot stage ``n_layers`` layers, or None."""
+def validate(spec: PipelineSpec, n_layers: int, seq_len: int | None = None) -> str | None:
+    """The reason this spec cannot stage ``n_layers`` layers (and split a ``seq_len`` sequence's head over the stages), or None."""
     if spec.schedule not in SCHEDULES:
         return f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {spec.schedule!r}"
-    if spec.schedule != "circular" and spec.virtual != 1:
-        return f"parallel.virtual_stages={spec.virtual} needs parallel.schedule=circular"
+    if spec.schedule == "gpipe" and spec.virtual != 1:
+        return f"parallel.virtual_stages={spec.virtual} needs parallel.schedule=circular or 1f1b (interleaved)"
     if n_layers % (spec.stages * spec.virtual):
         return f"model.n_layers ({n_layers}) must be divisible by pipe x virtual stages ({spec.stages} x {spec.virtual})"
     if spec.microbatches < spec.stages:
         return f"parallel.pipeline_microbatches ({spec.microbatches}) must be >= the pipe axis ({spec.stages}) for the {spec.schedule} schedule"
+    if spec.interleaved and spec.microbatches % spec.stages:
+        return (
+            f"parallel.pipeline_microbatches ({spec.microbatches}) must be a multiple of the pipe axis ({spec.stages}) "
+            "for interleaved 1F1B (parallel.virtual_stages > 1): microbatches move through the chunks in groups of S"
+        )
+    if seq_len is not None and seq_len % spec.stages:
+        return f"train.seq_len ({seq_len}) must be divisible by the pipe axis ({spec.stages}): each stage runs the head and loss on 1/S of every sequence"
     return None

@@ -1,0 +1,235 @@
+"""1F1B and interleaved 1F1B: the forward and backward of the pipeline in one explicit schedule.
+
+Lockstep SPMD over ``pipe`` (inside ``jax.shard_map``, manual over pipe and data). Each
+device holds V chunks of K = L/(S V) layers, chunk (s, v) being global stage v S + s
+(``pipeline_parts.stage_major``); microbatches move through the chunks in groups of S
+(V = 1: plain 1F1B, one group). At tick t device s runs
+
+- the forward of its iteration i = t - s: microbatch (i // (S V)) S + i % S on chunk
+  (i // S) % V. The last device's output wraps to device 0, where it is exactly the next
+  chunk's input one tick later, so nothing waits in an inbox;
+- the backward of its iteration j = t - (V S - 1) - (S - 1 - s): the same microbatch
+  formula on chunk V - 1 - (j // S) % V; cotangents go left and wrap the same way;
+- in the ticks where the last device finishes a microbatch's last chunk, the head and the
+  loss on 1/S of its sequence each (``pipeline_parts.from_last_stage``), whose cotangents
+  are gathered back for the last device's backward in the same tick.
+
+The ticks run as three phases (``PipelineSpec.phases``): V S - 1 forward-only, then
+forward and backward, then V S - 1 backward-only, so each device executes V M + S - 1
+chunk steps of which V M are useful: the bubble (S-1)/(V M + S-1). With V > 1 the
+middle phase repeats a period of S head ticks and (V-1) S ticks without a head.
+
+Between a chunk's forward and backward (at most 2 V S - 2 ticks) its activations wait
+in a ring of 2 V S - 1 slots: by default the residuals of ``jax.vjp`` (the chunk's
+saved activations, weights left out since the backward has them), so the backward runs
+only the backward; with ``spec.recompute`` only the chunk's input, and the backward
+recomputes its forward (4/3 of the work, a ring of [b, T, D] inputs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxdist.parallel.microbatch import merge_microbatches, split_microbatches
+from jaxdist.parallel.pipeline_parts import from_last_stage, index, layer_major, my_piece, set_where, shift, stage_major
+from jaxdist.parallel.schedule import PipelineSpec
+
+SEQ = 1  # the sequence axis of a microbatch [b, T, D]: what the head is split over
+
+
+class StageResiduals:
+    """A chunk's ``jax.vjp`` split into what changes per microbatch (kept in the ring) and
+    the chunk's weights (forwarded by identity, so never copied into the ring)."""
+
+    def __init__(self, stage_fn):
+        self.stage_fn = stage_fn
+        self.treedef = None
+        self.layout: list[int | None] = []  # per vjp leaf: the index of the weight leaf it is, or None (kept)
+
+    def forward(self, params: Any, h: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
+        y, vjp = jax.vjp(lambda p, x: self.stage_fn(p, x, aux), params, h)
+        leaves, treedef = jax.tree_util.tree_flatten(vjp)
+        weights = {id(w): k for k, w in enumerate(jax.tree.leaves(params))}
+        # the structure of this trace's vjp (its backward in the same tick rebuilds from it)
+        self.treedef, self.layout = treedef, [weights.get(id(leaf)) for leaf in leaves]
+        layout = self.layout
+        return y, [leaf for leaf, w in zip(leaves, layout, strict=True) if w is None]
+
+    def backward(self, params: Any, kept: list[jax.Array], cotangent: jax.Array) -> tuple[Any, jax.Array]:
+        weights, kept = jax.tree.leaves(params), iter(kept)
+        leaves = [next(kept) if w is None else weights[w] for w in self.layout]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)(cotangent)
+
+
+def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_params, head_params, x, aux, targets, seed):
+    """(loss sum, and the gradients of loss sum x ``seed`` by layer params, head params and x)."""
+    S, M, V = spec.stages, spec.microbatches, spec.virtual
+    R = spec.ring_slots
+    staged = stage_major(layer_params, spec)  # [S, V, K, ...]
+    x_mb = split_microbatches(x, M)
+    aux_mb = {k: split_microbatches(v, M) for k, v in aux.items()}
+    targets_mb = {k: split_microbatches(v, M) for k, v in targets.items()}
+    residuals = StageResiduals(stage_fn)
+
+    def per_stage(params, head_params, x_mb, aux_mb, targets_mb, seed):
+        params = jax.tree.map(lambda p: p[0], params)  # [V, K, ...]
+        s = jax.lax.axis_index("pipe")
+        mb_shape = x_mb.shape[1:]
+
+        def microbatch(k):  # iteration k -> (microbatch, position of its chunk in the group order)
+            return (k // (S * V)) * S + k % S, (k // S) % V
+
+        def head_grad(t):  # the loss of the microbatch the last device finished this tick, 1/S per stage
+            i_last = t - (S - 1)
+            m_last, v_last = microbatch(jnp.clip(i_last, 0, V * M - 1))
+            valid = (i_last >= 0) & (i_last < V * M) & (v_last == V - 1)
+            mine = my_piece_tree(index(targets_mb, m_last))
+            return valid, m_last, mine
+
+        def my_piece_tree(tree):
+            return {k: my_piece(v, SEQ, S) for k, v in tree.items()}
+
+        def tick(carry, t, forward: bool, head: bool, backward: bool):
+            act_in, cot_in, ring, loss, g_params, g_head, dx = carry
+            y = jnp.zeros(mb_shape, x_mb.dtype)
+            if forward:
+                i = t - s
+                f_valid = (i >= 0) & (i < V * M)
+                i = jnp.clip(i, 0, V * M - 1)
+                fm, fv = microbatch(i)
+                h = jnp.where((s == 0) & (fv == 0), x_mb[fm], act_in)
+                if spec.recompute:
+                    y = stage_fn(index(params, fv), h, index(aux_mb, fm))
+                    ring = (set_where(ring[0], i % R, f_valid, h),)
+                else:
+                    y, kept = residuals.forward(index(params, fv), h, index(aux_mb, fm))
+                    ring = tuple(set_where(buf, i % R, f_valid, leaf) for buf, leaf in zip(ring, kept, strict=True))
+            dy = jnp.zeros(mb_shape, x_mb.dtype)
+            if head:
+                valid, _, mine = head_grad(t)
+                value, vjp = jax.vjp(lambda hp, yy: head_loss_fn(hp, yy, mine), head_params, from_last_stage(y, SEQ, S))
+                dh, dy_mine = vjp(seed.astype(value.dtype))  # the backward starts from ``seed``, as autodiff's would
+                dy = jax.lax.all_gather(dy_mine, "pipe", axis=SEQ, tiled=True)
+                loss = loss + jnp.where(valid, value, 0.0)
+                g_head = jax.tree.map(lambda acc, g: acc + jnp.where(valid, g, 0), g_head, dh)
+            gx = jnp.zeros(mb_shape, x_mb.dtype)
+            if backward:
+                j = t - (V * S - 1) - (S - 1 - s)
+                b_valid = (j >= 0) & (j < V * M)
+                j = jnp.clip(j, 0, V * M - 1)
+                bm, order = microbatch(j)
+                bv = V - 1 - order
+                i_f = (j // (S * V)) * S * V + bv * S + j % S  # the forward iteration that filled its slot
+                cot = jnp.where((s == S - 1) & (bv == V - 1), dy, cot_in).astype(x_mb.dtype)
+                chunk = index(params, bv)
+                if spec.recompute:
+                    aux_b = index(aux_mb, bm)
+                    _, vjp = jax.vjp(lambda p, h_in: stage_fn(p, h_in, aux_b), chunk, ring[0][i_f % R])
+                    gp, gx = vjp(cot)
+                else:
+                    if not forward:  # trace the chunk's vjp once for its structure (dead code: XLA drops it)
+                        residuals.forward(chunk, jnp.zeros(mb_shape, x_mb.dtype), index(aux_mb, bm))
+                    gp, gx = residuals.backward(chunk, [buf[i_f % R] for buf in ring], cot)
+                g_params = jax.tree.map(lambda acc, g: acc.at[bv].add(jnp.where(b_valid, g, 0)), g_params, gp)
+                dx = set_where(dx, bm, (s == 0) & (bv == 0) & b_valid, gx)
+            act_in = shift(y, S, 1) if forward else act_in
+            cot_in = shift(gx, S, -1) if backward else cot_in
+            return (act_in, cot_in, ring, loss, g_params, g_head, dx), None
+
+        def run(carry, start, length, **phase):
+            if length == 0:
+                return carry
+            return jax.lax.scan(lambda c, t: tick(c, t, **phase), carry, start + jnp.arange(length))[0]
+
+        # the ring's slots: the chunk's input (recompute) or its vjp residuals
+        aux0 = index(aux_mb, 0)
+        chunk0 = index(params, 0)
+        if spec.recompute:
+            slot_shapes = [jax.ShapeDtypeStruct(mb_shape, x_mb.dtype)]
+        else:
+            slot_shapes = jax.eval_shape(lambda p, h: residuals.forward(p, h, aux0)[1], chunk0, x_mb[0])
+        init = (
+            jnp.zeros(mb_shape, x_mb.dtype),
+            jnp.zeros(mb_shape, x_mb.dtype),
+            tuple(jnp.zeros((R, *a.shape), a.dtype) for a in slot_shapes),
+            jnp.zeros((), jnp.float32),
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), head_params),
+            jnp.zeros_like(x_mb),
+        )
+        warm, steady, cool = spec.phases
+        carry = run(init, 0, warm, forward=True, head=False, backward=False)
+        if V == 1:
+            carry = run(carry, warm, steady, forward=True, head=True, backward=True)
+        else:  # periods of S head ticks and (V-1) S without, then the last S head ticks
+            period = V * S
+
+            def one_period(c, start):
+                c = run(c, start, S, forward=True, head=True, backward=True)
+                return run(c, start + S, period - S, forward=True, head=False, backward=True), None
+
+            starts = warm + period * jnp.arange(M // S - 1)
+            carry = jax.lax.scan(one_period, carry, starts)[0] if M // S > 1 else carry
+            carry = run(carry, warm + steady - S, S, forward=True, head=True, backward=True)
+        carry = run(carry, warm + steady, cool, forward=False, head=False, backward=True)
+        _, _, _, loss, g_params, g_head, dx = carry
+        # loss, head grads and dx are sums over this device's rows (and sequence piece);
+        # they are completed over 'data' once, after the schedule (like DDP's bucket)
+        loss = jax.lax.psum(loss, ("pipe", "data"))
+        g_head = jax.lax.psum(g_head, ("pipe", "data"))
+        g_params = jax.lax.psum(g_params, "data")
+        dx = jax.lax.psum(dx, "pipe")
+        return loss, jax.tree.map(lambda g: g[None], g_params), g_head, dx
+
+    # Manual over 'data' as well: XLA's SPMD partitioner (jaxlib 0.10) fails a check when
+    # it has to place the per-microbatch gradient reductions over data inside this
+    # loop while tensor is partitioned too; reducing explicitly at the end avoids it.
+    rows = PartitionSpec(None, "data")
+    run = jax.shard_map(
+        per_stage,
+        mesh=mesh,
+        in_specs=(PartitionSpec("pipe"), PartitionSpec(), rows, rows, rows, PartitionSpec()),
+        out_specs=(PartitionSpec(), PartitionSpec("pipe"), PartitionSpec(), rows),
+        axis_names={"pipe", "data"},
+        check_vma=False,
+    )
+    loss, g_staged, g_head, dx = run(staged, head_params, x_mb, aux_mb, targets_mb, seed)
+    g_head = jax.tree.map(lambda g, p: g.astype(p.dtype), g_head, head_params)
+    return loss, layer_major(g_staged, layer_params), g_head, merge_microbatches(dx).astype(x.dtype)
+
+
+def one_f_one_b_loss(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh):
+    """loss(layer_params, head_params, x, aux, targets, seed) -> summed loss, whose gradient
+    comes from the explicit 1F1B schedule (computed together with the loss), started from
+    the cotangent ``seed`` (the loss scale autodiff will bring; its own cotangent then
+    only rescales, by g / seed)."""
+
+    @jax.custom_vjp
+    def loss(layer_params, head_params, x, aux, targets, seed):
+        return _one_f_one_b(stage_fn, head_loss_fn, spec, mesh, layer_params, head_params, x, aux, targets, seed)[0]
+
+    def forward(layer_params, head_params, x, aux, targets, seed):
+        value, g_layers, g_head, dx = _one_f_one_b(stage_fn, head_loss_fn, spec, mesh, layer_params, head_params, x, aux, targets, seed)
+        return value, (g_layers, g_head, dx, aux, targets, seed)
+
+    def backward(residuals, g):
+        g_layers, g_head, dx, aux, targets, seed = residuals
+        factor = g / seed  # 1 when autodiff brings the seed itself
+
+        def scale(tree):
+            return jax.tree.map(lambda x: (x * factor).astype(x.dtype), tree)
+
+        def no_gradient(tree):  # integer inputs (positions, targets) take float0 zeros
+            return jax.tree.map(
+                lambda x: np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros_like(x), tree
+            )
+
+        return scale(g_layers), scale(g_head), scale(dx), no_gradient(aux), no_gradient(targets), jnp.zeros_like(seed)
+
+    loss.defvjp(forward, backward)
+    return loss
