@@ -1,12 +1,16 @@
-"""Pipeline schedules side by side: step time, bubble, temp memory.
+"""Pipeline schedules side by side: executed FLOPs against the ideal, bubble, step time, temp memory.
 
     python experiments/pipeline_bench.py [--steps 5] [--layers 8]
 
-For each schedule and (S stages, M microbatches, V virtual stages): the median step
-time, the step time relative to the same model without a pipe axis on one device, the
-schedule's bubble (idle share of its ticks), and XLA's per-device temp memory. On fake
-CPU devices all stages share the host's cores, so the pipeline cannot run faster than
-one device: CPU timings only show the schedules' overheads, not their speedups.
+For each schedule and (S stages, M microbatches, V virtual stages, 1F1B's recompute): the
+matmul FLOPs one device executes per step (``jaxdist.plan.hlo_cost.program_cost``: every
+dot of the compiled step, times the trip counts of the loops around it) over the ideal,
+the same model's one-device step FLOPs / S; beside it 1 + the schedule's bubble and what
+the tick algebra predicts (``jaxdist.parallel.schedule.executed_over_ideal``, the head's
+share taken from the one-device program); the median step time and its ratio to one
+device; XLA's per-device temp memory. On fake CPU devices all stages share the host's
+cores, so the pipeline cannot run faster than one device: CPU timings only show the
+schedules' overheads, not their speedups; the FLOPs ratio and the memory carry over.
 """
 
 from __future__ import annotations
@@ -24,21 +28,28 @@ import jax  # noqa: E402
 from jaxdist.config import load_config  # noqa: E402
 from jaxdist.data.pipeline import make_iterator  # noqa: E402
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh  # noqa: E402
-from jaxdist.models import pipeline_spec  # noqa: E402
+from jaxdist.parallel.schedule import executed_over_ideal, pipeline_spec  # noqa: E402
+from jaxdist.plan.hlo_cost import program_cost  # noqa: E402
 from jaxdist.training.run import build_trainer  # noqa: E402
 
-CASES = [  # (schedule, S, M, V)
-    ("gpipe", 2, 2, 1),
-    ("gpipe", 2, 8, 1),
-    ("circular", 2, 8, 2),
-    ("1f1b", 2, 8, 1),
-    ("gpipe", 4, 16, 1),
-    ("circular", 4, 16, 2),
-    ("1f1b", 4, 16, 1),
+CASES = [  # (schedule, S, M, V, recompute)
+    ("gpipe", 2, 2, 1, False),
+    ("gpipe", 2, 8, 1, False),
+    ("circular", 2, 8, 2, False),
+    ("1f1b", 2, 8, 1, False),
+    ("1f1b", 2, 8, 1, True),
+    ("1f1b", 2, 8, 2, False),
+    ("gpipe", 4, 16, 1, False),
+    ("circular", 4, 16, 2, False),
+    ("1f1b", 4, 16, 1, False),
+    ("1f1b", 4, 16, 1, True),
+    ("1f1b", 4, 16, 2, False),
+    ("1f1b", 4, 16, 2, True),
 ]
 
 
-def measure(overrides: list[str], mesh: str, steps: int) -> tuple[float, int]:
+def measure(overrides: list[str], mesh: str, steps: int) -> tuple[float, int, float, float]:
+    """(median step s, temp bytes, executed matmul FLOPs per device, the head's part of them)."""
     config = load_config(None, overrides)
     sizes = parse_mesh(mesh)
     trainer = build_trainer(config, sizes, jax.devices()[: mesh_device_count(sizes)])
@@ -48,6 +59,9 @@ def measure(overrides: list[str], mesh: str, steps: int) -> tuple[float, int]:
     batches.close()
     compiled = trainer.train_step.lower(state, batch).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
+    cost = program_cost(compiled.as_text())
+    m, t = config.model, config.train
+    head = 6.0 * t.global_batch * t.seq_len * m.d_model * m.vocab_size  # forward + both backward products of the head
     state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
     times = []
@@ -56,7 +70,7 @@ def measure(overrides: list[str], mesh: str, steps: int) -> tuple[float, int]:
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
-    return statistics.median(times), temp
+    return statistics.median(times), temp, cost.matmul_flops, head
 
 
 def main() -> None:
@@ -74,16 +88,30 @@ def main() -> None:
     ]
     print(f"hardware: {jax.devices()[0].device_kind}, {jax.device_count()} fake devices, {os.cpu_count()} cores; jax {jax.__version__}")
     print(f"model: {args.layers} layers, d_model 128, batch 32 x 64, fp32 (CPU timing is only indicative)\n")
-    plain, plain_temp = measure(base, "data=1", args.steps)
-    print("| schedule | S | M | V | ticks | bubble | median step s | vs no pipeline | temp MB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    print(f"| none (1 device) | 1 | - | - | - | - | {plain:.3f} | 1.00 | {plain_temp / 2**20:.1f} |", flush=True)
-    for schedule, s, m, v in CASES:
-        overrides = [*base, f"parallel.schedule={schedule}", f"parallel.pipeline_microbatches={m}", f"parallel.virtual_stages={v}"]
-        step, temp = measure(overrides, f"pipe={s}", args.steps)
-        spec = pipeline_spec(load_config(None, overrides), s)
+    plain, plain_temp, plain_flops, head = measure(base, "data=1", args.steps)
+    layer_share = 1 - head / plain_flops
+    print(f"one device: {plain_flops / 1e9:.2f} GFLOP of matmuls per step, the head {1 - layer_share:.1%} of them\n")
+    print(
+        "| schedule | S | M | V | recompute | ticks | bubble | executed / ideal | 1 + bubble | tick algebra | median step s | vs no pipeline | temp MB |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| none (1 device) | 1 | - | - | - | - | - | 1.000 | - | - | {plain:.3f} | 1.00 | {plain_temp / 2**20:.1f} |", flush=True)
+    for schedule, s, m, v, recompute in CASES:
+        overrides = [
+            *base,
+            f"parallel.schedule={schedule}",
+            f"parallel.pipeline_microbatches={m}",
+            f"parallel.virtual_stages={v}",
+            *([f"parallel.pipeline_recompute={str(recompute).lower()}"] if schedule == "1f1b" else []),
+        ]
+        step, temp, flops, _ = measure(overrides, f"pipe={s}", args.steps)
+        spec = pipeline_spec(load_config(None, overrides).parallel, s)
+        ratio = flops / (plain_flops / s)
+        label = "interleaved 1f1b" if spec.interleaved else schedule
+        keep = ("recompute" if recompute else "keep") if schedule == "1f1b" else "-"
         print(
-            f"| {schedule} | {s} | {m} | {v} | {spec.ticks} | {spec.bubble:.1%} | {step:.3f} | {step / plain:.2f} | {temp / 2**20:.1f} |",
+            f"| {label} | {s} | {m} | {v} | {keep} | {spec.ticks} | {spec.bubble:.1%} | {ratio:.3f} | {1 + spec.bubble:.3f} "
+            f"| {executed_over_ideal(spec, layer_share):.3f} | {step:.3f} | {step / plain:.2f} | {temp / 2**20:.1f} |",
             flush=True,
         )
 

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxdist.layout.sharding import active_layout
 from jaxdist.parallel.microbatch import merge_microbatches, split_microbatches
 from jaxdist.parallel.pipeline_1f1b import one_f_one_b_loss
-from jaxdist.parallel.pipeline_parts import from_last_stage, index, my_piece, set_where, shift, stage_major
+from jaxdist.parallel.pipeline_parts import from_last_stage, index, set_where, shift, stage_major
 from jaxdist.parallel.schedule import PipelineSpec
 
 StageFn = Callable[[Any, jax.Array, dict[str, jax.Array]], jax.Array]
@@ -67,7 +67,7 @@ def pipeline_loss(
     aux_mb = {k: split_microbatches(v, M) for k, v in aux.items()}
     targets_mb = {k: split_microbatches(v, M) for k, v in targets.items()}
 
-    def per_stage(params, head_params, x_mb, aux_mb, targets_mb):
+    def per_stage(params, x_mb, aux_mb):
         params = jax.tree.map(lambda p: p[0], params)  # this stage's [V, K, ...]
         s = jax.lax.axis_index("pipe")
 
@@ -90,20 +90,36 @@ def pipeline_loss(
 
         zeros = jnp.zeros_like(x_mb)
         (_, outputs, _), _ = jax.lax.scan(tick, (zeros, zeros, jnp.zeros_like(x_mb[0])), jnp.arange(spec.ticks))
-        # the head on this stage's 1/S of every sequence ([M, b, T/S, D]), not all of it everywhere
-        y = merge_microbatches(from_last_stage(outputs, SEQ + 1, S))
-        mine = {k: merge_microbatches(my_piece(v, SEQ + 1, S)) for k, v in targets_mb.items()}
-        return jax.lax.psum(head_loss_fn(head_params, y, mine), "pipe")
+        return from_last_stage(outputs, SEQ + 1, S)  # stage s gets 1/S of every sequence: [M, b, T/S, D]
 
+    pieces = PartitionSpec(None, None, "pipe")
     run = jax.shard_map(
         per_stage,
         mesh=mesh,
-        in_specs=(PartitionSpec("pipe"), PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
-        out_specs=PartitionSpec(),
+        in_specs=(PartitionSpec("pipe"), PartitionSpec(), PartitionSpec()),
+        out_specs=pieces,
         axis_names={"pipe"},
         check_vma=False,
     )
-    return run(staged, head_params, x_mb, aux_mb, targets_mb)
+    y_mb = run(staged, x_mb, aux_mb)
+
+    # The head on each stage's piece of the sequences, not all of it everywhere. Manual over
+    # 'data' too: with it left to the partitioner inside a pipe-manual region, XLA's SPMD
+    # partitioner (jaxlib 0.10) fails a check on the loss's gather once tensor is partitioned.
+    def head(head_params, y_mb, targets_mb):
+        loss = head_loss_fn(head_params, merge_microbatches(y_mb), {k: merge_microbatches(v) for k, v in targets_mb.items()})
+        return jax.lax.psum(loss, ("pipe", "data"))
+
+    rows_pieces = PartitionSpec(None, "data", "pipe")
+    run_head = jax.shard_map(
+        head,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), rows_pieces, rows_pieces),
+        out_specs=PartitionSpec(),
+        axis_names={"pipe", "data"},
+        check_vma=False,
+    )
+    return run_head(head_params, y_mb, targets_mb)
 
 
 # -- the loss scale 1F1B's in-forward backward needs ----------------------------------------

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxdist.parallel.microbatch import merge_microbatches, split_microbatches
 from jaxdist.parallel.pipeline_parts import from_last_stage, index, layer_major, my_piece, set_where, shift, stage_major
-from jaxdist.parallel.schedule import PipelineSpec
+from jaxdist.parallel.schedule import PipelineSpec, one_f_one_b_backward, one_f_one_b_forward
 
 SEQ = 1  # the sequence axis of a microbatch [b, T, D]: what the head is split over
 
@@ -81,27 +81,15 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
         s = jax.lax.axis_index("pipe")
         mb_shape = x_mb.shape[1:]
 
-        def microbatch(k):  # iteration k -> (microbatch, position of its chunk in the group order)
-            return (k // (S * V)) * S + k % S, (k // S) % V
-
-        def head_grad(t):  # the loss of the microbatch the last device finished this tick, 1/S per stage
-            i_last = t - (S - 1)
-            m_last, v_last = microbatch(jnp.clip(i_last, 0, V * M - 1))
-            valid = (i_last >= 0) & (i_last < V * M) & (v_last == V - 1)
-            mine = my_piece_tree(index(targets_mb, m_last))
-            return valid, m_last, mine
-
-        def my_piece_tree(tree):
-            return {k: my_piece(v, SEQ, S) for k, v in tree.items()}
+        def clipped(k):
+            return jnp.clip(k, 0, M - 1)
 
         def tick(carry, t, forward: bool, head: bool, backward: bool):
             act_in, cot_in, ring, loss, g_params, g_head, dx = carry
             y = jnp.zeros(mb_shape, x_mb.dtype)
             if forward:
-                i = t - s
-                f_valid = (i >= 0) & (i < V * M)
-                i = jnp.clip(i, 0, V * M - 1)
-                fm, fv = microbatch(i)
+                f_valid, i, fm, fv = one_f_one_b_forward(spec, s, t)
+                i, fm, fv = jnp.clip(i, 0, V * M - 1), clipped(fm), jnp.clip(fv, 0, V - 1)
                 h = jnp.where((s == 0) & (fv == 0), x_mb[fm], act_in)
                 if spec.recompute:
                     y = stage_fn(index(params, fv), h, index(aux_mb, fm))
@@ -111,7 +99,10 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
                     ring = tuple(set_where(buf, i % R, f_valid, leaf) for buf, leaf in zip(ring, kept, strict=True))
             dy = jnp.zeros(mb_shape, x_mb.dtype)
             if head:
-                valid, _, mine = head_grad(t)
+                # the loss of the microbatch the last device finishes this tick, 1/S of it per stage
+                valid, _, m_last, v_last = one_f_one_b_forward(spec, S - 1, t)
+                valid = valid & (v_last == V - 1)
+                mine = {k: my_piece(v, SEQ, S) for k, v in index(targets_mb, clipped(m_last)).items()}
                 value, vjp = jax.vjp(lambda hp, yy: head_loss_fn(hp, yy, mine), head_params, from_last_stage(y, SEQ, S))
                 dh, dy_mine = vjp(seed.astype(value.dtype))  # the backward starts from ``seed``, as autodiff's would
                 dy = jax.lax.all_gather(dy_mine, "pipe", axis=SEQ, tiled=True)
@@ -119,12 +110,8 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
                 g_head = jax.tree.map(lambda acc, g: acc + jnp.where(valid, g, 0), g_head, dh)
             gx = jnp.zeros(mb_shape, x_mb.dtype)
             if backward:
-                j = t - (V * S - 1) - (S - 1 - s)
-                b_valid = (j >= 0) & (j < V * M)
-                j = jnp.clip(j, 0, V * M - 1)
-                bm, order = microbatch(j)
-                bv = V - 1 - order
-                i_f = (j // (S * V)) * S * V + bv * S + j % S  # the forward iteration that filled its slot
+                b_valid, bm, bv, i_f = one_f_one_b_backward(spec, s, t)  # i_f: the forward iteration that filled its slot
+                bm, bv, i_f = clipped(bm), jnp.clip(bv, 0, V - 1), jnp.clip(i_f, 0, V * M - 1)
                 cot = jnp.where((s == S - 1) & (bv == V - 1), dy, cot_in).astype(x_mb.dtype)
                 chunk = index(params, bv)
                 if spec.recompute:

@@ -71,6 +71,35 @@ class PipelineSpec:
         return 1.0 if self.recompute else self.ring_slots / self.virtual
 
 
+def one_f_one_b_forward(spec: PipelineSpec, stage, tick):
+    """1F1B's forward at ``tick`` on device ``stage``: (valid, iteration i, microbatch, chunk v).
+    Plain integers or JAX arrays (the schedule's own index math; i is unclipped)."""
+    s, v = spec.stages, spec.virtual
+    i = tick - stage
+    return (i >= 0) & (i < v * spec.microbatches), i, (i // (s * v)) * s + i % s, (i // s) % v
+
+
+def one_f_one_b_backward(spec: PipelineSpec, stage, tick):
+    """1F1B's backward at ``tick`` on device ``stage``: (valid, microbatch, chunk v, the forward
+    iteration whose ring slot holds its activations). Unclipped, like ``one_f_one_b_forward``."""
+    s, v = spec.stages, spec.virtual
+    j = tick - (v * s - 1) - (s - 1 - stage)
+    chunk = v - 1 - (j // s) % v
+    return (j >= 0) & (j < v * spec.microbatches), (j // (s * v)) * s + j % s, chunk, (j // (s * v)) * s * v + chunk * s + j % s
+
+
+RECOMPUTE_FACTOR = 4 / 3  # a chunk's matmul work with its forward recomputed: (F + F + 2F) / (F + 2F)
+
+
+def executed_over_ideal(spec: PipelineSpec, layer_share: float) -> float:
+    """The matmul FLOPs a device executes per step over the ideal (the unpipelined step's / S),
+    by the tick algebra: the layers' share of the work (``layer_share``; the rest is the
+    head, spread over the stages once per microbatch) runs ``work_units / (V M)`` times,
+    4/3 of that with ``recompute``."""
+    layers = layer_share * spec.work_units / (spec.virtual * spec.microbatches)
+    return layers * (RECOMPUTE_FACTOR if spec.schedule == "1f1b" and spec.recompute else 1.0) + (1 - layer_share)
+
+
 def pipeline_spec(parallel_config, stages: int) -> PipelineSpec | None:
     """The schedule for a ``pipe`` axis of ``stages`` (None when there is no pipeline)."""
     if stages <= 1:
