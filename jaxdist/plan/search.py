@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from typing import Any
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.layout.mesh import format_mesh, parse_mesh
+from jaxdist.parallel.schedule import RECOMPUTE_FACTOR, pipeline_spec
 
 REMATS = ("none", "save_matmuls", "full")
 RECOMPUTE = {"none": 1.0, "save_matmuls": 1.1, "full": 4 / 3}  # training FLOPs with remat / without
@@ -46,6 +48,7 @@ class Candidate:
     microbatches: int
     remat: str
     context_strategy: str = ""  # all_gather | ring with a context axis; "" without one
+    pipeline_recompute: bool | None = None  # 1F1B on a pipe axis: recompute each stage's forward (True) or keep it (False)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -57,11 +60,13 @@ class Candidate:
 
     def overrides(self) -> list[str]:
         out = [f"parallel.mesh={self.mesh_spec}", f"train.microbatches={self.microbatches}", f"model.remat={self.remat}"]
+        out += [f"parallel.pipeline_recompute={str(self.pipeline_recompute).lower()}"] if self.pipeline_recompute is not None else []
         return out + ([f"parallel.context_strategy={self.context_strategy}"] if self.context_strategy else [])
 
     def label(self) -> str:
         strategy = f" {self.context_strategy}" if self.context_strategy else ""
-        return f"{self.mesh_spec}{strategy} mb={self.microbatches} remat={self.remat}"
+        stages = "" if self.pipeline_recompute is None else (" 1f1b recompute" if self.pipeline_recompute else " 1f1b keep")
+        return f"{self.mesh_spec}{strategy}{stages} mb={self.microbatches} remat={self.remat}"
 
 
 def divisors(n: int) -> list[int]:
@@ -74,7 +79,16 @@ def configured(config: Config, candidate: Candidate) -> Config:
     out.parallel.strategy = "auto"  # fsdp where the mesh has an fsdp axis, tensor parallel where it has a tensor axis
     if candidate.context_strategy:
         out.parallel.context_strategy = candidate.context_strategy
+    if candidate.pipeline_recompute is not None:
+        out.parallel.pipeline_recompute = candidate.pipeline_recompute
     return out
+
+
+def candidate_pipeline(config: Config, candidate: Candidate):
+    """The pipeline schedule ``candidate`` runs (None without a pipe axis)."""
+    p = config.parallel
+    recompute = p.pipeline_recompute if candidate.pipeline_recompute is None else candidate.pipeline_recompute
+    return pipeline_spec(dataclasses.replace(p, pipeline_recompute=recompute), candidate.sizes["pipe"])
 
 
 def enumerate_candidates(config: Config, gpus: int, gpus_per_node: int, rejected: Counter | None = None) -> list[Candidate]:
@@ -96,9 +110,10 @@ def enumerate_candidates(config: Config, gpus: int, gpus_per_node: int, rejected
                         mesh = tuple((a, sizes[a]) for a in LAYOUT_AXES)
                         shards = data * fsdp * expert
                         for microbatches in (m for m in (1, 2, 4, 8, 16) if batch % (shards * m) == 0):
-                            for remat in REMATS:
+                            one_f_one_b = pipe > 1 and config.parallel.schedule == "1f1b"
+                            for remat, recompute in itertools.product(REMATS, (False, True) if one_f_one_b else (None,)):
                                 for strategy in CONTEXT_STRATEGIES if context > 1 else ("",):
-                                    candidate = Candidate(mesh, microbatches, remat, strategy)
+                                    candidate = Candidate(mesh, microbatches, remat, strategy, recompute)
                                     try:
                                         check_config_on_mesh(configured(config, candidate), parse_mesh(candidate.mesh_spec))
                                     except JaxdistError as e:
@@ -165,11 +180,18 @@ def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_
     elif not fused_attention:
         per_layer += 5 * m.n_heads * s * s / tp
     layers = m.n_layers // sizes["pipe"]
-    in_flight = sizes["pipe"] if sizes["pipe"] > 1 else 1  # 1F1B-like: S microbatches alive per stage
     kept = {"none": per_layer * layers, "save_matmuls": per_layer * layers / 2, "full": 2 * s * d * layers + per_layer}[candidate.remat]
-    logit_tokens = min(s, m.loss_chunk) if m.loss_chunk > 0 else s
+    spec = candidate_pipeline(config, candidate)
+    activations, head_rows, head_tokens = rows * kept, rows, s
+    if spec is not None:  # rows / M per pipeline microbatch; the head runs on 1/S of each sequence per stage
+        activations = rows / spec.microbatches * kept * spec.activations_alive()
+        if spec.schedule == "1f1b" and spec.recompute:  # the ring of stage inputs the backward recomputes from
+            activations += rows / spec.microbatches * spec.ring_slots / spec.virtual * s * d * _compute_bytes(config)
+        head_rows = rows / spec.microbatches if spec.schedule == "1f1b" else rows  # 1F1B: one microbatch's head at a time
+        head_tokens = s // spec.stages
+    logit_tokens = min(head_tokens, m.loss_chunk) if m.loss_chunk > 0 else head_tokens
     logits = 2 * 4 * logit_tokens * m.vocab_size / tp
-    return states_bytes(candidate, n_params, routed_expert_params(config)) + rows * (kept * in_flight + logits + working)
+    return states_bytes(candidate, n_params, routed_expert_params(config)) + activations + head_rows * logits + rows * working
 
 
 def attention_flops_per_sequence(config: Config) -> float:
@@ -302,10 +324,10 @@ def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware
     expansion = m.moe_experts // sizes["expert"] if routed and hardware.shared_host else 1  # XLA:CPU's dense ragged_dot
     flop_params = n_params - routed + active_experts * expansion
     compute = 6 * flop_params * t.global_batch * t.seq_len / devices / rate * RECOMPUTE[candidate.remat] + attention
-    pipe = sizes["pipe"]
-    if pipe > 1:
-        m = max(config.parallel.pipeline_microbatches or pipe, 1)
-        compute *= (m + pipe - 1) / m
+    spec = candidate_pipeline(config, candidate)
+    if spec is not None:  # every device executes the schedule's masked chunk steps too; 1F1B's recompute runs the forward twice
+        compute *= spec.work_units / (spec.virtual * spec.microbatches)
+        compute *= RECOMPUTE_FACTOR if spec.schedule == "1f1b" and spec.recompute else 1.0
     comm_penalty = 1 + 0.05 * (sizes["tensor"] > 1) + 0.02 * math.log2(sizes["tensor"])
     wire, count = context_traffic(config, candidate)
     link = hardware.intra_node  # context stays inside a node
