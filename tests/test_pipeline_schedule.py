@@ -1,0 +1,168 @@
+"""The pipeline schedules' tick algebra, checked by simulating every tick in plain Python,
+the bubble formulas by hand, the configs they reject, and how the planner prices them."""
+
+import itertools
+import re
+
+import pytest
+
+from jaxdist.config import load_config
+from jaxdist.layout.mesh import parse_mesh
+from jaxdist.parallel.schedule import PipelineSpec, executed_over_ideal, one_f_one_b_backward, one_f_one_b_forward
+
+from helpers import TINY
+
+SHAPES = [(2, 2, 1), (2, 4, 1), (4, 4, 1), (3, 5, 1), (2, 4, 2), (4, 8, 2), (2, 6, 3), (4, 4, 3)]  # (S, M, V)
+
+
+def _simulate(spec: PipelineSpec):
+    """Every device's forwards and backwards over the ticks, by the schedule's index math, with
+    each tick's phase (warm-up: forwards only; then both; cool-down: backwards only)."""
+    S = spec.stages
+    warm, steady, _ = spec.phases
+    forwards, backwards, slots = {}, {}, {}
+    for t, s in itertools.product(range(spec.ticks), range(S)):
+        valid, i, m, v = one_f_one_b_forward(spec, s, t)
+        if valid:
+            assert t < warm + steady, ("a forward in the cool-down", t, s)
+            assert (m, v * S + s) not in forwards
+            forwards[m, v * S + s] = t
+            slots[s, i] = t
+        valid, m, v, i_f = one_f_one_b_backward(spec, s, t)
+        if valid:
+            assert t >= warm, ("a backward in the warm-up", t, s)
+            assert (m, v * S + s) not in backwards
+            backwards[m, v * S + s] = (t, s, i_f)
+    return forwards, backwards, slots
+
+
+@pytest.mark.parametrize(("stages", "microbatches", "virtual"), SHAPES)
+def test_one_f_one_b_ticks_respect_every_dependency(stages, microbatches, virtual):
+    """Each (microbatch, global stage g = v S + s) runs forward and backward exactly once; the
+    forward of g one tick after g-1's (one ppermute right, the last device wrapping to device
+    0), the backward of g one tick after g+1's (one to the left), the last stage's backward in
+    its forward's tick (the head's cotangent); a ring slot is read before 2 V S - 1 later
+    forwards could overwrite it; and each device executes V M + S - 1 chunk steps."""
+    spec = PipelineSpec(stages, microbatches, virtual, "1f1b")
+    S, M, G = stages, microbatches, stages * virtual
+    forwards, backwards, slots = _simulate(spec)
+    assert set(forwards) == set(backwards) == set(itertools.product(range(M), range(G)))
+    for m, g in forwards:
+        if g > 0:
+            assert forwards[m, g] == forwards[m, g - 1] + 1
+        t, s, i_f = backwards[m, g]
+        if g < G - 1:
+            assert t == backwards[m, g + 1][0] + 1
+        else:
+            assert t == forwards[m, g]
+        assert slots[s, i_f] == forwards[m, g]  # the slot holds this microbatch chunk's forward
+        assert 0 <= t - s - i_f < spec.ring_slots  # forwards since then on this device: fewer than the slots
+    warm, steady, cool = spec.phases
+    assert warm + steady + cool == spec.ticks == virtual * M + virtual * S + S - 2
+    assert ((warm + steady) + (steady + cool)) / 2 == spec.work_units == virtual * M + S - 1  # forward ticks + backward ticks
+
+
+@pytest.mark.parametrize(("stages", "microbatches", "virtual"), [s for s in SHAPES if s[2] > 1])
+def test_interleaved_heads_fall_in_the_head_ticks(stages, microbatches, virtual):
+    """The last device finishes a microbatch's last chunk only in the S ticks starting at
+    V S - 1 + k V S (k < M / S): the only ticks that run the head."""
+    spec = PipelineSpec(stages, microbatches, virtual, "1f1b")
+    S, V = stages, virtual
+    head_ticks = {V * S - 1 + k * V * S + r for k in range(microbatches // S) for r in range(S)}
+    last_device = [one_f_one_b_forward(spec, S - 1, t) for t in range(spec.ticks)]
+    finished = {t for t, (valid, _, _, chunk) in enumerate(last_device) if valid and chunk == V - 1}
+    assert finished == head_ticks and len(finished) == microbatches
+
+
+def test_bubbles_by_hand():
+    """(S-1)/(V M + S-1) for every schedule: GPipe S=4 M=16 3/19; circular V=2 3/35; 1F1B has
+    GPipe's (its 2S-2 extra ticks are forward-only or backward-only); interleaved S=4 M=8 V=2
+    3/19 over 26 ticks in phases (7, 12, 7)."""
+    assert PipelineSpec(4, 16, 1, "gpipe").bubble == pytest.approx(3 / 19)
+    assert PipelineSpec(4, 16, 2, "circular").bubble == pytest.approx(3 / 35)
+    one = PipelineSpec(4, 16, 1, "1f1b")
+    assert (one.ticks, one.phases, one.bubble) == (22, (3, 16, 3), pytest.approx(3 / 19))
+    inter = PipelineSpec(4, 8, 2, "1f1b")
+    assert (inter.ticks, inter.phases, inter.bubble, inter.interleaved) == (26, (7, 12, 7), pytest.approx(3 / 19), True)
+    # executed / ideal: layers x (V M + S - 1) / (V M), x 4/3 recomputing; the head once
+    assert executed_over_ideal(PipelineSpec(2, 4, 1, "1f1b"), 0.9) == pytest.approx(0.9 * 5 / 4 + 0.1)
+    assert executed_over_ideal(PipelineSpec(2, 4, 1, "1f1b", recompute=True), 0.9) == pytest.approx(0.9 * 5 / 4 * 4 / 3 + 0.1)
+    assert executed_over_ideal(PipelineSpec(2, 4, 2, "circular", recompute=True), 1.0) == pytest.approx(9 / 8)  # no recompute there
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("parallel.schedule=1f1b", "parallel.virtual_stages=2", "parallel.pipeline_microbatches=3"),
+            "must be a multiple of the pipe axis (2)",
+        ),
+        (("parallel.schedule=1f1b", "parallel.virtual_stages=4"), "must be divisible by pipe x virtual stages (2 x 4)"),
+        (("train.seq_len=31",), "train.seq_len (31) must be divisible by the pipe axis (2)"),
+        (("parallel.virtual_stages=2",), "needs parallel.schedule=circular or 1f1b"),
+    ],
+)
+def test_pipeline_config_errors(overrides, message):
+    from jaxdist.errors import MeshError
+    from jaxdist.layout.validate import check_config_on_mesh
+
+    config = load_config(None, [*TINY, "model.n_layers=4", *overrides])
+    with pytest.raises(MeshError, match=re.escape(message)):
+        check_config_on_mesh(config, parse_mesh("pipe=2"))
+
+
+@pytest.mark.parametrize(
+    ("mesh", "schedule", "warned"),
+    [
+        ("pipe=2", "gpipe", "parallel.schedule=gpipe"),
+        ("pipe=2", "circular", "parallel.schedule=circular"),
+        ("data=2", "1f1b", "a mesh without a pipe axis"),
+        ("pipe=2", "1f1b", None),
+    ],
+)
+def test_recompute_without_effect_says_so(mesh, schedule, warned):
+    from jaxdist.layout.validate import check_config_on_mesh
+
+    overrides = [*TINY, "model.n_layers=4", f"parallel.schedule={schedule}", "parallel.pipeline_recompute=true"]
+    overrides += ["parallel.virtual_stages=2"] if schedule == "circular" else []
+    warnings = [w for w in check_config_on_mesh(load_config(None, overrides), parse_mesh(mesh)) if "pipeline_recompute" in w]
+    if warned is None:
+        assert warnings == []
+    else:
+        assert (
+            len(warnings) == 1
+            and warned in warnings[0]
+            and warnings[0].startswith("jaxdist: warning: parallel.pipeline_recompute=True has no effect")
+        )
+
+
+def test_planner_prices_recompute_keep_and_interleaving():
+    """Recomputing costs time (4/3 of the layers' work), keeping costs memory (the ring of
+    residuals instead of stage inputs), interleaving lowers the executed chunk steps; the
+    candidates of a 1F1B config include both choices, and their overrides set them."""
+    from jaxdist.plan.hardware import load_hardware
+    from jaxdist.plan.search import Candidate, enumerate_candidates, estimated_memory, estimated_time
+
+    hardware = load_hardware("h100")
+    config = load_config(None, ["model.n_layers=8", "parallel.schedule=1f1b", "parallel.pipeline_microbatches=8", "train.global_batch=64"])
+    mesh = (("data", 1), ("fsdp", 1), ("expert", 1), ("context", 1), ("tensor", 1), ("pipe", 4))
+    keep, recompute = Candidate(mesh, 1, "none", "", False), Candidate(mesh, 1, "none", "", True)
+    n = 10**8
+    assert estimated_time(config, recompute, n, hardware) > 1.2 * estimated_time(config, keep, n, hardware)
+    assert estimated_memory(config, keep, n, True) > estimated_memory(config, recompute, n, True)
+    interleaved = load_config(
+        None,
+        [
+            "model.n_layers=8",
+            "parallel.schedule=1f1b",
+            "parallel.pipeline_microbatches=8",
+            "train.global_batch=64",
+            "parallel.virtual_stages=2",
+        ],
+    )
+    # work units 8 + 3 = 11 of 8 against 16 + 3 = 19 of 16 (the layers' share of the time)
+    assert estimated_time(interleaved, keep, n, hardware) < 0.95 * estimated_time(config, keep, n, hardware)
+    assert "parallel.pipeline_recompute=true" in recompute.overrides() and "recompute" in recompute.label()
+    choices = {c.pipeline_recompute for c in enumerate_candidates(config, 4, 8) if c.sizes["pipe"] > 1}
+    assert choices == {False, True}
+    assert {c.pipeline_recompute for c in enumerate_candidates(load_config(None, ["model.n_layers=8"]), 4, 8)} == {None}
