@@ -1,6 +1,7 @@
 """Pipeline parallelism: every schedule trains exactly like the plain model (losses and
-gradients), composes with data / tensor axes, remat and gradient accumulation, and
-1F1B keeps less alive than GPipe."""
+gradients), 1F1B and interleaved 1F1B with and without recompute too, composes with
+data / tensor axes, remat and gradient accumulation, and 1F1B keeps less alive than GPipe
+(and less again recomputing)."""
 
 import re
 
@@ -23,6 +24,11 @@ SCHEDULES = {
     "circular": ("parallel.schedule=circular", "parallel.virtual_stages=2"),
     "1f1b": ("parallel.schedule=1f1b",),
 }
+ONE_F_ONE_B = {  # 1F1B's choices: keep or recompute the stage's activations, plain or interleaved
+    "1f1b-recompute": ("parallel.schedule=1f1b", "parallel.pipeline_recompute=true"),
+    "interleaved-1f1b": ("parallel.schedule=1f1b", "parallel.virtual_stages=2"),
+    "interleaved-1f1b-recompute": ("parallel.schedule=1f1b", "parallel.virtual_stages=2", "parallel.pipeline_recompute=true"),
+}
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
@@ -37,9 +43,18 @@ def _grads(mesh: str, *overrides: str):
     return loss, jax.tree.leaves(grads)
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_gradients_match_the_plain_model(schedule):
-    loss, grads = _grads("pipe=2", *SCHEDULES[schedule], "parallel.pipeline_microbatches=4")
+@pytest.mark.parametrize(
+    ("mesh", "schedule"),
+    [
+        *(("pipe=2", s) for s in sorted(SCHEDULES | ONE_F_ONE_B)),
+        ("pipe=4", "interleaved-1f1b"),
+        ("data=2,tensor=2,pipe=2", "interleaved-1f1b"),
+        ("data=2,tensor=2,pipe=2", "1f1b-recompute"),
+        ("data=2,tensor=2,pipe=2", "gpipe"),
+    ],
+)
+def test_gradients_match_the_plain_model(mesh, schedule):
+    loss, grads = _grads(mesh, *(SCHEDULES | ONE_F_ONE_B)[schedule], "parallel.pipeline_microbatches=4")
     ref_loss, ref_grads = _grads("data=1")
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(grads, ref_grads, strict=True):  # relative error of each gradient tensor
@@ -82,9 +97,11 @@ def test_composes_with_remat_and_gradient_accumulation():
 
 
 def test_one_f_one_b_keeps_less_alive_than_gpipe():
+    """GPipe keeps all M = 16 microbatches' activations, 1F1B a ring of 2S - 1 = 3 (its vjp
+    residuals), recomputing only the ring's stage inputs and one microbatch's working set."""
     from jaxdist.training.compiled import analyze
 
-    def temp(schedule: str) -> int:
+    def temp(schedule: str, *extra: str) -> int:
         config = load_config(
             None,
             [
@@ -94,6 +111,7 @@ def test_one_f_one_b_keeps_less_alive_than_gpipe():
                 "train.seq_len=64",
                 f"parallel.schedule={schedule}",
                 "parallel.pipeline_microbatches=16",
+                *extra,
             ],
         )
         resolve_vocab(config)
@@ -101,7 +119,9 @@ def test_one_f_one_b_keeps_less_alive_than_gpipe():
         assert report["pipeline"]["microbatches"] == 16 and report["collectives"]["collective-permute"]["count"] > 0
         return report["memory_per_device_bytes"]["temp"]
 
-    assert temp("1f1b") < 0.75 * temp("gpipe")
+    keep = temp("1f1b")
+    assert keep < 0.75 * temp("gpipe")
+    assert temp("1f1b", "parallel.pipeline_recompute=true") < 0.9 * keep
 
 
 @pytest.mark.parametrize(

@@ -119,6 +119,8 @@ def build_report(trainer: Any, compiled: Any) -> dict[str, Any]:
             "schedule": spec.schedule,
             "ticks": spec.ticks,
             "bubble": spec.bubble,
+            "chunk_steps": spec.work_units,  # forward + backward of one chunk, masked ones included, per device
+            "recompute": spec.recompute if spec.schedule == "1f1b" else None,
         }
     if getattr(trainer, "inner_steps", 0):
         report["diloco"] = _diloco_section(trainer, ops, mesh_shape)
@@ -197,7 +199,8 @@ def format_report(report: dict[str, Any]) -> str:
         p = report["pipeline"]
         lines += [
             "",
-            f"pipeline        {p['schedule']}: S={p['stages']} M={p['microbatches']} V={p['virtual_stages']}, {p['ticks']} ticks, bubble {p['bubble']:.1%}",
+            f"pipeline        {p['schedule']}: S={p['stages']} M={p['microbatches']} V={p['virtual_stages']}, {p['ticks']} ticks, bubble {p['bubble']:.1%}"
+            + ({True: ", stage forward recomputed", False: ", stage activations kept"}.get(p.get("recompute"), "")),
         ]
     if "diloco" in report:
         d = report["diloco"]
