@@ -191,3 +191,28 @@ def test_negative_loss_chunk_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxdist: error: ") and "model.loss_chunk must be >= 0" in err[0], err
     assert not run_dir.exists()
+
+
+def test_split_parts_gradient_equals_slicing():
+    """The fused projections' split joins its parts' gradients by one concatenate; the
+    result equals autodiff through plain slices."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxdist.models.llama import split_parts
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 2, 6, 4)), jnp.float32)
+    weights = [
+        jnp.asarray(np.random.default_rng(i).standard_normal(s), jnp.float32)
+        for i, s in enumerate([(2, 3, 2, 4, 4), (2, 3, 2, 1, 4), (2, 3, 2, 1, 4)])
+    ]
+
+    def objective(split):
+        return lambda x: sum(jnp.sum(jnp.sin(p) * w) for p, w in zip(split(x), weights, strict=True))
+
+    sliced = lambda x: (x[:, :, :, :4], x[:, :, :, 4:5], x[:, :, :, 5:])  # noqa: E731
+    parts = split_parts(x, 3, (4, 1, 1))
+    for got, want in zip(parts, sliced(x), strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(jax.grad(objective(lambda x: split_parts(x, 3, (4, 1, 1))))(x), jax.grad(objective(sliced))(x), rtol=1e-6)

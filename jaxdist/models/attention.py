@@ -4,8 +4,11 @@ A batch row may hold several documents ("packing"): ``segment_ids`` [batch, seq]
 (non-decreasing along the row, e.g. 0,0,0,1,1,2,...) and a token attends only to earlier tokens
 of its own document.
 
-- ``xla``: ``jax.nn.dot_product_attention`` with an explicit [B,1,T,T] mask. The reference; it
-  materialises the [B,H,T,T] scores, which is what runs out of memory at long sequences.
+- ``xla``: plain XLA ops (``grouped_attention``): scores per kv-head group with the causal /
+  document mask, softmax in fp32; its backward recomputes the probabilities from the saved
+  log-sum-exp, as flash attention does, so a layer keeps q, k, v, output and [B,H,T]
+  statistics for the backward instead of [B,H,T,T] probabilities. It still forms each
+  layer's [B,H,T,T] scores, which is what runs out of memory at long sequences.
 - ``cudnn``: cuDNN's fused flash attention. Packed documents use cuDNN's sequence packing
   (per-document offsets and lengths), which needs a Hopper or newer GPU and 16-bit inputs.
 - ``pallas``: JAX's Pallas (Triton) flash attention, which takes segment ids directly; runs
@@ -21,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 
@@ -81,8 +85,7 @@ def _causal_attention(q, k, v, segment_ids, *, implementation: str, max_segments
         up = lambda x: x.astype(jnp.float32)  # noqa: E731
         return _causal_attention(up(q), up(k), up(v), segment_ids, implementation="xla", max_segments=None).astype(q.dtype)
     if implementation == "xla":
-        mask = None if segment_ids is None else document_causal_mask(segment_ids)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=segment_ids is None, implementation="xla")
+        return grouped_attention(q, k, v, segment_ids)
     if implementation == "cudnn":
         if segment_ids is None:
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -90,6 +93,69 @@ def _causal_attention(q, k, v, segment_ids, *, implementation: str, max_segments
     if implementation == "pallas":
         return _pallas(q, k, v, segment_ids)
     raise ValueError(f"attention implementation must be xla, cudnn or pallas here, got {implementation!r}")
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """Causal (and within-document) attention in plain XLA ops, q [B, T, H, D] over k, v
+    [B, S, KV, D]: query head i reads kv head i // (H/KV), as ``jax.nn.dot_product_attention``.
+
+    The heads are viewed as [KV, H/KV] groups (a free reshape), so GQA needs no repeated keys;
+    scores [B, KV, T, H/KV, S] in fp32 keep the dot products in the order XLA's dot emits
+    them (no transposes around the softmax). The backward pass recomputes the probabilities
+    from the log-sum-exp (``_attention_bwd``) rather than storing them.
+    """
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    mask = _visible(segment_ids, t, k.shape[1])
+    out = _attention(q.reshape(b, t, kv, h // kv, d), k, v, mask)
+    return out.reshape(b, t, h, d)
+
+
+def _visible(segment_ids: jax.Array | None, t: int, s: int) -> jax.Array:
+    """[B or 1, T, S] boolean: causal, and within the same document when ids are given."""
+    causal = jnp.arange(s)[None, :] <= jnp.arange(t)[:, None]
+    if segment_ids is None:
+        return causal[None]
+    return causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+
+def _scores(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+    """[B, KV, T, G, S] fp32 scaled scores, masked entries at the dtype's minimum."""
+    scores = jnp.einsum("btkgd,bskd->bktgs", q, k, preferred_element_type=jnp.float32) * (q.shape[-1] ** -0.5)
+    return jnp.where(mask[:, None, :, None, :], scores, jnp.finfo(jnp.float32).min)
+
+
+@jax.custom_vjp
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    return _attention_fwd(q, k, v, mask)[0]
+
+
+def _attention_fwd(q, k, v, mask):
+    scores = _scores(q, k, mask)
+    peak = jnp.max(scores, axis=-1, keepdims=True)  # every row sees at least its own token
+    weights = jnp.exp(scores - peak)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    out = jnp.einsum("bktgs,bskd->btkgd", (weights / total).astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
+    lse = peak + jnp.log(total)  # [B, KV, T, G, 1]
+    return out, (q, k, v, mask, out, lse)
+
+
+def _attention_bwd(residuals, d_out):
+    """Flash attention's backward without tiles: the probabilities recomputed from the
+    log-sum-exp (one [B,H,T,S] matmul) instead of read back from memory."""
+    q, k, v, mask, out, lse = residuals
+    probs = jnp.exp(_scores(q, k, mask) - lse)  # [B, KV, T, G, S]
+    dv = jnp.einsum("bktgs,btkgd->bskd", probs.astype(v.dtype), d_out, preferred_element_type=jnp.float32)
+    d_probs = jnp.einsum("btkgd,bskd->bktgs", d_out, v, preferred_element_type=jnp.float32)
+    row = jnp.einsum("btkgd,btkgd->bktg", d_out.astype(jnp.float32), out.astype(jnp.float32))  # sum_s p dp = <d_out, out>
+    d_scores = (probs * (d_probs - row[..., None]) * (q.shape[-1] ** -0.5)).astype(q.dtype)
+    dq = jnp.einsum("bktgs,bskd->btkgd", d_scores, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bktgs,btkgd->bskd", d_scores, q, preferred_element_type=jnp.float32)
+    mask_zero = np.zeros(mask.shape, jax.dtypes.float0)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), mask_zero
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def document_causal_mask(segment_ids: jax.Array) -> jax.Array:
