@@ -9,7 +9,7 @@ compiling: model states (16 bytes per parameter, sharded as the mesh shards them
 tensor, pipe, and the experts' weights over expert too) plus activations (Korthikanti et al.
 2022's per-layer counts, for the device's share of the sequence, plus an MoE layer's dispatched
 rows) must fit the device, and a rough time (6 x active params x tokens plus causal attention,
-remat's recompute, the pipeline bubble, the K/V traffic of a context axis, the experts'
+remat's recompute, the pipeline's executed chunk steps (its bubble) and 1F1B's recompute or kept activations, the K/V traffic of a context axis, the experts'
 all-to-alls) orders them. Then they are compiled best-first against fake CPU devices until the time budget runs
 out; each compile is cached on disk (``~/.cache/jaxdist/plan``), keyed by the resolved config
 and the JAX version, so a rerun is fast.
