@@ -44,7 +44,9 @@ SEQ = 1  # the sequence axis of a microbatch [b, T, D]: what the head is split o
 
 class StageResiduals:
     """A chunk's ``jax.vjp`` split into what changes per microbatch (kept in the ring) and
-    the chunk's weights (forwarded by identity, so never copied into the ring)."""
+    the chunk's weights (``jax.vjp`` forwards its primal inputs into the residuals by
+    identity; they are put back from the chunk's weights in the backward, never copied
+    into the ring)."""
 
     def __init__(self, stage_fn):
         self.stage_fn = stage_fn
@@ -57,8 +59,7 @@ class StageResiduals:
         weights = {id(w): k for k, w in enumerate(jax.tree.leaves(params))}
         # the structure of this trace's vjp (its backward in the same tick rebuilds from it)
         self.treedef, self.layout = treedef, [weights.get(id(leaf)) for leaf in leaves]
-        layout = self.layout
-        return y, [leaf for leaf, w in zip(leaves, layout, strict=True) if w is None]
+        return y, [leaf for leaf, w in zip(leaves, self.layout, strict=True) if w is None]
 
     def backward(self, params: Any, kept: list[jax.Array], cotangent: jax.Array) -> tuple[Any, jax.Array]:
         weights, kept = jax.tree.leaves(params), iter(kept)
