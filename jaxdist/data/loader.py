@@ -43,9 +43,14 @@ def split_sequences(local: dict[str, np.ndarray], context: int, load_balance: bo
 
 def to_global(local: dict[str, np.ndarray], layout: Layout, global_batch: int) -> dict[str, jax.Array]:
     local = split_sequences({k: np.asarray(v) for k, v in local.items()}, layout.mesh.shape.get("context", 1), layout.context_load_balance)
-    out = {}
-    for key, value in local.items():
-        value = np.asarray(value)
-        global_shape = (global_batch, *value.shape[1:])
-        out[key] = jax.make_array_from_process_local_data(layout.batch_sharding(value.ndim), value, global_shape)
-    return out
+    shardings = {key: layout.batch_sharding(value.ndim) for key, value in local.items()}
+    if jax.process_count() == 1:
+        # One process holds the whole batch: one transfer call for every key (it runs on the
+        # read-ahead thread, where each Python-level call is GIL time taken from the loop).
+        if any(len(value) != global_batch for value in local.values()):
+            raise ValueError(f"a single process feeds the whole batch of {global_batch} rows, got {[len(v) for v in local.values()]}")
+        return jax.device_put(local, shardings)
+    return {
+        key: jax.make_array_from_process_local_data(shardings[key], np.asarray(value), (global_batch, *np.shape(value)[1:]))
+        for key, value in local.items()
+    }

@@ -9,6 +9,7 @@ multiprocessing prefetch hands batches back in order whatever the worker count.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import queue
@@ -136,6 +137,14 @@ def batches_dataset(source: Any, part: ProcessSlice, *, seed: int, shuffle: bool
     return ds[part.block :: part.blocks]
 
 
+def read_threads(source: Any, prefetch: int) -> int:
+    """Grain's read threads: only for a source whose reads wait (``SlowReads``: storage
+    latency), where threads overlap the waits. Packing and synthetic examples are Python
+    that holds the GIL: threads beside the read-ahead thread only take it from the loop
+    (measured: experiments/data_throughput.py)."""
+    return max(1, min(prefetch, 8)) if isinstance(source, SlowReads) else 0
+
+
 def _mark_absl_flags_parsed() -> None:
     """Grain's worker processes read absl flags; outside ``absl.app`` nobody parsed them."""
     from absl import flags
@@ -164,9 +173,15 @@ def split_data_state(state: dict) -> tuple[int, int | None, dict]:
 class BatchIterator:
     """Global ``jax.Array`` batches from this process's Grain iterator.
 
-    A background thread turns host batches into device arrays ``prefetch`` steps ahead,
-    so the training loop rarely waits. Each queued batch carries the Grain state after
-    it, so ``get_state`` describes what the loop consumed, not what was read ahead.
+    A background thread reads, packs and transfers batches ``prefetch`` steps ahead: what
+    ``next`` returns is a finished item (device arrays, segment ids and positions
+    included) taken off a queue. Each queued batch carries the Grain state after it, so
+    ``get_state`` describes what the loop consumed, not what was read ahead.
+
+    The thread's Python work holds the GIL; the loop waits for it whenever it gives the
+    GIL up while the thread runs (it wakes when the loop takes a batch). So the thread
+    does as little Python as it can (one transfer call a batch, no Grain read threads
+    beside it for sources that compute rather than wait: ``read_threads``).
 
     The state is absolute: Grain's position inside the dataset sliced at ``start_step``
     (the step the iterator was opened at) together with that step, so it continues the
@@ -217,19 +232,16 @@ class BatchIterator:
         try:
             while not stop.is_set():
                 batch = to_global(next(self._iterator), self.layout, self.global_batch)
-                item = (batch, self._iterator.get_state())
-                while not stop.is_set():
-                    try:
-                        out.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                out.put((batch, self._iterator.get_state()))  # blocks while full; no polling wake-ups
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
             out.put(e)
 
     def _stop_reading_ahead(self) -> None:
         if self._thread is not None:
             self._stop.set()
+            while self._thread.is_alive():  # empty the queue so that a blocked put returns and the thread sees the stop
+                with contextlib.suppress(queue.Empty):
+                    self._queue.get(timeout=0.05)
             self._thread.join()
             self._thread = None
 
@@ -271,7 +283,7 @@ def _batch_iterator(config: Config, layout: Layout, source: Any, *, shuffle: boo
     part = ProcessSlice.for_layout(layout, t.global_batch)
     batches = batches_dataset(source, part, seed=t.seed, shuffle=shuffle)
     workers = d.workers if workers is None else workers
-    read_options = grain.ReadOptions(num_threads=max(1, min(d.prefetch, 8)), prefetch_buffer_size=d.prefetch)
+    read_options = grain.ReadOptions(num_threads=read_threads(source, d.prefetch), prefetch_buffer_size=d.prefetch)
 
     def open_dataset(start: int) -> grain.IterDataset:
         iter_ds = (batches[start:] if start else batches).to_iter_dataset(read_options)

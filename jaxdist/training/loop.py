@@ -97,6 +97,10 @@ def train_loop(
             tracer.data_waited(step, waited)
             with tracer.phase("dispatch"):
                 state, metrics = step_fn(state, batch)
+                # Free the batch now, while the step runs: freeing device arrays gives the GIL up,
+                # and done inside the next ``next(batches)`` it handed the GIL to the read-ahead
+                # thread (woken by that same next) and the loop waited for its Python work.
+                del batch
             pending.append(metrics)
 
             last = step == end
