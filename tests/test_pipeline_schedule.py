@@ -84,9 +84,10 @@ def test_bubbles_by_hand():
     assert (one.ticks, one.phases, one.bubble) == (22, (3, 16, 3), pytest.approx(3 / 19))
     inter = PipelineSpec(4, 8, 2, "1f1b")
     assert (inter.ticks, inter.phases, inter.bubble, inter.interleaved) == (26, (7, 12, 7), pytest.approx(3 / 19), True)
-    # executed / ideal: layers x (V M + S - 1) / (V M), x 4/3 recomputing; the head once
+    # executed / ideal: layers x (V M + S - 1) / (V M), the head once; recomputing (S=2, M=4:
+    # 6 ticks of forward F, 5 backward ticks of 3F, over 4 x 3F; the head in 5 ticks, not 4)
     assert executed_over_ideal(PipelineSpec(2, 4, 1, "1f1b"), 0.9) == pytest.approx(0.9 * 5 / 4 + 0.1)
-    assert executed_over_ideal(PipelineSpec(2, 4, 1, "1f1b", recompute=True), 0.9) == pytest.approx(0.9 * 5 / 4 * 4 / 3 + 0.1)
+    assert executed_over_ideal(PipelineSpec(2, 4, 1, "1f1b", recompute=True), 0.9) == pytest.approx(0.9 * 21 / 12 + 0.1 * 5 / 4)
     assert executed_over_ideal(PipelineSpec(2, 4, 2, "circular", recompute=True), 1.0) == pytest.approx(9 / 8)  # no recompute there
 
 
@@ -137,7 +138,7 @@ def test_recompute_without_effect_says_so(mesh, schedule, warned):
 
 
 def test_planner_prices_recompute_keep_and_interleaving():
-    """Recomputing costs time (4/3 of the layers' work), keeping costs memory (the ring of
+    """Recomputing costs time (the forward again in every backward tick), keeping costs memory (the ring of
     residuals instead of stage inputs), interleaving lowers the executed chunk steps; the
     candidates of a 1F1B config include both choices, and their overrides set them."""
     from jaxdist.plan.hardware import load_hardware

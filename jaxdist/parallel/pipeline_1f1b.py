@@ -18,6 +18,8 @@ The ticks run as three phases (``PipelineSpec.phases``): V S - 1 forward-only, t
 forward and backward, then V S - 1 backward-only, so each device executes V M + S - 1
 chunk steps of which V M are useful: the bubble (S-1)/(V M + S-1). With V > 1 the
 middle phase repeats a period of S head ticks and (V-1) S ticks without a head.
+Recomputing, the cool-down ticks run in the middle phase's loop instead, with their
+forwards (and heads) masked: V S - 1 more chunk forwards for one working set less.
 
 Between a chunk's forward and backward (at most 2 V S - 2 ticks) its activations wait
 in a ring of 2 V S - 1 slots: by default the residuals of ``jax.vjp`` (the chunk's
@@ -151,9 +153,13 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
             jnp.zeros_like(x_mb),
         )
         warm, steady, cool = spec.phases
+        # Recomputing, the cool-down runs in the middle's loop (its forwards and heads masked):
+        # XLA:CPU gives each while loop its own temporaries, and a backward-only loop's are
+        # another full working set (45.8 against 27.9 MB of temp at S=2, M=8; see schedule.py).
+        tail = cool if spec.recompute else 0
         carry = run(init, 0, warm, forward=True, head=False, backward=False)
         if V == 1:
-            carry = run(carry, warm, steady, forward=True, head=True, backward=True)
+            carry = run(carry, warm, steady + tail, forward=True, head=True, backward=True)
         else:  # periods of S head ticks and (V-1) S without, then the last S head ticks
             period = V * S
 
@@ -163,8 +169,9 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
 
             starts = warm + period * jnp.arange(M // S - 1)
             carry = jax.lax.scan(one_period, carry, starts)[0] if M // S > 1 else carry
-            carry = run(carry, warm + steady - S, S, forward=True, head=True, backward=True)
-        carry = run(carry, warm + steady, cool, forward=False, head=False, backward=True)
+            carry = run(carry, warm + steady - S, S + tail, forward=True, head=True, backward=True)
+        if not tail:
+            carry = run(carry, warm + steady, cool, forward=False, head=False, backward=True)
         _, _, _, loss, g_params, g_head, dx = carry
         # loss, head grads and dx are sums over this device's rows (and sequence piece);
         # they are completed over 'data' once, after the schedule (like DDP's bucket)

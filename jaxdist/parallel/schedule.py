@@ -88,16 +88,18 @@ def one_f_one_b_backward(spec: PipelineSpec, stage, tick):
     return (j >= 0) & (j < v * spec.microbatches), (j // (s * v)) * s + j % s, chunk, (j // (s * v)) * s * v + chunk * s + j % s
 
 
-RECOMPUTE_FACTOR = 4 / 3  # a chunk's matmul work with its forward recomputed: (F + F + 2F) / (F + 2F)
-
-
 def executed_over_ideal(spec: PipelineSpec, layer_share: float) -> float:
     """The matmul FLOPs a device executes per step over the ideal (the unpipelined step's / S),
     by the tick algebra: the layers' share of the work (``layer_share``; the rest is the
-    head, spread over the stages once per microbatch) runs ``work_units / (V M)`` times,
-    4/3 of that with ``recompute``."""
-    layers = layer_share * spec.work_units / (spec.virtual * spec.microbatches)
-    return layers * (RECOMPUTE_FACTOR if spec.schedule == "1f1b" and spec.recompute else 1.0) + (1 - layer_share)
+    head, spread over the stages, 1/S each) runs ``work_units / (V M)`` times, and the head
+    once per microbatch. 1F1B recomputing runs its cool-down in the middle phase's loop
+    (one loop's temporaries less): every tick has a chunk forward (F), the V M + S - 1
+    backward ticks add the recomputed forward and the backward (3F), and the middle's head
+    ticks grow by the cool-down's V S - 1."""
+    s, m, v = spec.stages, spec.microbatches, spec.virtual
+    if spec.schedule == "1f1b" and spec.recompute:
+        return layer_share * (spec.ticks + 3 * spec.work_units) / (3 * v * m) + (1 - layer_share) * (m + v * s - 1) / m
+    return layer_share * spec.work_units / (v * m) + (1 - layer_share)
 
 
 def pipeline_spec(parallel_config, stages: int) -> PipelineSpec | None:

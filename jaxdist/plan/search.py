@@ -31,7 +31,7 @@ from typing import Any
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.layout.mesh import format_mesh, parse_mesh
-from jaxdist.parallel.schedule import RECOMPUTE_FACTOR, pipeline_spec
+from jaxdist.parallel.schedule import executed_over_ideal, pipeline_spec
 
 REMATS = ("none", "save_matmuls", "full")
 RECOMPUTE = {"none": 1.0, "save_matmuls": 1.1, "full": 4 / 3}  # training FLOPs with remat / without
@@ -326,8 +326,7 @@ def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware
     compute = 6 * flop_params * t.global_batch * t.seq_len / devices / rate * RECOMPUTE[candidate.remat] + attention
     spec = candidate_pipeline(config, candidate)
     if spec is not None:  # every device executes the schedule's masked chunk steps too; 1F1B's recompute runs the forward twice
-        compute *= spec.work_units / (spec.virtual * spec.microbatches)
-        compute *= RECOMPUTE_FACTOR if spec.schedule == "1f1b" and spec.recompute else 1.0
+        compute *= executed_over_ideal(spec, 1.0)
     comm_penalty = 1 + 0.05 * (sizes["tensor"] > 1) + 0.02 * math.log2(sizes["tensor"])
     wire, count = context_traffic(config, candidate)
     link = hardware.intra_node  # context stays inside a node
