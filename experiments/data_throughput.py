@@ -1,11 +1,15 @@
 """Is the input pipeline ever the bottleneck?
 
-    python experiments/data_throughput.py [--steps 50] [--batches 200]
+    python experiments/data_throughput.py [--steps 50] [--batches 200] [--repeats 3] [--code DIR] [--only-wait]
 
 Prints (1) loader tokens/s (Grain, standard-library corpus, packing + document masks,
 global arrays on 8 fake devices) with 0, 1 and 2 worker processes, next to the tokens/s
 the `small` train step consumes here; (2) data_wait_s as a share of step time over a
-training run of `small` and of `tiny` (goal < 2%); (3) `prepare` throughput in MB/s.
+training run of `small` and of `tiny` (goal < 2%); (2b) the same on `--mesh data=2` the way
+a user runs it (`python -m jaxdist.train`, 2 fake CPU devices, `train.log_every=1`): `tiny`
+on the packed default corpus and on `data.source=synthetic` (60 steps, the first 10 left
+out) and `small` (goal < 1%), each the median of `--repeats` runs; `--code DIR` runs that
+CLI from another checkout (before/after a change); (3) `prepare` throughput in MB/s.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,13 +61,53 @@ def wait_share(preset: str, steps: int, overrides: list[str]) -> tuple[float, fl
     return statistics.median(step), statistics.median(wait), sum(wait) / sum(step)
 
 
+def cli_wait_share(code: Path, preset: str, steps: int, skip: int, overrides: list[str]) -> tuple[float, float, float]:
+    """``python -m jaxdist.train --mesh data=2`` from checkout ``code`` (2 fake CPU devices, as
+    the CLI sets them): median step time, median data wait, total wait / total step time
+    over the steps after the first ``skip``."""
+    env = dict(os.environ, PYTHONPATH=str(code))
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "jaxdist.train", "--config", preset, "--mesh", "data=2", "--run-dir", f"{tmp}/run"]
+        cmd += [f"train.steps={steps}", "train.log_every=1", "train.compile_cache=off", *overrides]
+        subprocess.run(cmd, cwd=code, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
+        lines = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [x for x in lines if "loss" in x][skip:]
+    step = [x["step_time_s"] for x in lines]
+    wait = [x["data_wait_s"] for x in lines]
+    return statistics.median(step), statistics.median(wait), sum(wait) / sum(step)
+
+
+def cli_wait_table(code: Path, repeats: int, small_batch: int, small_steps: int) -> None:
+    print(f"\n(2b) data wait on --mesh data=2 (python -m jaxdist.train, train.log_every=1), {code}; medians of {repeats} runs")
+    print("| run | steps (left out) | median step s | median data_wait s | wait / step time (goal < 1%) | runs' shares |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    cases = (
+        ("tiny, packed stdlib corpus", "tiny", 60, 10, []),
+        ("tiny, synthetic", "tiny", 60, 10, ["data.source=synthetic"]),
+        (f"small (batch {small_batch}), packed stdlib corpus", "small", small_steps, 2, [f"train.global_batch={small_batch}"]),
+    )
+    for name, preset, steps, skip, overrides in cases:
+        runs = [cli_wait_share(code, preset, steps, skip, overrides) for _ in range(repeats)]
+        step, wait, share = (statistics.median(r[i] for r in runs) for i in range(3))
+        shares = ", ".join(f"{r[2]:.2%}" for r in runs)
+        print(f"| {name} | {steps} ({skip}) | {step:.4f} | {wait:.5f} | {share:.2%} | {shares} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--small-batch", type=int, default=8)
+    parser.add_argument("--small-steps", type=int, default=12, help="steps of the data=2 small runs (the first 2 left out)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per data=2 case (the CPU may be shared: medians)")
+    parser.add_argument("--code", type=Path, default=Path(__file__).resolve().parents[1], help="checkout whose CLI the data=2 runs use")
+    parser.add_argument("--only-wait", action="store_true", help="only the data=2 data-wait table (2b)")
     args = parser.parse_args()
     print(f"hardware: {jax.devices()[0].device_kind}, {jax.device_count()} devices, {os.cpu_count()} cores; jax {jax.__version__}")
+    if args.only_wait:
+        cli_wait_table(args.code.resolve(), args.repeats, args.small_batch, args.small_steps)
+        return
 
     small = load_config("small", [f"train.global_batch={args.small_batch}"])
     trainer = build_trainer(small, parse_mesh("data=8"))
@@ -83,6 +128,7 @@ def main() -> None:
         print(
             f"| {preset} | {step:.4f} | {wait:.5f} | {share:.2%} | {cfg.train.global_batch * cfg.train.seq_len / step:,.0f} |", flush=True
         )
+    cli_wait_table(args.code.resolve(), args.repeats, args.small_batch, args.small_steps)
 
     print("\n(3) prepare: byte-level tokenization of the standard library into .bin shards")
     files = stdlib_files()
