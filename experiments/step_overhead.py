@@ -57,20 +57,21 @@ def jax_nn():
     return jax.nn
 
 
-def _autodiff_split(x, axis, sizes):
+def _autodiff_split(equation, x, w, out_axis, w_axis, sizes):
+    import jax.numpy as jnp
     import numpy as np
     from jax import lax
 
-    starts = np.cumsum((0, *sizes[:-1]))
-    return tuple(lax.slice_in_dim(x, int(a), int(a) + n, axis=axis) for a, n in zip(starts, sizes, strict=True))
+    y, starts = jnp.einsum(equation, x, w), np.cumsum((0, *sizes[:-1]))
+    return tuple(lax.slice_in_dim(y, int(a), int(a) + n, axis=out_axis) for a, n in zip(starts, sizes, strict=True))
 
 
 # Variants that swap one function while their step is traced: jaxdist's former attention
 # (jax.nn.dot_product_attention, which keeps the [B,H,T,T] probabilities for the backward)
-# and autodiff's split of the fused projections (pad + add in the backward).
+# and autodiff through the fused projections (one [tokens, parts] gradient, pad + add).
 PATCHES = {
     "jax-attention": ("jaxdist.models.attention", "grouped_attention", _jax_attention),
-    "autodiff-split": ("jaxdist.models.llama", "split_parts", _autodiff_split),
+    "autodiff-split": ("jaxdist.models.llama", "project_split", _autodiff_split),
 }
 BATCH, SEQ = 16, 128
 

@@ -193,8 +193,12 @@ class Fp8Einsum(nnx.Module):
         if mode == "delayed":
             self.history = Fp8History(jnp.zeros((3, history_length), jnp.float32), axes=(None, None), no_decay=True)
 
+    def plain(self) -> bool:
+        """Whether this call runs as a plain einsum (fp8 off, or disabled here)."""
+        return self.mode == "off" or not active()
+
     def __call__(self, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-        if self.mode == "off" or not active():
+        if self.plain():
             return jnp.einsum(equation, x, w)
         return fp8_einsum(equation, x, w.astype(x.dtype), self.history[...] if self.mode == "delayed" else None)
 

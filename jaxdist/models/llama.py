@@ -100,6 +100,33 @@ def _split_bwd(axis, sizes, _, grads):
 split_parts.defvjp(_split_fwd, _split_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5))
+def project_split(equation: str, x: jax.Array, w: jax.Array, out_axis: int, w_axis: int, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """A fused projection ``einsum(equation, x, w)`` cut into parts of ``sizes`` along
+    ``out_axis`` (the weight's ``w_axis``): one matmul forward. Backward, the input
+    gradient is still one matmul over all parts (one all-reduce under tensor parallelism),
+    while the weight gradient is one matmul per part, joined as small weight-shaped
+    slices: autodiff's single weight-gradient matmul would read the joined [tokens, parts]
+    gradient transposed, which XLA's CPU backend copies in full for it."""
+    return split_parts(jnp.einsum(equation, x, w), out_axis, sizes)
+
+
+def _project_fwd(equation, x, w, out_axis, w_axis, sizes):
+    return project_split(equation, x, w, out_axis, w_axis, sizes), (x, w)
+
+
+def _project_bwd(equation, out_axis, w_axis, sizes, residuals, grads):
+    x, w = residuals
+    inputs, out = equation.split("->")
+    x_sub, w_sub = inputs.split(",")
+    dx = jnp.einsum(f"{out},{w_sub}->{x_sub}", jnp.concatenate(grads, axis=out_axis), w, preferred_element_type=jnp.float32)
+    dw = jnp.concatenate([jnp.einsum(f"{x_sub},{out}->{w_sub}", x, g, preferred_element_type=jnp.float32) for g in grads], axis=w_axis)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+project_split.defvjp(_project_fwd, _project_bwd)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, implementation: str = "xla"):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
@@ -128,9 +155,13 @@ class Attention(nnx.Module):
         ``cached_attention``) also the cache with this call's keys and values written."""
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731 - cast fp32 master weights to compute dtype
         if self.fused:
-            qkv = constrain(self.qkv_dot("btd,dkgh->btkgh", x, w(self.wqkv)), ("batch", "seq", "act_kv_heads", None, None))
-            b, t, kv, groups, hd = qkv.shape
-            q, k, v = split_parts(qkv, 3, (groups - 2, 1, 1))
+            b, t = x.shape[:2]
+            _, kv, groups, hd = self.wqkv.shape
+            if self.qkv_dot.plain():
+                q, k, v = project_split("btd,dkgh->btkgh", x, w(self.wqkv), 3, 2, (groups - 2, 1, 1))
+            else:
+                qkv = constrain(self.qkv_dot("btd,dkgh->btkgh", x, w(self.wqkv)), ("batch", "seq", "act_kv_heads", None, None))
+                q, k, v = split_parts(qkv, 3, (groups - 2, 1, 1))
             q = constrain(q.reshape(b, t, kv * (groups - 2), hd), ("batch", "seq", "act_heads", None))
             k = constrain(k[:, :, :, 0], ("batch", "seq", "act_kv_heads", None))
             v = constrain(v[:, :, :, 0], ("batch", "seq", "act_kv_heads", None))
@@ -198,9 +229,12 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.fused:
-            gate_up = self.gate_up_dot("btd,dcf->btcf", x, self.w_gate_up[...].astype(self.dtype))
-            gate_up = constrain(gate_up, ("batch", "seq", None, "act_mlp"))
-            gate, up = (part[:, :, 0] for part in split_parts(gate_up, 2, (1, 1)))
+            weight = self.w_gate_up[...].astype(self.dtype)
+            if self.gate_up_dot.plain():
+                parts = project_split("btd,dcf->btcf", x, weight, 2, 1, (1, 1))
+            else:
+                parts = split_parts(constrain(self.gate_up_dot("btd,dcf->btcf", x, weight), ("batch", "seq", None, "act_mlp")), 2, (1, 1))
+            gate, up = (constrain(part[:, :, 0], ("batch", "seq", "act_mlp")) for part in parts)
         else:
             gate = self.gate_dot("btd,df->btf", x, self.w_gate[...].astype(self.dtype))
             up = self.up_dot("btd,df->btf", x, self.w_up[...].astype(self.dtype))
