@@ -25,7 +25,7 @@ Between a chunk's forward and backward (at most 2 V S - 2 ticks) its activations
 in a ring of 2 V S - 1 slots: by default the residuals of ``jax.vjp`` (the chunk's
 saved activations, weights left out since the backward has them), so the backward runs
 only the backward; with ``spec.recompute`` only the chunk's input, and the backward
-recomputes its forward (4/3 of the work, a ring of [b, T, D] inputs).
+recomputes its forward (about 4/3 of the layer work; a ring of [b, T, D] inputs).
 """
 
 from __future__ import annotations
