@@ -200,7 +200,7 @@ def test_split_parts_gradient_equals_slicing():
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxdist.models.llama import split_parts
+    from jaxdist.models.layers import split_parts
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 2, 6, 4)), jnp.float32)
     weights = [
@@ -225,7 +225,7 @@ def test_project_split_gradients_equal_autodiff_through_the_fused_einsum():
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxdist.models.llama import project_split
+    from jaxdist.models.layers import project_split
 
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((2, 5, 8)), jnp.float32)

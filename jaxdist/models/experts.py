@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist.models import fp8
+from jaxdist.models.layers import swiglu
 
 # What a buffer row nothing was written to holds. Tests set NaN: a row that is read without
 # being written (or an unused row that is not masked) then shows, where a zero would hide.
@@ -73,7 +74,7 @@ def swiglu_groups(rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array,
     # model.fp8: quantise-dequantise only (fp8 rounding, compute-dtype products: XLA has no fp8 grouped GEMM)
     dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, preferred_element_type=jnp.float32)
     gate_up = fp8.grouped_dot(dot, rows, w_gate_up.reshape(g, d, 2 * f)).reshape(rows.shape[0], 2, f)
-    hidden = (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(rows.dtype)
+    hidden = swiglu(gate_up[:, 0], gate_up[:, 1]).astype(rows.dtype)
     out = fp8.grouped_dot(dot, hidden, w_down)
     return jnp.where(used[:, None], out, 0.0)
 

@@ -30,15 +30,9 @@ from jaxdist.config import ModelConfig
 from jaxdist.layout.sharding import constrain
 from jaxdist.models.attention import model_attention
 from jaxdist.models.fp8 import Fp8Einsum, disabled
+from jaxdist.models.layers import project_split, rms_norm, split_parts, swiglu
 from jaxdist.models.moe import REGULARIZER, MoE, moe_sums
 from jaxdist.models.params import fan_in_init, param
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype=None) -> jax.Array:
-    """x / rms(x) * scale, computed in fp32, returned in ``dtype`` (default x's)."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * scale.astype(jnp.float32)).astype(x.dtype if dtype is None else dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -78,53 +72,6 @@ def rope(x: jax.Array, positions: jax.Array, freqs) -> jax.Array:
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def split_parts(x: jax.Array, axis: int, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
-    """``x`` cut along ``axis`` into consecutive parts of ``sizes``. Its backward pass joins
-    the parts' gradients with one concatenate: autodiff's own (a zero-padded copy of each,
-    then their sum) costs three full-size passes per fused projection on XLA's CPU backend."""
-    starts = np.cumsum((0, *sizes[:-1]))
-    return tuple(jax.lax.slice_in_dim(x, int(a), int(a) + n, axis=axis) for a, n in zip(starts, sizes, strict=True))
-
-
-def _split_fwd(x, axis, sizes):
-    return split_parts(x, axis, sizes), None
-
-
-def _split_bwd(axis, sizes, _, grads):
-    return (jnp.concatenate(grads, axis=axis),)
-
-
-split_parts.defvjp(_split_fwd, _split_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5))
-def project_split(equation: str, x: jax.Array, w: jax.Array, out_axis: int, w_axis: int, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
-    """A fused projection ``einsum(equation, x, w)`` cut into parts of ``sizes`` along
-    ``out_axis`` (the weight's ``w_axis``): one matmul forward. Backward, the input
-    gradient is still one matmul over all parts (one all-reduce under tensor parallelism),
-    while the weight gradient is one matmul per part, joined as small weight-shaped
-    slices: autodiff's single weight-gradient matmul would read the joined [tokens, parts]
-    gradient transposed, which XLA's CPU backend copies in full for it."""
-    return split_parts(jnp.einsum(equation, x, w), out_axis, sizes)
-
-
-def _project_fwd(equation, x, w, out_axis, w_axis, sizes):
-    return project_split(equation, x, w, out_axis, w_axis, sizes), (x, w)
-
-
-def _project_bwd(equation, out_axis, w_axis, sizes, residuals, grads):
-    x, w = residuals
-    inputs, out = equation.split("->")
-    x_sub, w_sub = inputs.split(",")
-    dx = jnp.einsum(f"{out},{w_sub}->{x_sub}", jnp.concatenate(grads, axis=out_axis), w, preferred_element_type=jnp.float32)
-    dw = jnp.concatenate([jnp.einsum(f"{x_sub},{out}->{w_sub}", x, g, preferred_element_type=jnp.float32) for g in grads], axis=w_axis)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-project_split.defvjp(_project_fwd, _project_bwd)
 
 
 class Attention(nnx.Module):
@@ -238,7 +185,7 @@ class MLP(nnx.Module):
         else:
             gate = self.gate_dot("btd,df->btf", x, self.w_gate[...].astype(self.dtype))
             up = self.up_dot("btd,df->btf", x, self.w_up[...].astype(self.dtype))
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+        hidden = constrain(swiglu(gate, up), ("batch", "seq", "act_mlp"))
         return self.down_dot("btf,fd->btd", hidden, self.w_down[...].astype(self.dtype))
 
 
