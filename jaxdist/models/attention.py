@@ -135,7 +135,8 @@ def _attention_fwd(q, k, v, mask):
     peak = jnp.max(scores, axis=-1, keepdims=True)  # every row sees at least its own token
     weights = jnp.exp(scores - peak)
     total = jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.einsum("bktgs,bskd->btkgd", (weights / total).astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
+    out = jnp.einsum("bktgs,bskd->bktgd", (weights / total).astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.transpose(out, (0, 2, 1, 3, 4)).astype(q.dtype)
     lse = peak + jnp.log(total)  # [B, KV, T, G, 1]
     return out, (q, k, v, mask, out, lse)
 
@@ -145,12 +146,15 @@ def _attention_bwd(residuals, d_out):
     log-sum-exp (one [B,H,T,S] matmul) instead of read back from memory."""
     q, k, v, mask, out, lse = residuals
     probs = jnp.exp(_scores(q, k, mask) - lse)  # [B, KV, T, G, S]
-    dv = jnp.einsum("bktgs,btkgd->bskd", probs.astype(v.dtype), d_out, preferred_element_type=jnp.float32)
+    # Products with the [.., T, G, S] matrices are written with them as the right operand, in
+    # their stored order (dv, dk come out as [B, KV, D, S] and are transposed, small): written
+    # the other way, XLA's CPU dot copies the probability matrix transposed first.
+    dv = jnp.einsum("btkgd,bktgs->bkds", d_out, probs.astype(v.dtype), preferred_element_type=jnp.float32).transpose(0, 3, 1, 2)
     d_probs = jnp.einsum("btkgd,bskd->bktgs", d_out, v, preferred_element_type=jnp.float32)
     row = jnp.einsum("btkgd,btkgd->bktg", d_out.astype(jnp.float32), out.astype(jnp.float32))  # sum_s p dp = <d_out, out>
     d_scores = (probs * (d_probs - row[..., None]) * (q.shape[-1] ** -0.5)).astype(q.dtype)
-    dq = jnp.einsum("bktgs,bskd->btkgd", d_scores, k, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bktgs,btkgd->bskd", d_scores, q, preferred_element_type=jnp.float32)
+    dq = jnp.einsum("bktgs,bskd->bktgd", d_scores, k, preferred_element_type=jnp.float32).transpose(0, 2, 1, 3, 4)
+    dk = jnp.einsum("btkgd,bktgs->bkds", q, d_scores, preferred_element_type=jnp.float32).transpose(0, 3, 1, 2)
     mask_zero = np.zeros(mask.shape, jax.dtypes.float0)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), mask_zero
 
