@@ -69,24 +69,24 @@ def _run(run_dir, *extra: str) -> tuple[list[dict], str]:
 
 @pytest.fixture(scope="module")
 def metered(tmp_path_factory):
-    """A run with the fake meter put where NVML's would be; each dispatched step adds
-    ``step_joules(step)``, each eval and save adds LUMP_J and takes LUMP_S."""
+    """A run with the fake meter put where NVML's would be; each step adds
+    ``step_joules(step)`` once it is done (when its metrics reach the host: the loop may
+    already have queued the next step, whose energy is not spent yet), each eval and save
+    adds LUMP_J and takes LUMP_S."""
     from jaxdist.training import loop
     from jaxdist.training.checkpoint import Checkpointer
     from jaxdist.training.trainer import Trainer
 
     meter = FakeMeter()
-    compile_step, evaluate = Trainer.compile_step, loop.evaluate
+    fetch_metrics, evaluate = Trainer.fetch_metrics, loop.evaluate
     save, save_params = Checkpointer.save, Checkpointer.save_params
+    done = iter(range(1, 10**6))
 
-    def metered_compile(self, state, batch, logger=None):
-        step_fn, count = compile_step(self, state, batch, logger), iter(range(1, 10**6))
-
-        def step(state, batch):
-            meter.counter += step_joules(next(count))
-            return step_fn(state, batch)
-
-        return step
+    def metered_fetch(self, pending):
+        fetched = fetch_metrics(self, pending)
+        for _ in fetched:
+            meter.counter += step_joules(next(done))
+        return fetched
 
     def costly(fn):
         def wrapped(*args, **kwargs):
@@ -98,7 +98,7 @@ def metered(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(energy, "open_meter", lambda devices: (meter, ""))
-        mp.setattr(Trainer, "compile_step", metered_compile)
+        mp.setattr(Trainer, "fetch_metrics", metered_fetch)
         mp.setattr(loop, "evaluate", costly(evaluate))
         mp.setattr(Checkpointer, "save", costly(save))
         mp.setattr(Checkpointer, "save_params", costly(save_params))

@@ -67,8 +67,9 @@ def train_loop(
     """Train until step ``steps`` (the state may start later, when resumed).
 
     Metrics are fetched only at log points, so the host keeps dispatching ahead of the
-    devices in between; eval, checkpoint and preemption steps are log points too, so
-    a non-finite loss is always caught before a state is saved. The interval of a log
+    devices in between, and a plain log point is fetched one step late, once the next
+    step is queued; eval, checkpoint, preemption and the last step are log points fetched
+    at once, so a non-finite loss is always caught before a state is saved. The interval of a log
     point ends once its results are on the host and the next starts after its eval and
     saves, so step time, power and energy per token are of training alone.
     ``fp8_peak_flops``: with fp8 matmuls, also log ``mfu_fp8_peak`` against this peak.
@@ -86,6 +87,23 @@ def train_loop(
     data_wait = 0.0
     skips_in_a_row = 0
 
+    # A plain log point (nothing to evaluate or save) is read back one step late, after the
+    # next step is dispatched, so the devices never idle while the host fetches and writes
+    # metrics (with train.log_every=1 every step is a log point). Eval, save, preemption and
+    # the last step read at once: a non-finite loss is still caught before any save.
+    deferred: tuple[int, list, float] | None = None
+
+    def write_window(window_end: int, window: list, waited_total: float) -> None:
+        with tracer.phase("log"):
+            nonlocal skips_in_a_row
+            fetched = trainer.fetch_metrics(window)
+            seconds, joules = energy.stop()  # the window ends once its last step is done
+            for offset, m in enumerate(fetched):
+                skips_in_a_row = _check_step(m, window_end - len(fetched) + 1 + offset, skips_in_a_row, cfg, result, checkpointer)
+            timing = (seconds, joules, waited_total, flops_per_step, peak_flops, fp8_peak_flops)
+            logger.log(window_end, _window_record(fetched, tokens_per_step, n_devices, timing, result.skipped_steps))
+            logger.advance(len(fetched))
+
     for step in range(start_step + 1, end + 1):
         beat(step)
         with tracer.step(step):
@@ -102,41 +120,22 @@ def train_loop(
                 # thread (woken by that same next) and the loop waited for its Python work.
                 del batch
             pending.append(metrics)
+            if deferred is not None:  # the previous log point, now that this step is queued behind it
+                write_window(*deferred)
+                deferred = None
+                energy.start()
 
             last = step == end
             eval_now = hooks.eval_batches is not None and cfg.eval_every > 0 and step % cfg.eval_every == 0
             preempt = hooks.preemption is not None and hooks.preemption.requested(step)
             save_now = checkpointer is not None and (last or preempt or checkpointer.due(step))
             params_now = checkpointer is not None and not save_now and checkpointer.params_due(step)  # weights only
-            if step % cfg.log_every == 0 or last or eval_now or save_now or params_now:
-                # Log point: wait for the devices, check and write this window's metrics.
-                with tracer.phase("log"):
-                    fetched = trainer.fetch_metrics(pending)
-                    pending.clear()
-                    seconds, joules = energy.stop()
-                    step_time = seconds / len(fetched)
-                    for offset, m in enumerate(fetched):
-                        skips_in_a_row = _check_step(m, step - len(fetched) + 1 + offset, skips_in_a_row, cfg, result, checkpointer)
-                    record = {
-                        "loss": float(fetched[-1]["loss"]),
-                        "grad_norm": float(fetched[-1]["grad_norm"]),
-                        "lr": float(fetched[-1]["lr"]),
-                        "tokens_per_sec": tokens_per_step / step_time,
-                        "step_time_s": step_time,
-                        "data_wait_s": data_wait / len(fetched),
-                        "mfu": flops_per_step / (step_time * n_devices * peak_flops),
-                        **energy_fields(joules, seconds, tokens_per_step * len(fetched)),
-                    }
-                    if fp8_peak_flops is not None:  # NaN (null) where the device has no fp8 peak
-                        record["mfu_fp8_peak"] = flops_per_step / (step_time * n_devices * fp8_peak_flops)
-                    if "loss_scale" in fetched[-1]:
-                        record["loss_scale"] = float(fetched[-1]["loss_scale"])
-                    for key in MOE_METRICS & fetched[-1].keys():
-                        record[key] = float(fetched[-1][key])
-                    if "skipped" in fetched[-1]:
-                        record["skipped_steps"] = result.skipped_steps
-                    logger.log(step, record)
-                    logger.advance(len(fetched))
+            sync_now = last or eval_now or save_now or params_now or preempt
+            if step % cfg.log_every == 0 and not sync_now:
+                deferred, pending, data_wait = (step, pending, data_wait), [], 0.0
+            elif sync_now:
+                write_window(step, pending, data_wait)
+                pending = []
                 eval_metrics = None
                 if eval_now:
                     with tracer.phase("eval"):
@@ -162,6 +161,32 @@ def train_loop(
         tracer.after_step(step, state)
     result.state = state
     return result
+
+
+def _window_record(fetched: list[dict], tokens_per_step: int, n_devices: int, timing: tuple, skipped_steps: int) -> dict:
+    """metrics.jsonl's line for a window of steps: the last step's values, the window's
+    mean step time, data wait, MFU and energy."""
+    seconds, joules, waited, flops_per_step, peak_flops, fp8_peak_flops = timing
+    step_time, last = seconds / len(fetched), fetched[-1]
+    record = {
+        "loss": float(last["loss"]),
+        "grad_norm": float(last["grad_norm"]),
+        "lr": float(last["lr"]),
+        "tokens_per_sec": tokens_per_step / step_time,
+        "step_time_s": step_time,
+        "data_wait_s": waited / len(fetched),
+        "mfu": flops_per_step / (step_time * n_devices * peak_flops),
+        **energy_fields(joules, seconds, tokens_per_step * len(fetched)),
+    }
+    if fp8_peak_flops is not None:  # NaN (null) where the device has no fp8 peak
+        record["mfu_fp8_peak"] = flops_per_step / (step_time * n_devices * fp8_peak_flops)
+    if "loss_scale" in last:
+        record["loss_scale"] = float(last["loss_scale"])
+    for key in MOE_METRICS & last.keys():
+        record[key] = float(last[key])
+    if "skipped" in last:
+        record["skipped_steps"] = skipped_steps
+    return record
 
 
 def _check_step(metrics: dict, step: int, skips_in_a_row: int, cfg, result: LoopResult, checkpointer) -> int:
