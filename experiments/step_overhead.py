@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import statistics
 import sys
@@ -185,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     for v in args.variants.split(","):
         cases[f"jaxdist {v}"] = jaxdist_case(v)
     versions = f"jax {jax.__version__}" + ("" if args.no_torch else f", torch {__import__('torch').__version__} (1 thread)")
-    print(f"host: {platform.processor() or platform.machine()}, pinned to 1 of {os.cpu_count()} cores; {versions}; batch {BATCH} x {SEQ}")
+    from scaling import _cpu_model
+
+    print(f"host: {_cpu_model()}, pinned to 1 of {os.cpu_count()} cores; {versions}; batch {BATCH} x {SEQ}")
     for step in cases.values():  # warm-up
         step()
         step()
