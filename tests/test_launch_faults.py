@@ -584,7 +584,8 @@ def test_a_stalled_rank_is_dumped_and_the_run_stopped(tmp_path, compile_cache, s
         dump = [line for line in out.splitlines() if line.startswith(f"[rank {rank}] ") and "most recent call first" in line]
         assert dump, out[-4000:]
     assert any(line.startswith("[rank 1] ") and "heartbeat.py" in line for line in out.splitlines())  # where it stalls
-    assert any(line.startswith("[rank 0] ") and "trainer.py" in line for line in out.splitlines())  # waiting in the loop
+    # rank 0 waits in the training loop (for the collective of a step it dispatched, or for its metrics)
+    assert any(line.startswith("[rank 0] ") and "loop.py" in line and "train_loop" in line for line in out.splitlines())
 
 
 @pytest.mark.heavy
@@ -608,3 +609,24 @@ def test_one_preempted_rank_lets_the_run_save_and_exit_75(tmp_path, compile_cach
     step = saved["[rank 0"]
     assert checkpoint_steps(run_dir / "checkpoints")[-1] == step
     assert len(list((run_dir / "checkpoints" / str(step) / "data").glob("process_*.json"))) == 2  # both processes' data state
+
+
+def test_the_hang_watch_knows_a_process_is_past_its_first_step_without_seeing_it(tmp_path, monkeypatch):
+    """The first beats can come faster than the launcher polls: a process's beat says its
+    own first step, so a watch that first reads "step 2" still knows step 1 is done."""
+    from jaxdist.cluster import heartbeat
+    from jaxdist.cluster.heartbeat import ProgressWatch, beat_path
+
+    monkeypatch.setenv(heartbeat.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(heartbeat.ENV_RANK, "0")
+    monkeypatch.delenv(heartbeat.ENV_STALL, raising=False)
+    writer = heartbeat._Beat()
+    watch = ProgressWatch(tmp_path, 1, hang_timeout_s=5, first_step_timeout_s=600)
+    for step in (7, 8):  # a resumed run starting at 7; the watch polls only after step 8 began
+        writer(step)
+    assert beat_path(tmp_path, 0).read_text() == "8 7\n"
+    old = time.time() - 10
+    os.utime(beat_path(tmp_path, 0), (old, old))
+    stall = watch.stalled([True])
+    assert stall is not None and (stall.rank, stall.step, stall.first, stall.limit_s) == (0, 8, False, 5)
+    os.close(writer.fd)

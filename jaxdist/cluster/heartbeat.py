@@ -2,8 +2,9 @@
 
 JAX's own heartbeat notices a dead process, not a deadlocked one. Under the launcher
 (``JAXDIST_HEARTBEAT_DIR`` set) each process writes the step it starts to
-``DIR/rank-I`` (one small write per step; the file's mtime is the time of its last
-progress), and dumps every thread's Python stack to stderr on SIGUSR1 (faulthandler),
+``DIR/rank-I`` and the first step it started ("STEP FIRST": one small write per step;
+the file's mtime is the time of its last progress; the first step is written so that the
+watch knows a process is past it without having seen its first beat), and dumps every thread's Python stack to stderr on SIGUSR1 (faulthandler),
 which the launcher sends before it stops a stalled run. ``ProgressWatch`` is the
 launcher's side. Without the variable the beats are no-ops.
 
@@ -41,6 +42,7 @@ class _Beat:
         directory = os.environ.get(ENV_DIR)
         self.rank = int(os.environ.get(ENV_RANK, "0") or 0)
         self.stall_step = _stall_step(self.rank)
+        self.first_step: int | None = None
         self.fd = None
         if directory:
             try:
@@ -56,8 +58,10 @@ class _Beat:
             print(f"jaxdist: fault injection ({ENV_STALL}): rank {self.rank} stalls at step {step}", file=sys.stderr, flush=True)
             while True:
                 time.sleep(3600)
-        if self.fd is not None:
-            os.pwrite(self.fd, b"%d\n" % step, 0)
+        if self.first_step is None:
+            self.first_step = step
+        if self.fd is not None:  # steps only grow after the first, so the text never shrinks
+            os.pwrite(self.fd, b"%d %d\n" % (step, self.first_step), 0)
 
 
 def _stall_step(rank: int) -> int | None:
@@ -115,14 +119,19 @@ class ProgressWatch:
         path = beat_path(self.directory, rank)
         try:
             mtime = path.stat().st_mtime
-            text = path.read_text().strip()
+            fields = path.read_text().split()
         except OSError:
             return None
-        return mtime, int(text) if text.isdigit() else None
+        if not fields or not all(f.isascii() and f.isdigit() for f in fields):
+            return mtime, None
+        if len(fields) > 1:  # "STEP FIRST": the process's own first step
+            self.first_step[rank] = int(fields[1])
+        return mtime, int(fields[0])
 
     def _past_first_step(self, rank: int, beat: tuple[float, int | None] | None) -> bool:
         if beat is None or beat[1] is None:
             return False
+        # A beat without its first step: the first one this watch saw (a poll may miss it).
         first = self.first_step.setdefault(rank, beat[1])
         return beat[1] > first
 
