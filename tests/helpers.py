@@ -125,3 +125,20 @@ def long_runs(*runs: tuple[str, tuple[str, ...], int]) -> list[dict]:
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS ")]
     results = json.loads(line.removeprefix("RESULTS "))
     return [{"losses": r["losses"], "eval_losses": {int(k): v for k, v in r["eval_losses"].items()}} for r in results]
+
+
+def data_layout(mesh: str = "data=2,fsdp=2"):
+    """A Layout on this process's fake devices (the data tests' default mesh)."""
+    from jaxdist.layout.mesh import build_mesh
+    from jaxdist.layout.sharding import Layout
+    from jaxdist.layout.strategy import resolve_strategy
+
+    sizes = parse_mesh(mesh)
+    return Layout(build_mesh(sizes, jax.devices()), resolve_strategy("auto", sizes))
+
+
+def data_config(*overrides: str):
+    """The default config at batch 8 x 32 with its vocabulary resolved."""
+    config = load_config(None, ["train.global_batch=8", "train.seq_len=32", *overrides])
+    resolve_vocab(config)
+    return config

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist.config import ModelConfig, load_config
+from jaxdist.config import ModelConfig
 from jaxdist.data.pipeline import PackedExamples, ProcessSlice, batches_dataset, make_iterator, pack_window
-from jaxdist.data.sources import ArrayStream, resolve_vocab
-from jaxdist.layout.mesh import build_mesh, parse_mesh
-from jaxdist.layout.sharding import Layout
-from jaxdist.layout.strategy import resolve_strategy
+from jaxdist.data.sources import ArrayStream
 from jaxdist.models.llama import Llama
 from jaxdist.train import main
+
+from helpers import data_config as _config
+from helpers import data_layout as _layout
 
 EOD = 999
 
@@ -87,17 +87,6 @@ def test_attention_does_not_cross_documents():
     assert not np.allclose(masked[0][0, :3], masked[1][0, :3])
     unmasked = [model(t, positions) for t in (tokens, other)]
     assert not np.allclose(unmasked[0][0, 4:], unmasked[1][0, 4:])  # without the mask it would leak
-
-
-def _layout(mesh: str = "data=2,fsdp=2") -> Layout:
-    sizes = parse_mesh(mesh)
-    return Layout(build_mesh(sizes, jax.devices()), resolve_strategy("auto", sizes))
-
-
-def _config(*overrides: str):
-    config = load_config(None, ["train.global_batch=8", "train.seq_len=32", *overrides])
-    resolve_vocab(config)
-    return config
 
 
 def _take(iterator, n: int) -> list[dict[str, np.ndarray]]:

@@ -12,29 +12,15 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdist.config import load_config
 from jaxdist.data.loader import split_sequences, to_global
 from jaxdist.data.pipeline import make_iterator
-from jaxdist.data.sources import resolve_vocab
 from jaxdist.data.synthetic import SlowReads, SyntheticTokens
-from jaxdist.layout.mesh import build_mesh, parse_mesh
-from jaxdist.layout.sharding import Layout
-from jaxdist.layout.strategy import resolve_strategy
 from jaxdist.training.loop import train_loop
 from jaxdist.training.metrics import MetricsLogger
 
 from helpers import SMALL_TEXT
-
-
-def _layout(mesh: str = "data=2,fsdp=2") -> Layout:
-    sizes = parse_mesh(mesh)
-    return Layout(build_mesh(sizes, jax.devices()), resolve_strategy("auto", sizes))
-
-
-def _config(*overrides: str):
-    config = load_config(None, ["train.global_batch=8", "train.seq_len=32", *overrides])
-    resolve_vocab(config)
-    return config
+from helpers import data_config as _config
+from helpers import data_layout as _layout
 
 
 def _host(batch: dict) -> dict:
