@@ -7,6 +7,7 @@ import types
 import pytest
 
 from jaxdist.errors import NonFiniteLoss
+from jaxdist.training.energy import IntervalEnergy
 from jaxdist.training.loop import LoopHooks, train_loop
 from jaxdist.training.metrics import MetricsLogger
 
@@ -36,18 +37,18 @@ def _fake_trainer(events: list, losses: dict[int, float]):
     )
 
 
-def _run_fake(trainer, steps, checkpointer=None):
+def _run_fake(trainer, steps, checkpointer=None, logger=None, energy=None):
     def batches():
         while True:
             yield _Batch()
 
-    hooks = LoopHooks(checkpointer=checkpointer, data_state=lambda: {}, config_dict={})
+    hooks = LoopHooks(checkpointer=checkpointer, data_state=lambda: {}, config_dict={}, energy=energy)
     return train_loop(
         trainer,
         types.SimpleNamespace(step=0),
         batches(),
         steps=steps,
-        logger=MetricsLogger(None, steps, enabled=False),
+        logger=logger or MetricsLogger(None, steps, enabled=False),
         flops_per_step=1.0,
         peak_flops=1.0,
         tokens_per_step=1,
@@ -95,3 +96,31 @@ def test_a_non_finite_loss_read_late_still_stops_before_the_save():
     with pytest.raises(NonFiniteLoss, match="step 2"):
         _run_fake(trainer, steps=5, checkpointer=Checkpointer())
     assert ("save",) not in events and events[-1] == ("fetch", [2])
+
+
+def test_step_times_tile_the_wall_clock():
+    """A fake clock: each step's results reach the host 10 s after the previous ones, and
+    writing a log line takes 3 s while the next step runs. The logged step times must add
+    up to the whole span (the old loop left each line's writing out: 10 - 3 = 7 s a step)."""
+    clock = [0.0]
+    events: list = []
+    trainer = _fake_trainer(events, {})
+    fetch = trainer.fetch_metrics
+
+    def slow_fetch(window):  # waiting for the device: the step finishes 10 s after the last
+        clock[0] = 10.0 * window[-1]["step"]
+        return fetch(window)
+
+    trainer.fetch_metrics = slow_fetch
+    lines = []
+
+    class SlowLogger(MetricsLogger):
+        def log(self, step, values):
+            lines.append((step, clock[0], values["step_time_s"]))
+            clock[0] += 3.0  # writing the line
+
+    steps = 6
+    _run_fake(trainer, steps, logger=SlowLogger(None, steps, enabled=False), energy=IntervalEnergy(clock=lambda: clock[0]))
+    assert [s for s, _, _ in lines] == list(range(1, steps + 1))
+    assert sum(t for _, _, t in lines) == pytest.approx(10.0 * steps)
+    assert [t for _, _, t in lines] == pytest.approx([10.0] * steps)

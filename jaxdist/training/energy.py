@@ -101,12 +101,13 @@ def sum_over_processes(value: float) -> float:
 
 
 class IntervalEnergy:
-    """Wall time and joules of the training between ``start()`` and ``stop()``.
+    """Wall time and joules of the training between ``start()`` and ``stop()`` (or ``lap()``).
 
-    The loop starts an interval after a log point's eval and checkpoint save and stops it
-    once the interval's step results are on the host, so neither the eval nor the save
-    is in it (their time and energy fall between one interval's stop and the next one's
-    start). ``stop()`` sums the joules over the processes (``total``; the identity on one).
+    Intervals tile the training's wall clock: a log point read while the next step already
+    runs ends its interval with ``lap()``, which starts the next one at the same instant and
+    meter reading. After a log point's eval or checkpoint save, where nothing trains, the
+    loop ``stop()``s and ``start()``s again once they are done, so neither is in an interval.
+    ``stop()`` sums the joules over the processes (``total``; the identity on one).
     """
 
     def __init__(self, meter: Meter | None = None, *, total: Callable[[float], float] | None = None, clock=time.perf_counter):
@@ -122,10 +123,20 @@ class IntervalEnergy:
 
     def stop(self) -> tuple[float, float | None]:
         """(seconds, joules over every process or None) since ``start()``."""
-        seconds, end = self._clock() - self._time, self._read()
+        return self._since(self._clock(), self._read())
+
+    def lap(self) -> tuple[float, float | None]:
+        """``stop()``, and the next interval starts at that same clock and meter reading."""
+        now, reading = self._clock(), self._read()
+        interval = self._since(now, reading)
+        self._time, self._joules = now, reading
+        return interval
+
+    def _since(self, now: float, reading: float | None) -> tuple[float, float | None]:
+        seconds = now - self._time
         if self.meter is None:
             return seconds, None
-        local = math.nan if end is None or self._joules is None else end - self._joules
+        local = math.nan if reading is None or self._joules is None else reading - self._joules
         joules = self._total(local)
         return seconds, joules if math.isfinite(joules) else None
 

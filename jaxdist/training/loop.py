@@ -70,8 +70,10 @@ def train_loop(
     devices in between, and a plain log point is fetched one step late, once the next
     step is queued; eval, checkpoint, preemption and the last step are log points fetched
     at once, so a non-finite loss is always caught before a state is saved. The interval of a log
-    point ends once its results are on the host and the next starts after its eval and
-    saves, so step time, power and energy per token are of training alone.
+    point ends once its results are on the host; the next one starts at that instant when
+    its step already runs (deferred log points: the intervals tile the wall clock), or
+    after the eval and saves of a log point read at once, so step time, power and energy
+    per token are of training alone.
     ``fp8_peak_flops``: with fp8 matmuls, also log ``mfu_fp8_peak`` against this peak.
     """
     cfg, hooks = trainer.config.train, hooks or LoopHooks()
@@ -93,11 +95,13 @@ def train_loop(
     # the last step read at once: a non-finite loss is still caught before any save.
     deferred: tuple[int, list, float] | None = None
 
-    def write_window(window_end: int, window: list, waited_total: float) -> None:
+    def write_window(window_end: int, window: list, waited_total: float, *, next_running: bool) -> None:
         with tracer.phase("log"):
             nonlocal skips_in_a_row
             fetched = trainer.fetch_metrics(window)
-            seconds, joules = energy.stop()  # the window ends once its last step is done
+            # The window ends once its last step is done; when the next step already runs
+            # (a deferred log point), its window starts at that same instant.
+            seconds, joules = energy.lap() if next_running else energy.stop()
             for offset, m in enumerate(fetched):
                 skips_in_a_row = _check_step(m, window_end - len(fetched) + 1 + offset, skips_in_a_row, cfg, result, checkpointer)
             timing = (seconds, joules, waited_total, flops_per_step, peak_flops, fp8_peak_flops)
@@ -121,9 +125,8 @@ def train_loop(
                 del batch
             pending.append(metrics)
             if deferred is not None:  # the previous log point, now that this step is queued behind it
-                write_window(*deferred)
+                write_window(*deferred, next_running=True)
                 deferred = None
-                energy.start()
 
             last = step == end
             eval_now = hooks.eval_batches is not None and cfg.eval_every > 0 and step % cfg.eval_every == 0
@@ -134,7 +137,7 @@ def train_loop(
             if step % cfg.log_every == 0 and not sync_now:
                 deferred, pending, data_wait = (step, pending, data_wait), [], 0.0
             elif sync_now:
-                write_window(step, pending, data_wait)
+                write_window(step, pending, data_wait, next_running=False)
                 pending = []
                 eval_metrics = None
                 if eval_now:
