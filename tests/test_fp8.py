@@ -6,6 +6,9 @@ onto another mesh; the GPU check's counting; and 300 steps of training against b
 
 from __future__ import annotations
 
+import shutil
+import sys
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -376,3 +379,69 @@ def test_weights_without_histories_start_a_delayed_run_with_empty_histories(tmp_
     for got, want in zip(jax.tree.leaves(rest), jax.tree.leaves(saved), strict=True):
         np.testing.assert_array_equal(got, want)
     assert "has no fp8 amax histories (model.fp8=delayed): they start empty" in capsys.readouterr().err
+
+
+# -- switching the scaling between runs -----------------------------------------------------
+
+
+def _rest(params) -> dict:
+    return jax.device_get(nnx.to_pure_dict(fp8.without_histories(params)))
+
+
+def test_a_delayed_checkpoint_starts_a_current_scaling_run(one_device, tmp_path, capsys):
+    """model.fp8=delayed -> current: --init-from and --resume both read the weights (and
+    the optimizer state) and leave the amax histories unread, each in one line."""
+    from jaxdist.training.checkpoint import Checkpointer
+    from jaxdist.training.weights import check_params_fit, find_checkpoint, restore_params
+
+    reference_dir, _ = one_device
+    saved = _rest(nnx.state(load_model(reference_dir)))
+    config, current = _trainer("data=1", "model.fp8=current")
+    step_dir = find_checkpoint(reference_dir)
+    check_params_fit(step_dir, current.abstract_params())  # refused before: "arrays in the checkpoint are not in this run"
+    jax.tree.map(np.testing.assert_array_equal, _rest(restore_params(step_dir, current.abstract_params())), saved)
+    assert "holds fp8 amax histories (model.fp8=delayed) that this model does not use: dropped" in capsys.readouterr().err
+
+    source = Checkpointer(reference_dir / "checkpoints", config.checkpoint, read_only=True)
+    try:
+        restored = source.restore(STEPS, current.restore_target, drop=fp8.is_history_path)
+    finally:
+        source.close()
+    assert restored.dropped and all("history" in path for path in restored.dropped)
+    assert not fp8.has_history(restored.state.params)
+    jax.tree.map(np.testing.assert_array_equal, _rest(restored.state.params), saved)
+
+    shutil.copytree(reference_dir / "checkpoints", tmp_path / "checkpoints")
+    resumed = run(
+        load_config(None, [*TINY, *DELAYED, "model.fp8=current", f"train.steps={STEPS + 1}"]),
+        parse_mesh("data=1"),
+        tmp_path,
+        devices=jax.devices()[:1],
+        progress=False,
+    )
+    assert len(resumed.losses) == 1 and np.isfinite(resumed.losses[0])
+    assert "fp8 amax histories (model.fp8=delayed) that this run (model.fp8=current) does not use; dropped" in capsys.readouterr().err
+
+
+def test_a_current_scaling_checkpoint_resumes_with_empty_histories(tmp_path, capsys):
+    """model.fp8=current -> delayed on --resume: the state reads back as saved, the
+    histories start at zero, said in one line."""
+    from jaxdist.training.checkpoint import Checkpointer
+
+    config, current = _trainer("data=1", "model.fp8=current")
+    state = current.init_state(5)
+    writer = Checkpointer(tmp_path, config.checkpoint)
+    writer.save(3, state, {}, config.to_dict())
+    writer.wait()
+    writer.close()
+    _, delayed = _trainer("data=1")
+    reader = Checkpointer(tmp_path, config.checkpoint, read_only=True)
+    try:
+        restored = reader.restore(3, delayed.restore_target, drop=fp8.is_history_path)
+    finally:
+        reader.close()
+    adapted = delayed.adapt_restored(restored.state, lambda line: print(line, file=sys.stderr))
+    histories = _histories(adapted.params)
+    assert jax.tree.leaves(histories) and all(not np.any(h) for h in jax.tree.leaves(histories))
+    jax.tree.map(np.testing.assert_array_equal, _rest(adapted.params), _rest(state.params))
+    assert "the checkpoint has no fp8 amax histories" in capsys.readouterr().err

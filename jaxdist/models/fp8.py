@@ -53,6 +53,17 @@ def has_history(tree: Any) -> bool:
     return any(is_history(x) for x in jax.tree.leaves(tree, is_leaf=is_history))
 
 
+def is_history_path(path: str) -> bool:
+    """Whether a checkpoint's array path (``params/blocks/attn/o_dot/history/value``) is an
+    fp8 amax history (``Fp8History`` attributes are named ``history``)."""
+    return "history" in path.split("/")
+
+
+def holds_history(saved_tree: Any) -> bool:
+    """Whether a checkpoint's stored tree (nested dicts of metadata) holds fp8 histories."""
+    return isinstance(saved_tree, dict) and any(k == "history" or holds_history(v) for k, v in saved_tree.items())
+
+
 # -- arithmetic --------------------------------------------------------------------------
 
 

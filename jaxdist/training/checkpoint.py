@@ -61,6 +61,7 @@ class Restored:
     path: Path
     data_problem: str | None = None  # why data_state is None
     damaged: list[int] = dataclasses.field(default_factory=list)  # newer steps that did not read back
+    dropped: list[str] = dataclasses.field(default_factory=list)  # saved arrays this run does not use (``restore(drop=...)``)
 
 
 class IncompatibleCheckpoint(JaxdistError):
@@ -132,16 +133,26 @@ def _clock_time(seconds: float) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC)
 
 
-def state_differences(saved_tree: Any, abstract_state: Any, limit: int = 3) -> list[str]:
-    """How a checkpoint's stored tree (Orbax array metadata) differs from the state a run
-    expects: arrays missing on either side and arrays of another shape, a few of each.
-    Dtypes may differ (the restore casts)."""
+def _array_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """Path (``params/blocks/...``) -> shape of every array in a stored tree or a state."""
     import orbax.checkpoint as ocp
 
-    def shapes(tree) -> dict[str, tuple[int, ...]]:
-        return {"/".join(map(str, k)): tuple(v.shape) for k, v in ocp.tree.to_flat_dict(tree).items() if hasattr(v, "shape")}
+    if not isinstance(tree, dict):
+        tree = ocp.tree.serialize_tree(tree, keep_empty_nodes=True)
+    return {"/".join(map(str, k)): tuple(v.shape) for k, v in ocp.tree.to_flat_dict(tree).items() if hasattr(v, "shape")}
 
-    have, want = shapes(saved_tree), shapes(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True))
+
+def saved_only(saved_tree: Any, abstract_state: Any) -> list[str]:
+    """The paths of the arrays a checkpoint holds that the state a run expects does not."""
+    return sorted(_array_shapes(saved_tree).keys() - _array_shapes(abstract_state).keys())
+
+
+def state_differences(saved_tree: Any, abstract_state: Any, limit: int = 3, *, ignore: frozenset[str] = frozenset()) -> list[str]:
+    """How a checkpoint's stored tree (Orbax array metadata) differs from the state a run
+    expects: arrays missing on either side and arrays of another shape, a few of each.
+    Dtypes may differ (the restore casts). ``ignore``: saved arrays the run drops."""
+    have, want = _array_shapes(saved_tree), _array_shapes(abstract_state)
+    have = {k: v for k, v in have.items() if k not in ignore}
 
     def listed(what: str, items: list[str]) -> list[str]:
         if not items:
@@ -320,11 +331,13 @@ class Checkpointer:
 
     # -- restoring ------------------------------------------------------------------
 
-    def restore(self, step: int, abstract_state: Any) -> Restored:
+    def restore(self, step: int, abstract_state: Any, *, drop=None) -> Restored:
         """One step, into the shardings of ``abstract_state`` (or of ``abstract_state(saved
         tree)`` when it is a callable: a target that depends on what was saved). Raises
         ``IncompatibleCheckpoint`` when its stored tree does not fit (checked before any
-        array is read) and ``DamagedCheckpoint`` when its files cannot be read."""
+        array is read) and ``DamagedCheckpoint`` when its files cannot be read. ``drop``:
+        a predicate on array paths the checkpoint may hold and this run leaves unread
+        (listed in ``Restored.dropped``)."""
         ocp = self._ocp
         step_dir = self.directory / str(step)
         try:
@@ -333,24 +346,29 @@ class Checkpointer:
             raise DamagedCheckpoint(f"{step_dir / 'state'}: {_first_line(e)}") from None
         if callable(abstract_state):
             abstract_state = abstract_state(saved_tree)
+        dropped = []
         if saved_tree is not None:
-            differences = state_differences(saved_tree, abstract_state)
+            dropped = [path for path in saved_only(saved_tree, abstract_state) if drop is not None and drop(path)]
+            differences = state_differences(saved_tree, abstract_state, ignore=frozenset(dropped))
             if differences:
                 raise IncompatibleCheckpoint(step, step_dir, differences)
         error = None
         try:
-            state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+            if dropped:  # a subset of what was saved: Orbax's partial restore reads only the target's arrays
+                state = _partial_restore(step_dir / "state", abstract_state)
+            else:
+                state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
         except Exception as e:  # noqa: BLE001 - damaged files; agreed on below
             error = f"{step_dir / 'state'}: {_first_line(e)}"
         if not _all_processes_ok(error is None):  # fall back together, or not at all
             raise DamagedCheckpoint(error or "unreadable on another process")
         data_state, data_problem = self._restore_data(step)
-        return Restored(step, state, data_state, saved_config(step_dir) or {}, step_dir, data_problem)
+        return Restored(step, state, data_state, saved_config(step_dir) or {}, step_dir, data_problem, dropped=dropped)
 
     def _restore_data(self, step: int) -> tuple[dict | None, str | None]:
         return read_data_state(self.directory / str(step))
 
-    def restore_latest(self, abstract_state: Any, *, warn=print) -> Restored | None:
+    def restore_latest(self, abstract_state: Any, *, warn=print, drop=None) -> Restored | None:
         """The newest checkpoint that reads back, or None when there is none.
 
         A damaged one is reported and the previous one tried (nothing is deleted; the
@@ -362,7 +380,7 @@ class Checkpointer:
         damaged = []
         for step in reversed(steps):
             try:
-                restored = self.restore(step, abstract_state)
+                restored = self.restore(step, abstract_state, drop=drop)
                 restored.damaged = damaged
                 return restored
             except DamagedCheckpoint as e:
@@ -374,6 +392,18 @@ class Checkpointer:
             f"no checkpoint in {self.directory} can be read (steps {', '.join(map(str, sorted(damaged)))} are damaged; nothing was deleted); "
             "to start over use --resume never with a new --run-dir"
         )
+
+
+def _partial_restore(state_dir: Path, abstract_state: Any) -> Any:
+    """The arrays of ``abstract_state`` from a stored state that holds more."""
+    import orbax.checkpoint as ocp
+
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+        return handler.restore(state_dir, args=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args, partial_restore=True))
+    finally:
+        handler.close()
 
 
 def read_data_state(step_dir: Path) -> tuple[dict | None, str | None]:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist.models import fp8
 from jaxdist.parallel import grad_reduce
 from jaxdist.training.state import StateLayout, TrainState, residual_shapes
 
@@ -28,6 +29,8 @@ def restore_target(state_layout: StateLayout, saved_tree: Any) -> TrainState:
     target = state_layout.abstract_state()
     if hasattr(saved_tree, "keys"):  # the loss scale is read when saved (adapt_restored keeps or drops it)
         target = dataclasses.replace(target, loss_scale=state_layout.loss_scale_target() if saved_tree.get("loss_scale") else None)
+        if fp8.has_history(target.params) and not fp8.holds_history(saved_tree.get("params")):
+            target = dataclasses.replace(target, params=fp8.split(target.params)[1])  # adapt_restored adds empty histories
     saved = _saved_residual_devices(saved_tree)
     if saved is None:
         return dataclasses.replace(target, residual=None)
@@ -48,6 +51,16 @@ def adapt_restored(state_layout: StateLayout, state: TrainState, fresh_extras: C
     fresh (``fresh_extras()``, only when the checkpoint lacks them: zeros cost a
     gradient's memory) or dropped, saying so."""
     wants_residual, wants_scale = state_layout.abstract.residual is not None, state_layout.abstract.loss_scale is not None
+    if fp8.has_history(state_layout.abstract.params) and not fp8.has_history(state.params):
+        histories = fp8.split(state_layout.abstract_state().params)[0]
+        empty = jax.jit(
+            lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), histories),
+            out_shardings=fp8.split(state_layout.shardings.params)[0],
+        )()
+        log(
+            "jaxdist: the checkpoint has no fp8 amax histories (saved without model.fp8=delayed): they start empty (the next step scales from the current amax)"
+        )
+        state = dataclasses.replace(state, params=fp8.merge(empty, state.params))
     if (state.residual is None and wants_residual) or (state.loss_scale is None and wants_scale):
         fresh = fresh_extras()
     if state.residual is not None and not wants_residual:

@@ -57,14 +57,22 @@ def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, chec
             f"--resume auto: {run_dir} has weights-only checkpoints (steps {', '.join(map(str, light))}) but no full one to resume "
             f"exactly; --resume params:{light[-1]} continues from those weights with a fresh optimizer, or use --resume never with a new --run-dir"
         )
+    from jaxdist.models import fp8
+
     own = directory.absolute() == checkpointer.directory.absolute()
     source = checkpointer if own else Checkpointer(directory, config.checkpoint, read_only=True)
+    drop = fp8.is_history_path  # a delayed-scaling checkpoint resumed without delayed scaling: its histories stay unread
     try:
         if mode == "step":
-            restored = source.restore(step, trainer.restore_target)
+            restored = source.restore(step, trainer.restore_target, drop=drop)
         else:
-            restored = source.restore_latest(trainer.restore_target, warn=log)
+            restored = source.restore_latest(trainer.restore_target, warn=log, drop=drop)
         if restored is not None:
+            if restored.dropped:
+                log(
+                    f"jaxdist: checkpoint step {restored.step} holds {len(restored.dropped)} fp8 amax histories (model.fp8=delayed) that this run "
+                    f"(model.fp8={config.model.fp8}) does not use; dropped"
+                )
             restored.state = trainer.adapt_restored(restored.state, log)
             _set_aside_other_branches(checkpointer, restored, own, log)
         return restored
@@ -144,21 +152,27 @@ def _config_changes(step_dir: Path, config: Config, limit: int = 4) -> str:
 
 
 def schedule_change(restored, config: Config) -> str | None:
-    """One line when the learning-rate schedule's length differs from the checkpoint's
-    (a resume with another ``--steps`` re-stretches the cosine unless it is pinned)."""
+    """One line when the learning-rate schedule differs from the checkpoint's: its length
+    (a resume with another ``--steps`` re-stretches the decay unless it is pinned), its
+    shape, warmup or floor."""
     from jaxdist.training.optim import schedule_length
 
     saved = restored.config.get("train", {})
     if "steps" not in saved:
         return None
+    t = config.train
     before = saved.get("schedule_steps") or saved["steps"]
-    now = schedule_length(config.train)
-    if before == now:
+    now = schedule_length(t)
+    if before != now:
+        return (
+            f"jaxdist: the learning-rate schedule now spans {now} steps; checkpoint step {restored.step} was trained on one of {before} "
+            f"(set train.schedule_steps={before} to keep it)"
+        )
+    shape = ("schedule", "warmup_steps", "min_lr_ratio", "decay_fraction", "lr")
+    changed = [f"train.{k} {saved[k]} -> {getattr(t, k)}" for k in shape if k in saved and saved[k] != getattr(t, k)]
+    if not changed:
         return None
-    return (
-        f"jaxdist: the learning-rate schedule now spans {now} steps; checkpoint step {restored.step} was trained on one of {before} "
-        f"(set train.schedule_steps={before} to keep it)"
-    )
+    return f"jaxdist: the learning-rate schedule changed since checkpoint step {restored.step} ({', '.join(changed)}); the new one applies from here"
 
 
 PARAMS_RESUME = "params:"  # --resume params:STEP: this run's weights-only checkpoint STEP

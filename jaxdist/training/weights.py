@@ -77,7 +77,8 @@ def param_tree_key(step_dir: Path) -> tuple[str, ...]:
 
 def _params_target(step_dir: Path, abstract_params: Any) -> dict:
     """The partial-restore target for a checkpoint's parameters; raises when they do not fit."""
-    from jaxdist.training.checkpoint import state_differences
+    from jaxdist.models import fp8
+    from jaxdist.training.checkpoint import saved_only, state_differences
 
     saved, key = state_tree(step_dir), param_tree_key(step_dir)
     for part in key:
@@ -89,7 +90,9 @@ def _params_target(step_dir: Path, abstract_params: Any) -> dict:
         return leaf
 
     target = nested(abstract_params)
-    differences = state_differences(nested(saved), target)
+    # fp8 amax histories of a delayed-scaling checkpoint stay unread when this run has none (restore_params says so)
+    ignore = frozenset(path for path in saved_only(nested(saved), target) if fp8.is_history_path(path))
+    differences = state_differences(nested(saved), target, ignore=ignore)
     if differences:
         raise JaxdistError(f"checkpoint {step_dir}: its parameters do not fit this model: {'; '.join(differences)}")
     return target
@@ -124,9 +127,21 @@ def restore_params(step_dir: Path, abstract_params: Any) -> Any:
         )
         return fp8.merge(jax.tree.map(lambda a: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)(), histories), rest)
     restored = read_arrays(step_dir, _params_target(step_dir, abstract_params))
+    if not fp8.has_history(abstract_params) and fp8.holds_history(_saved_params(step_dir)):
+        print(
+            f"jaxdist: {step_dir} holds fp8 amax histories (model.fp8=delayed) that this model does not use: dropped",
+            file=sys.stderr,
+        )
     for part in param_tree_key(step_dir):
         restored = restored[part]
     return restored
+
+
+def _saved_params(step_dir: Path) -> dict:
+    saved = state_tree(step_dir)
+    for part in param_tree_key(step_dir):
+        saved = saved.get(part, {})
+    return saved
 
 
 def _histories_missing(step_dir: Path, abstract_params: Any):
@@ -135,14 +150,7 @@ def _histories_missing(step_dir: Path, abstract_params: Any):
 
     if not fp8.has_history(abstract_params):
         return None
-    saved = state_tree(step_dir)
-    for part in param_tree_key(step_dir):
-        saved = saved.get(part, {})
-
-    def holds_history(tree) -> bool:
-        return isinstance(tree, dict) and any(k == "history" or holds_history(v) for k, v in tree.items())
-
-    return None if holds_history(saved) else fp8.split(abstract_params)[0]
+    return None if fp8.holds_history(_saved_params(step_dir)) else fp8.split(abstract_params)[0]
 
 
 def read_arrays(step_dir: Path, target: dict) -> dict:
