@@ -86,14 +86,14 @@ def test_resume_auto_picks_the_newest_full_checkpoint(base, tmp_path):
 def test_named_weights_only_resume_says_so_and_continues_from_its_weights(base, tmp_path):
     """``--resume params:10``: one line says the optimizer starts fresh; the first resumed
     step's loss (weights of step 10 on batch 11) equals the uninterrupted run's, and its
-    learning rate is the fresh schedule's first (0: warmup) rather than the run's."""
+    learning rate is the fresh schedule's first (lr / warmup_steps) rather than the run's."""
     run_dir, _, metrics = base
     copy = _copy(run_dir, tmp_path / "named")
     _, err, resumed = _train(copy, resume="params:10")
     lines = [x for x in err.splitlines() if "optimizer state starts fresh" in x]
     assert len(lines) == 1 and "holds weights only: continuing from its weights at step 10" in lines[0], err
     assert resumed[11]["loss"] == pytest.approx(metrics[11]["loss"], rel=1e-6)
-    assert resumed[11]["lr"] == 0.0 and metrics[11]["lr"] > 0
+    assert resumed[11]["lr"] == pytest.approx(3e-3 / 10) and metrics[11]["lr"] > 2 * resumed[11]["lr"]  # TINY: lr 3e-3, 10 warmup steps
     assert "checkpoint step(s) 12 moved to" in err, err  # the old branch's full 12
     assert checkpoint_steps(copy / "checkpoints") == [6, 12] and not is_weights_only(copy / "checkpoints" / "12")
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxdist.config import load_config
 from jaxdist.layout.mesh import parse_mesh
-from jaxdist.training.optim import make_optimizer
+from jaxdist.training.optim import lr_schedule, make_optimizer
 from jaxdist.training.run import run
 
 from helpers import TINY
@@ -40,8 +40,9 @@ def _with(w, scale) -> _Two:
 
 
 def _cosine(t: int) -> float:
-    """warmup 0, cosine from LR down to LR * MIN_RATIO over STEPS updates (count t from 0)."""
-    return LR * (MIN_RATIO + (1 - MIN_RATIO) * 0.5 * (1 + math.cos(math.pi * min(t, STEPS) / STEPS)))
+    """warmup 0, cosine from LR down to LR * MIN_RATIO over STEPS updates (count t from 0:
+    the update of step t + 1, so the last step trains at the floor)."""
+    return LR * (MIN_RATIO + (1 - MIN_RATIO) * 0.5 * (1 + math.cos(math.pi * min(t + 1, STEPS) / STEPS)))
 
 
 def _optax_run(optimizer: str) -> tuple[np.ndarray, np.ndarray]:
@@ -135,6 +136,46 @@ def test_schedule_steps_keeps_the_saved_schedule(tmp_path, capsys):
     lrs, err = _lrs(tmp_path, "train.steps=8", "train.schedule_steps=4", capsys=capsys)
     assert "learning-rate schedule" not in err
     lr, floor = 3e-3, 3e-3 * 0.1  # the TINY lr and its cosine floor (min_lr_ratio 0.1)
-    assert (
-        lrs[:4] == first and lrs[4:] == pytest.approx([floor] * 4, rel=1e-6) and first[2] == pytest.approx(lr)
-    )  # warmup 0, 1/2, then the peak
+    assert lrs[:4] == first and lrs[4:] == pytest.approx([floor] * 4, rel=1e-6)
+    assert first[:2] == pytest.approx([lr / 2, lr]) and first[3] == pytest.approx(floor)  # warmup 1/2, the peak; the floor at step 4
+
+
+# -- the schedules' shapes, by hand ------------------------------------------------------------
+
+# lr 1, 2 warmup steps, 10 schedule steps, floor 0.1, wsd decaying over the last 3 steps;
+# steps 1..12 (two past the schedule's end). Cosine: 0.1 + 0.45 (1 + cos(pi (k - 2) / 8)).
+BY_HAND = {
+    "cosine": [0.5, 1.0, 0.96575, 0.86820, 0.72221, 0.55, 0.37779, 0.23180, 0.13425, 0.1, 0.1, 0.1],
+    "linear": [0.5, 1.0, 0.8875, 0.775, 0.6625, 0.55, 0.4375, 0.325, 0.2125, 0.1, 0.1, 0.1],
+    "wsd": [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7, 0.4, 0.1, 0.1, 0.1],
+    "constant": [0.5, 1.0] + [1.0] * 10,
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(BY_HAND))
+def test_each_schedule_against_a_hand_computation(schedule):
+    cfg = load_config(
+        None,
+        [
+            f"train.schedule={schedule}",
+            "train.lr=1",
+            "train.warmup_steps=2",
+            "train.steps=10",
+            "train.min_lr_ratio=0.1",
+            "train.decay_fraction=0.3",
+        ],
+    ).train
+    rate = lr_schedule(cfg)
+    got = [float(rate(jnp.asarray(count))) for count in range(12)]  # the update of step count + 1
+    np.testing.assert_allclose(got, BY_HAND[schedule], atol=1e-5)
+
+
+def test_a_resume_with_another_schedule_shape_says_so(tmp_path, capsys):
+    """train.schedule is saved with the checkpoint; resuming with another says so in one line
+    and the new shape applies from the next step."""
+    _lrs(tmp_path, "train.steps=6", "train.stop_after_step=3", capsys=capsys)
+    lrs, err = _lrs(tmp_path, "train.steps=6", "train.schedule=constant", capsys=capsys)
+    lines = [x for x in err.splitlines() if "learning-rate schedule changed" in x]
+    assert len(lines) == 1 and "train.schedule cosine -> constant" in lines[0], err
+    assert lrs[3:] == pytest.approx([3e-3] * 3)  # constant at the peak after the 2 warmup steps
+    assert lrs[:3] == pytest.approx([1.5e-3, 3e-3, 3e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi / 4)))])  # cosine over 6 steps

@@ -1,4 +1,4 @@
-"""The optimizer: AdamW (or SGD) with linear warmup + cosine decay and global-norm clipping."""
+"""The optimizer: AdamW (or SGD) with a warmup + decay schedule and global-norm clipping."""
 
 from __future__ import annotations
 
@@ -12,18 +12,39 @@ from jaxdist.models import fp8
 
 
 def schedule_length(cfg: TrainConfig) -> int:
-    """Steps the warmup + cosine schedule spans: ``train.schedule_steps``, else ``train.steps``."""
+    """Steps the learning-rate schedule spans: ``train.schedule_steps``, else ``train.steps``."""
     return cfg.schedule_steps or cfg.steps
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.lr,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=max(schedule_length(cfg), cfg.warmup_steps + 1),
-        end_value=cfg.lr * cfg.min_lr_ratio,
-    )
+    """The learning rate of the update at optimizer count ``c`` (step ``k = c + 1``).
+
+    Warmup: step k of the first W trains at ``lr x k / W`` (so step 1 already learns, as
+    torchtitan's and Megatron's warmups do). Then, over the rest of the N schedule steps,
+    with ``p = (k - W) / (N - W)``: ``cosine`` ``floor + (lr - floor)(1 + cos(pi p)) / 2``;
+    ``linear`` from lr to the floor; ``constant`` lr; ``wsd`` lr until the last
+    ``train.decay_fraction`` of the N steps, then linear to the floor (warmup-stable-decay).
+    The floor is ``lr x train.min_lr_ratio``, reached at step N and kept after it.
+    """
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    warmup, total = cfg.warmup_steps, schedule_length(cfg)
+    decay_start = max(warmup, total - cfg.decay_fraction * total)  # wsd
+
+    def rate(count: jax.Array) -> jax.Array:
+        k = jnp.asarray(count, jnp.float32) + 1.0
+        p = jnp.clip((k - warmup) / max(total - warmup, 1), 0.0, 1.0)
+        if cfg.schedule == "cosine":
+            after = floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * p))
+        elif cfg.schedule == "linear":
+            after = peak + (floor - peak) * p
+        elif cfg.schedule == "wsd":
+            q = jnp.clip((k - decay_start) / max(total - decay_start, 1e-9), 0.0, 1.0)
+            after = peak + (floor - peak) * q
+        else:
+            after = jnp.full_like(k, peak)
+        return jnp.where(k <= warmup, peak * k / max(warmup, 1), after)
+
+    return rate
 
 
 def _decay_mask(params):
