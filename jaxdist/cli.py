@@ -54,12 +54,36 @@ def train_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.Argument
     parser = config_arg_parser(prog, "Train a model on a device mesh.")
     parser.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go (default runs/NAME-TIME)")
     add_process_group_flags(parser)
-    parser.add_argument("--resume", default="auto", help="auto (latest checkpoint in the run dir, if any) | never | STEP | PATH")
+    parser.add_argument(
+        "--resume",
+        default="auto",
+        help="auto (latest full checkpoint in the run dir, if any) | never | STEP | PATH | params:STEP (this run's weights-only checkpoint)",
+    )
     parser.add_argument("--init-from", default=None, metavar="CKPT", help="start from this checkpoint's weights (fresh optimizer, step 0)")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart a crashed run from its latest checkpoint up to N times")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds before the first restart; doubles each time")
     parser.add_argument("--profile-steps", default=None, metavar="A:B", help="trace steps A..B into RUN_DIR/profile (train.profile_steps)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit (nothing runs)")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="what reaches stderr: debug adds the collectives' own connection lines (gloo)",
+    )
     return parser
+
+
+def resolved_config_yaml(args: argparse.Namespace) -> str:
+    """``--print-config``: the config the arguments describe, with what the run derives
+    before JAX starts (the vocabulary from the tokenizer, the schedule's length), as YAML."""
+    from jaxdist.data.sources import resolve_vocab
+
+    if getattr(args, "profile_steps", None) is not None:
+        args.overrides.append(f"train.profile_steps={args.profile_steps}")
+    config = config_from_args(args)
+    resolve_vocab(config)
+    config.train.schedule_steps = config.train.schedule_steps or config.train.steps
+    return config.to_yaml()
 
 
 def add_process_group_flags(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,8 @@
 
     python -m jaxdist.train [--config NAME_OR_PATH] [--mesh SPEC] [--steps N]
                             [--run-dir DIR] [--log-every N] [--seed S]
-                            [--resume auto|never|STEP|PATH] [--init-from CKPT] [--max-restarts N]
+                            [--resume auto|never|STEP|PATH|params:STEP] [--init-from CKPT] [--max-restarts N]
+                            [--print-config] [--log-level debug|info|warning|error]
                             [--coordinator HOST:PORT --num-processes N --process-id I [--coordinator-bind ADDRESS]]
                             [key.sub=value ...]
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from jaxdist.cli import parse_args, train_arg_parser
+from jaxdist.cli import parse_args, resolved_config_yaml, train_arg_parser
 from jaxdist.errors import EXIT_BAD_INPUT, JaxdistError
 
 build_arg_parser = train_arg_parser
@@ -27,6 +28,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(build_arg_parser(), argv)
+        if args.print_config:
+            print(resolved_config_yaml(args), end="")
+            return 0
     except JaxdistError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

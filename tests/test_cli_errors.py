@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from jaxdist.config import load_config
 from jaxdist.errors import ConfigError, MeshError
@@ -23,22 +24,24 @@ BAD_INPUTS = {
     ),
     "kv heads vs tensor": (["--mesh", "tensor=4", "model.n_heads=8", "model.n_kv_heads=2"], "model.n_kv_heads (2)"),
     "mlp vs tensor": (["--mesh", "tensor=2", "model.n_heads=4", "model.n_kv_heads=2", "model.mlp_dim=99"], "mlp width (99)"),
-    "unknown key": (["model.n_layer=2"], "unknown config key 'model.n_layer'"),
+    "unknown key": (["model.n_layer=2"], "unknown config key 'model.n_layer' (did you mean model.n_layers?)"),
+    "unknown key far from any": (["model.zzz=2"], "unknown config key 'model.zzz' (python -m jaxdist.train --print-config lists the keys)"),
     "unknown section": (["optim.lr=2"], "unknown config key 'optim'"),
+    "misspelt section": (["trian.lr=2"], "unknown config key 'trian' (did you mean train?)"),
     "wrong type": (["model.n_layers=two"], "model.n_layers: expected int, got 'two'"),
     "bool for int": (["train.steps=true"], "train.steps: expected int"),
     "bad enum": (["model.dtype=float8"], "model.dtype must be"),
-    "unknown gradient reduction": (["parallel.grad_reduce=int4"], "parallel.grad_reduce must be float32, bfloat16, int8 or topk"),
+    "unknown gradient reduction": (["parallel.grad_reduce=int4"], "parallel.grad_reduce must be one of float32, bfloat16, int8, topk"),
     "topk fraction zero": (["parallel.grad_reduce=topk", "parallel.grad_topk_fraction=0"], "parallel.grad_topk_fraction must be in (0, 1]"),
     "topk fraction above one": (["parallel.grad_reduce=topk", "parallel.grad_topk_fraction=1.5"], "must be in (0, 1], got 1.5"),
-    "unknown compress axes": (["parallel.compress_axes=ici"], "parallel.compress_axes must be all or dcn"),
+    "unknown compress axes": (["parallel.compress_axes=ici"], "parallel.compress_axes must be one of all, dcn"),
     "fp16 with zero loss scale": (["model.dtype=float16", "train.loss_scale=0"], "train.loss_scale must be dynamic or a positive number"),
     "fp16 with a word for loss scale": (["model.dtype=float16", "train.loss_scale=auto"], "got 'auto'"),
     "compressed reduction with a pipe axis": (
         ["--mesh", "data=2,pipe=2", "parallel.grad_reduce=int8"],
         "parallel.grad_reduce=int8 does not support a pipe axis",
     ),
-    "unknown optimizer": (["train.optimizer=lion"], "train.optimizer must be adamw or sgd"),
+    "unknown optimizer": (["train.optimizer=lion"], "train.optimizer must be one of adamw, sgd"),
     "negative weights-only checkpoint interval": (["checkpoint.params_every_steps=-1"], "checkpoint.params_every_steps must be >= 0"),
     "replica axis without diloco": (["--mesh", "replica=2,data=2"], "the replica mesh axis is for DiLoCo"),
     "negative diloco inner steps": (["parallel.diloco_inner_steps=-1"], "parallel.diloco_inner_steps must be >= 0"),
@@ -80,7 +83,7 @@ BAD_INPUTS = {
         "parallel.expert_buffer_factor=1 gives",
     ),
     "unknown router": (["model.moe_experts=4", "model.moe_router=relu"], "model.moe_router must be one of softmax, sigmoid"),
-    "unknown fp8 mode": (["model.fp8=e4m3"], "model.fp8 must be off, current or delayed"),
+    "unknown fp8 mode": (["model.fp8=e4m3"], "model.fp8 must be one of off, current, delayed"),
     "fp8 history of zero": (["model.fp8=delayed", "model.fp8_history=0"], "model.fp8_history must be >= 1"),
     "fp8 with float32 compute": (["model.fp8=current", "model.dtype=float32"], "needs bfloat16 compute (model.dtype=bfloat16)"),
     "fp8 with auto compute on cpu": (
@@ -105,7 +108,7 @@ BAD_INPUTS = {
         "compress the outer average with parallel.diloco_reduce",
     ),
     "diloco with a pipe axis": (["--mesh", "replica=2,pipe=2", "parallel.diloco_inner_steps=4"], "does not support a pipe axis"),
-    "unknown diloco reduce": (["parallel.diloco_reduce=topk"], "parallel.diloco_reduce must be float32, bfloat16 or int8"),
+    "unknown diloco reduce": (["parallel.diloco_reduce=topk"], "parallel.diloco_reduce must be one of float32, bfloat16, int8"),
     "two remaining axes": (["--mesh", "data=-1,fsdp=-1"], "only one axis may be -1"),
     "remaining axis that cannot fit": (["--mesh", "data=-1,tensor=3"], "do not divide the 8 devices"),
     "negative link latency": (["parallel.replica_link_latency_ms=-5"], "must be >= 0"),
@@ -119,6 +122,90 @@ BAD_INPUTS = {
     "profile window past the run": (["--profile-steps", "1:50"], "<= train.steps (1)"),
     "profile window malformed": (["--profile-steps", "five"], "expected A:B"),
 }
+
+
+# Every numeric key: (is 0 valid, is a negative value valid). Written out here, apart from
+# the config's own ranges, so that a key added without a range, or with the wrong one, fails.
+NUMERIC_KEYS = {
+    **dict.fromkeys(["model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.rope_theta"], (False, False)),
+    **dict.fromkeys(["model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_max_len"], (False, False)),
+    **dict.fromkeys(["model.norm_eps", "model.moe_top_k", "model.fp8_history", "model.image_size", "model.num_classes"], (False, False)),
+    **dict.fromkeys(["model.resnet_widths", "model.resnet_blocks"], (False, False)),
+    **dict.fromkeys(
+        ["model.vocab_size", "model.valid_vocab", "model.head_dim", "model.mlp_dim", "model.rope_scaling_factor"], (True, False)
+    ),
+    **dict.fromkeys(["model.loss_chunk", "model.moe_experts", "model.moe_shared_experts", "model.moe_mlp_dim"], (True, False)),
+    **dict.fromkeys(["model.moe_first_dense", "model.moe_aux_loss_coef", "model.moe_z_loss_coef", "model.moe_bias_rate"], (True, False)),
+    "model.moe_capacity_factor": (True, True),  # <= 0: dropless
+    **dict.fromkeys(["train.steps", "train.global_batch", "train.seq_len", "train.microbatches", "train.lr"], (False, False)),
+    **dict.fromkeys(["train.decay_fraction", "train.log_every", "train.eval_batches", "train.max_skips"], (False, False)),
+    **dict.fromkeys(["train.schedule_steps", "train.stop_after_step", "train.min_lr_ratio", "train.warmup_steps"], (True, False)),
+    **dict.fromkeys(["train.momentum", "train.weight_decay", "train.beta1", "train.beta2", "train.grad_clip", "train.seed"], (True, False)),
+    **dict.fromkeys(["train.eval_every", "train.peak_flops"], (True, False)),
+    **dict.fromkeys(["data.workers", "data.prefetch", "data.synthetic_latency_ms"], (True, False)),
+    "data.eval_fraction": (False, False),
+    **dict.fromkeys(
+        ["checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_best", "checkpoint.params_every_steps"], (True, False)
+    ),
+    "checkpoint.keep": (False, False),
+    **dict.fromkeys(["parallel.virtual_stages", "parallel.grad_topk_fraction", "parallel.diloco_outer_lr"], (False, False)),
+    **dict.fromkeys(["parallel.pipeline_microbatches", "parallel.diloco_inner_steps", "parallel.diloco_outer_momentum"], (True, False)),
+    **dict.fromkeys(["parallel.replica_link_latency_ms", "parallel.replica_link_gbps", "parallel.expert_buffer_factor"], (True, False)),
+}
+
+
+def _numeric_keys() -> dict[str, type]:
+    import typing
+
+    from jaxdist.config import SECTIONS, keys
+
+    out = {}
+    for key in keys():
+        section, name = key.split(".")
+        kind = typing.get_type_hints(SECTIONS[section])[name]
+        kind = typing.get_args(kind)[0] if typing.get_origin(kind) is tuple else kind
+        if kind in (int, float):
+            out[key] = kind
+    return out
+
+
+def test_the_numeric_key_table_names_every_numeric_key():
+    assert set(NUMERIC_KEYS) == set(_numeric_keys())
+
+
+def _invalid_values(key: str, kind: type) -> list[str]:
+    zero_ok, negative_ok = NUMERIC_KEYS[key]
+    values = ["nan", ".inf", "-.inf"] + ([] if negative_ok else ["-1"]) + ([] if zero_ok else ["0"])
+    return [f"[{v}]" for v in values] if key == "model.resnet_widths" else values
+
+
+@pytest.mark.parametrize("key", sorted(NUMERIC_KEYS))
+def test_every_numeric_key_refuses_nan_inf_and_out_of_range_values_in_one_line(key, tmp_path, capsys):
+    """nan, +-inf, and negatives or zero where they mean nothing: one line naming the key,
+    exit 2, no run directory (the values that are valid load)."""
+    kind = _numeric_keys()[key]
+    for value in _invalid_values(key, kind):
+        run_dir = tmp_path / "run"
+        assert main([f"{key}={value}", "--run-dir", str(run_dir)]) == 2, (key, value)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"jaxdist: error: {key}"), (key, value, err)
+        assert not run_dir.exists()
+    zero_ok, negative_ok = NUMERIC_KEYS[key]
+    for value, ok in (("0", zero_ok), ("-1", negative_ok)):
+        if ok:
+            load_config(None, [f"{key}={value}"])
+
+
+def test_print_config_prints_the_resolved_config_that_loads_back(tmp_path, capsys):
+    assert main(["--config", "tiny", "model.n_layers=3", "--steps", "7", "--print-config", "--run-dir", str(tmp_path / "run")]) == 0
+    printed = capsys.readouterr().out
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(printed)
+    again = load_config(str(saved))
+    assert again.model.n_layers == 3 and again.train.steps == 7 and again.train.schedule_steps == 7
+    assert again.model.vocab_size > 0  # resolved from the (byte-level) tokenizer
+    assert {k: v for k, v in again.to_dict().items() if k != "name"} == {k: v for k, v in yaml.safe_load(printed).items() if k != "name"}
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
