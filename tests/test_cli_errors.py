@@ -82,6 +82,11 @@ BAD_INPUTS = {
         ["--mesh", "expert=4", "model.moe_experts=8", "model.moe_capacity_factor=2", "parallel.expert_buffer_factor=1"],
         "parallel.expert_buffer_factor=1 gives",
     ),
+    "capacity rounded exactly, not truncated": (  # 33 tokens x 1.1 / 4 experts: 10 rows (9.075 up), so 2 experts per device need 20
+        ["--mesh", "expert=2", "model.moe_experts=4", "model.moe_top_k=1", "model.moe_capacity_factor=1.1"]
+        + ["parallel.expert_buffer_factor=1.1", "train.global_batch=2", "train.seq_len=33"],
+        "parallel.expert_buffer_factor=1.1 gives 19 rows per destination, fewer than the 20",
+    ),
     "unknown router": (["model.moe_experts=4", "model.moe_router=relu"], "model.moe_router must be one of softmax, sigmoid"),
     "unknown fp8 mode": (["model.fp8=e4m3"], "model.fp8 must be one of off, current, delayed"),
     "fp8 history of zero": (["model.fp8=delayed", "model.fp8_history=0"], "model.fp8_history must be >= 1"),

@@ -5,6 +5,7 @@ against one device, the balancing statistics, the router bias and its resume."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -278,3 +279,129 @@ def test_eval_loss_is_the_data_loss_without_the_balancing_terms():
 
     heavy = eval_loss("model.moe_aux_loss_coef=1.0", "model.moe_z_loss_coef=1.0")  # would add ~1 + z to the loss
     np.testing.assert_allclose(heavy, eval_loss("model.moe_aux_loss_coef=0", "model.moe_z_loss_coef=0"), rtol=1e-6)
+
+
+# --- the balancing statistics are the whole step's ------------------------------------------
+
+BALANCE = (*TINY, *MOE, "train.global_batch=8", "data.source=synthetic")
+
+
+@functools.cache
+def _first_step(microbatches: int):
+    """(initial params, the batch, metrics and router bias after one step) at ``microbatches``."""
+    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.data.sources import resolve_vocab
+    from jaxdist.training.run import build_trainer
+
+    config = load_config(None, [*BALANCE, f"train.microbatches={microbatches}"])
+    resolve_vocab(config)
+    trainer = build_trainer(config, parse_mesh("data=1"), jax.devices()[:1])
+    state = trainer.init_state(0)
+    batch = next(make_iterator(config, trainer.layout))
+    params = jax.device_get(state.params)  # before the step donates them
+    state, metrics = trainer.train_step(state, batch)
+    bias = np.asarray(nnx.to_pure_dict(jax.device_get(state.params))["blocks"]["mlp"]["bias"])
+    return trainer, params, jax.device_get(batch), jax.device_get(metrics), bias
+
+
+@functools.cache
+def _router_logits() -> np.ndarray:
+    """Every MoE layer's router logits [layers, B, T, E] on the whole first batch, at init."""
+    from jaxdist.models import llama, moe
+
+    trainer, params, batch, _, _ = _first_step(1)
+
+    def with_logits(cfg, logits, ids, probs, dropped):
+        return {**stats(cfg, logits, ids, probs, dropped), "logits": logits}
+
+    stats = moe.stats
+    patch = pytest.MonkeyPatch()
+    patch.setattr(moe, "stats", with_logits)  # the layer hands its logits out through the layer scan
+    patch.setattr(llama, "moe_sums", lambda layer_stats, weight: layer_stats)
+    try:
+        _, _, layer_stats = jax.jit(lambda p, b: nnx.merge(trainer.graphdef, p).loss(b))(params, batch)
+    finally:
+        patch.undo()
+    return np.asarray(layer_stats["logits"], np.float64)
+
+
+def _numpy_balance(logits: np.ndarray, k: int) -> tuple[float, float, np.ndarray]:
+    """(aux loss, busiest expert over the mean, counts [layers, E]) of the whole batch, from the router logits."""
+    e = logits.shape[-1]
+    flat = logits.reshape(logits.shape[0], -1, e)
+    probs = np.exp(flat - flat.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    chosen = np.argsort(-probs, axis=-1, kind="stable")[..., :k]
+    counts = np.stack([np.bincount(c.reshape(-1), minlength=e) for c in chosen]).astype(np.float64)
+    aux = e * np.sum(counts / counts.sum(-1, keepdims=True) * probs.mean(1), axis=-1)
+    return float(aux.mean()), float((counts.max(-1) / counts.mean(-1)).mean()), counts
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, pytest.param(4, marks=pytest.mark.heavy)])
+def test_balancing_metrics_are_the_whole_steps_for_any_microbatch_count(microbatches):
+    """moe_aux_loss and moe_load_max equal a numpy computation from the router outputs of the
+    whole batch (not a mean of per-microbatch values), so they are the same for 1, 2 and 4
+    microbatches; the router bias moves by the whole step's counts."""
+    *_, metrics, bias = _first_step(microbatches)
+    aux, load_max, counts = _numpy_balance(_router_logits(), k=2)
+    assert load_max > 1  # unbalanced: per-microbatch maxima would differ from the step's
+    np.testing.assert_allclose(metrics["moe_aux_loss"], aux, rtol=1e-5)
+    np.testing.assert_allclose(metrics["moe_load_max"], load_max, rtol=1e-6)
+    assert metrics["moe_dropped_fraction"] == 0  # dropless
+    np.testing.assert_array_equal(bias, np.float32(0.01) * np.sign(counts.mean(-1, keepdims=True) - counts).astype(np.float32))
+    reference = _first_step(1)[3]
+    for key in ("moe_aux_loss", "moe_load_max", "moe_dropped_fraction"):
+        np.testing.assert_allclose(metrics[key], reference[key], rtol=1e-6, err_msg=key)
+
+
+def test_microbatched_balancing_loss_says_it_uses_each_microbatchs_counts():
+    from jaxdist.models import microbatch_balancing_note
+
+    note = microbatch_balancing_note(load_config(None, [*BALANCE, "train.microbatches=2"]))
+    assert note and "train.microbatches=2" in note and "each microbatch's expert counts" in note and "\n" not in note
+    assert microbatch_balancing_note(load_config(None, [*BALANCE, "train.microbatches=1"])) is None
+    assert microbatch_balancing_note(load_config(None, [*BALANCE, "train.microbatches=2", "model.moe_aux_loss_coef=0"])) is None
+
+
+# --- capacity and buffer rows: exact ceilings ------------------------------------------------
+
+
+def _ceil_decimal(rows: int, factor: str, divisor: int) -> int:
+    """ceil(rows x factor / divisor) in integers, the factor read as the decimal it is written as."""
+    whole, _, fraction = factor.partition(".")
+    numerator, denominator = int(whole + fraction), 10 ** len(fraction)
+    return max(1, -(-rows * numerator // (denominator * divisor)))
+
+
+# (tokens, k, experts, factor, the hand count): the issue's two cases, products a float lands a
+# hair above an integer (50 x 1.1 = 55.00000000000001), and the minimum of one row
+CAPACITY = [
+    (33, 1, 4, "1.1", 10),  # 36.3 / 4 = 9.075
+    (11, 1, 2, "1.5", 9),  # 16.5 / 2 = 8.25
+    (50, 1, 1, "1.1", 55),
+    (45, 1, 3, "2.2", 33),
+    (25, 1, 1, "2.2", 55),
+    (7, 2, 4, "1.25", 5),  # 17.5 / 4 = 4.375
+    (16, 2, 8, "1.0", 4),
+    (30, 1, 3, "0.1", 1),
+    (1, 1, 64, "0.5", 1),
+]
+
+
+@pytest.mark.parametrize("tokens, k, experts, factor, want", CAPACITY)
+def test_capacity_rows_is_the_exact_ceiling(tokens, k, experts, factor, want):
+    assert _ceil_decimal(tokens * k, factor, experts) == want  # the table's hand counts
+    assert experts_lib.capacity_rows(tokens, k, experts, float(factor)) == want
+    assert experts_lib.capacity_rows(tokens, k, experts, 0.0) is None  # dropless
+
+
+# (tokens, k, experts, expert axis, factor, the hand count), none capped by the worst case
+BUFFER = [(45, 1, 6, 3, "2.2", 33), (50, 2, 4, 2, "1.1", 55), (10, 2, 8, 4, "1.25", 7), (33, 1, 8, 4, "1.1", 10)]
+
+
+@pytest.mark.parametrize("tokens, k, experts, ep, factor, want", BUFFER)
+def test_buffer_rows_is_the_exact_ceiling(tokens, k, experts, ep, factor, want):
+    from jaxdist.parallel.expert import buffer_rows
+
+    assert _ceil_decimal(tokens * k, factor, ep) == want
+    assert buffer_rows(tokens, k, experts, ep, None, float(factor)) == want

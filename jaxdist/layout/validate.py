@@ -12,6 +12,7 @@ import math
 
 from jaxdist.config import Config
 from jaxdist.errors import ConfigError, MeshError
+from jaxdist.layout.capacity import capacity_rows, ceil_scaled
 from jaxdist.layout.mesh import BATCH_AXES, MeshSizes
 from jaxdist.layout.strategy import zero_stage
 from jaxdist.parallel.schedule import pipeline_spec, validate
@@ -157,9 +158,9 @@ def _check_moe(config: Config, sizes: MeshSizes) -> None:
         tokens = (
             config.train.global_batch * config.train.seq_len // (batch_shards(sizes) * sizes.get("context", 1) * config.train.microbatches)
         )
-        capacity = max(1, -(-int(tokens * m.moe_top_k * m.moe_capacity_factor) // m.moe_experts))
+        capacity = capacity_rows(tokens, m.moe_top_k, m.moe_experts, m.moe_capacity_factor)
         needed = m.moe_experts // expert * capacity
-        buffer = max(1, math.ceil(p.expert_buffer_factor * tokens * m.moe_top_k / expert))
+        buffer = ceil_scaled(tokens * m.moe_top_k, p.expert_buffer_factor, expert)
         if buffer < needed:
             raise ConfigError(
                 f"parallel.expert_buffer_factor={p.expert_buffer_factor:g} gives {buffer} rows per destination, fewer than the "

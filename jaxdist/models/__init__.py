@@ -76,6 +76,20 @@ def fp8_note(cfg) -> str | None:
     )
 
 
+def microbatch_balancing_note(config: Config) -> str | None:
+    """The line an MoE run with a balancing loss prints when the step is split into microbatches:
+    the objective's term sees one microbatch's counts at a time (the exact whole-step term would
+    need the step's counts before any microbatch's backward: a second forward pass)."""
+    cfg, m = config.model, config.train.microbatches
+    if not cfg.moe_experts or cfg.moe_aux_loss_coef <= 0 or m <= 1:
+        return None
+    return (
+        f"model.moe_aux_loss_coef with train.microbatches={m}: the training objective's balancing term is computed from each "
+        "microbatch's expert counts and router probabilities (averaged over microbatches weighted by their targets), so it "
+        "depends on the microbatch count; the logged moe_aux_loss and moe_load_max are the whole step's"
+    )
+
+
 def build_task(config: Config, platform: str = "cpu") -> Task:
     """The task for ``config``'s model; parallelism is applied afterwards (``jaxdist.parallel.parallelize``)."""
     cfg, dtype = config.model, compute_dtype(config, platform)
@@ -102,7 +116,7 @@ def build_task(config: Config, platform: str = "cpu") -> Task:
             tokens_per_example=seq,
             n_params=count_params(cfg),
             batch_spec=lambda b: {k: jax.ShapeDtypeStruct((b, seq), jnp.float32 if k == "loss_mask" else jnp.int32) for k in keys},
-            notes=tuple(f"jaxdist: {line}" for line in (note, fp8_note(cfg)) if line),
+            notes=tuple(f"jaxdist: {line}" for line in (note, fp8_note(cfg), microbatch_balancing_note(config)) if line),
             attention=attention,
             **(moe_hooks(cfg) if cfg.moe_experts else {}),
         )

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxdist.layout.capacity import capacity_rows, ceil_scaled  # noqa: F401 - the kernels' sizes, re-exported
 from jaxdist.models import fp8
 from jaxdist.models.layers import swiglu
 
@@ -55,14 +56,6 @@ def dispatch(ids: jax.Array, n_experts: int, capacity: int | None) -> Dispatch:
     rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[expert]
     kept = rank < capacity if capacity is not None else jnp.ones(flat.shape, bool)
     return Dispatch(order, expert, counts, kept, rank)
-
-
-def capacity_rows(tokens: int, top_k: int, n_experts: int, factor: float) -> int | None:
-    """Rows an expert takes from ``tokens`` tokens: ceil(tokens x k / experts x factor);
-    None (no limit) when ``factor <= 0`` (dropless)."""
-    if factor <= 0:
-        return None
-    return max(1, -(-int(tokens * top_k * factor) // n_experts))
 
 
 def swiglu_groups(rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:

@@ -118,42 +118,62 @@ class MoE(nnx.Module):
 
 
 def stats(cfg: ModelConfig, logits: jax.Array, ids: jax.Array, probs: jax.Array, dropped: jax.Array) -> dict[str, jax.Array]:
-    """One layer's balancing statistics over the whole (global) batch.
+    """One layer's balancing statistics over the batch it sees (the step's, or one microbatch's).
 
-    ``aux``: the Switch / Megatron load-balancing loss E x sum_i f_i P_i, f_i the fraction
-    of assignments routed to expert i and P_i its mean router probability (1 when
-    balanced); ``z``: mean logsumexp(logits)^2; ``counts``: assignments per expert;
-    ``dropped`` and ``assigned``: assignments past capacity or buffer, and all of them."""
+    ``aux``: the Switch / Megatron load-balancing loss E x sum_i f_i P_i of this batch, f_i the
+    fraction of assignments routed to expert i and P_i its mean router probability (1 when
+    balanced): the training objective's term; ``z``: mean logsumexp(logits)^2. Sums that add over
+    microbatches (the logged metrics come from them, ``metrics_from_sums``): ``counts``
+    (assignments per expert), ``probs`` (router probabilities per expert, summed over tokens),
+    ``tokens`` (routed), ``dropped`` and ``assigned`` (assignments past capacity or buffer, and
+    all of them)."""
     e = cfg.moe_experts
     counts = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32), axis=tuple(range(ids.ndim)))
     assigned = jnp.asarray(ids.size, jnp.float32)
-    mean_probs = jnp.mean(probs.reshape(-1, e), axis=0)
-    aux = e * jnp.sum(jax.lax.stop_gradient(counts / assigned) * mean_probs)
+    prob_sums = jnp.sum(probs.reshape(-1, e), axis=0)
+    tokens = jnp.asarray(ids.size // ids.shape[-1], jnp.float32)
+    aux = e * jnp.sum(jax.lax.stop_gradient(counts / assigned) * prob_sums / tokens)
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    return {"counts": counts, "aux": aux, "z": z, "dropped": dropped, "assigned": assigned}
+    return {"counts": counts, "probs": prob_sums, "tokens": tokens, "aux": aux, "z": z, "dropped": dropped, "assigned": assigned}
 
 
 def moe_sums(layer_stats: dict[str, jax.Array], weight: jax.Array) -> dict[str, jax.Array]:
-    """The MoE statistics of one batch as sums that add over microbatches: per-target
-    weighted means (the aux loss, the busiest expert's load over the mean, both averaged
-    over MoE layers), the dropped and assigned counts, and each layer's expert counts
-    (what aux-loss-free balancing moves its bias by)."""
-    counts = layer_stats["counts"]  # [moe layers, experts]
-    load_max = jnp.max(counts, axis=-1) / jnp.maximum(jnp.mean(counts, axis=-1), 1e-9)
+    """The MoE statistics of one batch as sums that add over microbatches: per MoE layer the
+    expert counts (also what aux-loss-free balancing moves its bias by), the router
+    probabilities summed per expert and the routed tokens; the dropped and assigned counts.
+    The metrics are computed from the step's sums (``metrics_from_sums``), never averaged over
+    microbatches, so they do not depend on ``train.microbatches``. (``weight``: unused, kept for
+    the caller's signature; the training objective's per-microbatch terms are ``aux`` and ``z``.)"""
+    del weight
     return {
-        "moe_aux_loss": jnp.mean(layer_stats["aux"]) * weight,
-        "moe_load_max": jnp.mean(load_max) * weight,
+        "moe_counts": layer_stats["counts"],  # [moe layers, experts]
+        "moe_probs": layer_stats["probs"],  # [moe layers, experts]
+        "moe_tokens": layer_stats["tokens"],  # [moe layers]
         "moe_dropped": jnp.sum(layer_stats["dropped"]),
         "moe_assigned": jnp.sum(layer_stats["assigned"]),
-        "moe_counts": counts,
     }
 
 
+def balance_statistics(counts: jax.Array, prob_sums: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(aux loss, busiest expert's load over the mean), each averaged over MoE layers, from the
+    per-layer counts [L, E], summed router probabilities [L, E] and routed tokens [L] of a batch:
+    aux = E x sum_i f_i P_i with f_i = counts_i / sum(counts), P_i = probs_i / tokens."""
+    e = counts.shape[-1]
+    fraction = counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
+    mean_probs = prob_sums / jnp.maximum(tokens, 1.0)[:, None]
+    aux = e * jnp.sum(fraction * mean_probs, axis=-1)
+    load_max = jnp.max(counts, axis=-1) / jnp.maximum(jnp.mean(counts, axis=-1), 1e-9)
+    return jnp.mean(aux), jnp.mean(load_max)
+
+
 def metrics_from_sums(sums: dict[str, jax.Array], weight: jax.Array) -> dict[str, jax.Array]:
-    """metrics.jsonl's MoE fields from one step's summed statistics (``moe_sums``)."""
+    """metrics.jsonl's MoE fields from one step's summed statistics (``moe_sums``): the whole
+    step's counts and probabilities, whatever the microbatches and the mesh."""
+    del weight  # the statistics are per routed token, not per target
+    aux, load_max = balance_statistics(sums["moe_counts"], sums["moe_probs"], sums["moe_tokens"])
     return {
-        "moe_aux_loss": sums["moe_aux_loss"] / weight,
-        "moe_load_max": sums["moe_load_max"] / weight,
+        "moe_aux_loss": aux,
+        "moe_load_max": load_max,
         "moe_dropped_fraction": sums["moe_dropped"] / jnp.maximum(sums["moe_assigned"], 1.0),
     }
 

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec
 from jaxdist.layout.mesh import BATCH_AXES
 from jaxdist.layout.sharding import Rules, logical_to_spec
 from jaxdist.models import experts as experts_lib
-from jaxdist.models.experts import ExpertCompute, capacity_rows, combine, dispatch, local_experts, swiglu_groups
+from jaxdist.models.experts import ExpertCompute, capacity_rows, ceil_scaled, combine, dispatch, local_experts, swiglu_groups
 
 AXIS = "expert"
 GATE_UP_AXES = ("expert", "embed", None, "mlp")  # models.moe's parameter axes
@@ -47,7 +47,7 @@ def buffer_rows(tokens: int, top_k: int, experts: int, ep: int, capacity: int | 
     if capacity is not None:
         worst = min(worst, local * capacity)
     if factor > 0:
-        return min(worst, max(1, math.ceil(factor * tokens * top_k / ep)))
+        return min(worst, ceil_scaled(tokens * top_k, factor, ep))  # exact: a float product may land a hair above an integer
     return worst
 
 
