@@ -233,9 +233,7 @@ class Llama(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.dtype = dtype
-        # Untied, the embedding is a lookup table (std 1, as nn.Embedding) and the head a fan-in
-        # projection; tied, the one matrix is also the head, so it starts at the head's scale
-        # (std 1 / sqrt(d_model): logits of unit variance, loss near ln(vocab)).
+        # tied, the table is also the head: it starts at the head's scale (unit-variance logits)
         embed_std = cfg.d_model**-0.5 if cfg.tie_embeddings else 1.0
         self.embed = param(rngs, jax.nn.initializers.normal(embed_std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd)
         # An MoE model's leading model.moe_first_dense layers keep a dense MLP: a stack of their own
