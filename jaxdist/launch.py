@@ -11,7 +11,14 @@ exits 75 has saved its part of a checkpoint: nobody is signalled, the others get
 to finish theirs, then the launcher exits 75. When process 0 finds the
 coordinator's port taken (exit 76, nothing ran) the set starts again on another port,
 not counted as a failure. Every process the run starts (trainers, their Grain workers)
-dies within a second of the launcher, even when it is killed with SIGKILL.
+dies within a second of the launcher, even when it is killed with SIGKILL. gloo's
+"[Gloo] Rank N is connected to M peer ranks" lines (printed by jaxlib's gloo from C++,
+without a switch) are left out of the output unless ``--log-level debug``; ``warning`` and
+``error`` also hide the launcher's own notes. A run whose run directory already holds its
+last step (``train.steps``, or ``train.stop_after_step``) starts nothing: one line,
+``already at step N``, exit 0 (also elastic and across nodes, with no record written).
+Every numeric flag must be a finite number in its range (nan, inf, a negative or a zero
+where it means nothing: one line, exit 2).
 
 Hangs: each process beats once per step (``jaxdist.cluster.heartbeat``); when one makes no
 progress for ``--hang-timeout`` seconds (default 1800; 0 turns the watch off), or the
@@ -52,14 +59,18 @@ also the largest count the run takes.
 Across nodes (TorchElastic's model; one launcher per node, every one with the same arguments):
 
     python -m jaxdist.launch --nnodes 1:4 --nproc-per-node 2 [--devices-per-proc 4] \\
-        --rdzv etcd://HOST:2379 --rdzv-id RUN [--coordinator-bind ADDRESS] [--rdzv-timeout 600] \\
+        --rdzv etcd://HOST:2379[,HOST2:2379] --rdzv-id RUN [--coordinator-bind ADDRESS] [--rdzv-timeout 600] \\
         [--rdzv-settle 5] [--max-restarts 3] [--rdzv-cacert CA --rdzv-cert CERT --rdzv-key KEY] \\
         -- --mesh data=-1,tensor=2 --run-dir /shared/runs/RUN ...
 
-- Rendezvous (``jaxdist.cluster.rendezvous``, etcd's v3 JSON gateway over HTTP): each
-  launcher registers under ``/jaxdist/RUN/`` on a lease of 5 s that a thread renews; a
-  launcher killed even by SIGKILL drops out when its lease expires. The lowest free node
-  (join order) proposes a generation by an etcd transaction: the member nodes in rank order
+- Rendezvous (``jaxdist.cluster.rendezvous``, etcd's v3 JSON gateway over HTTP; several
+  endpoints, comma-separated, are one etcd cluster's members: a request that one does not
+  answer goes to the next): each launcher registers under ``/jaxdist/RUN/`` on a lease of 5 s
+  that a thread renews, with a hash of its training arguments (and K and devices per
+  process); a launcher killed even by SIGKILL drops out when its lease expires. A launcher
+  whose hash differs from the running generation's (or, before one, from the first
+  node's) does not join: one line, exit 2; the others never count it and go on. The lowest
+  free node (join order) proposes a generation by an etcd transaction: the member nodes in rank order
   (at most MAX; the largest count whose processes the run fits, as above), the coordinator
   (its own address, ``--coordinator-bind``, default the address this host uses to reach
   etcd, on a port it holds) and the world size nodes x K. A first generation, or one with
@@ -87,10 +98,11 @@ Across nodes (TorchElastic's model; one launcher per node, every one with the sa
   ``--rdzv-timeout`` seconds between generations: one line and exit 75 (the last
   checkpoint stands: rerun to resume). etcd unreachable at start, a malformed ``--rdzv``,
   ``--nnodes 3:2``, no ``--rdzv-id`` or no ``--run-dir``: one line, exit 2, nothing started.
-- Exit codes per launcher: 0 the run finished; 75 it saved and stopped (this node left, the
-  run was preempted from outside, or fewer than MIN nodes); 2 bad input, or launchers that
-  disagree on their arguments; a process's own code for 3 (non-finite loss) and 4
-  (checkpoint not written); the failure's code when ``--max-restarts`` is used up.
+- Exit codes per launcher: 0 the run finished (or had finished before it started); 75 it
+  saved and stopped (this node left, the run was preempted from outside, or fewer than MIN
+  nodes); 2 bad input, or a launcher whose arguments differ from the run's; a process's own
+  code for 3 (non-finite loss) and 4 (checkpoint not written); the failure's code when
+  ``--max-restarts`` is used up.
 - Trust: etcd authenticates nobody by default; whoever can write its keys can steer the
   launchers (a generation names the coordinator every process connects to). Keep etcd on
   the job's private network with the coordinator port, or serve it over TLS with
@@ -111,6 +123,9 @@ checkpoint: rerun the same command to resume.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import math
 import os
 import re
 import socket
@@ -122,8 +137,8 @@ from jaxdist.cli import config_from_args, train_arg_parser
 from jaxdist.cli import parse_args as parse_train_args
 from jaxdist.cluster import elastic
 from jaxdist.cluster.elastic_launch import ElasticPlan, run_elastic
-from jaxdist.cluster.etcd import Etcd, Tls, parse_endpoint
-from jaxdist.cluster.launcher import HangLimits, run_plain
+from jaxdist.cluster.etcd import Etcd, Tls, parse_endpoints
+from jaxdist.cluster.launcher import LOG_LEVELS, HangLimits, note, run_plain, set_log_level
 from jaxdist.cluster.node_launch import NodePlan, check_local_address, route_address, run_node
 from jaxdist.cluster.rendezvous import check_name
 from jaxdist.cluster.supervise import child_argv
@@ -149,6 +164,15 @@ NODE_FLAGS = (
     "rdzv_cert",
     "rdzv_key",
 )
+# Every number the launcher takes, checked before anything starts: a nan passes any plain
+# comparison (``nan < 0`` is False) and inf would mean "never"; both are bad input.
+SECONDS_FLAGS = {  # flag: (the lowest value, whether it is allowed, what it means)
+    "hang_timeout": (0.0, True, "0: no hang watch"),
+    "first_step_timeout": (0.0, False, ""),
+    "rdzv_timeout": (0.0, False, ""),
+    "rdzv_settle": (0.0, True, "0: no settle window"),
+}
+COUNT_FLAGS = {"nproc": 1, "devices_per_proc": 1, "nproc_per_node": 1, "max_restarts": 0}  # --min-nproc: with --nproc below
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -162,7 +186,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     nodes = parser.add_argument_group("across nodes (one launcher per node, an etcd rendezvous)")
     nodes.add_argument("--nnodes", default=None, metavar="MIN:MAX", help="the fewest and the most nodes of the run (N: exactly N)")
     nodes.add_argument("--nproc-per-node", type=int, default=None, metavar="K", help="processes this launcher starts (default 1)")
-    nodes.add_argument("--rdzv", default=None, metavar="etcd://HOST:PORT", help="the etcd server of the rendezvous")
+    nodes.add_argument(
+        "--rdzv",
+        default=None,
+        metavar="etcd://HOST:PORT[,HOST:PORT]",
+        help="the etcd server of the rendezvous (several: an etcd cluster's members, tried in turn)",
+    )
     nodes.add_argument("--rdzv-id", default=None, metavar="ID", help="the run's name in etcd: the same on every node")
     nodes.add_argument("--node-id", default=None, help="this node's name in the rendezvous (default HOSTNAME-PID)")
     nodes.add_argument(
@@ -209,12 +238,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         choices=MODULES,
         help="what each process runs (default jaxdist.train; jaxdist.commbench: the links)",
     )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="info (default): the launcher's notes, without gloo's connection lines; debug: with them; warning, error: fewer notes",
+    )
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the arguments of python -m jaxdist.train")
     args = parser.parse_args(argv)
     if args.train_args[:1] == ["--"]:
         args.train_args = args.train_args[1:]
-    if args.hang_timeout < 0 or args.first_step_timeout <= 0:
-        raise JaxdistError("--hang-timeout must be >= 0 (0: no hang watch) and --first-step-timeout > 0")
+    _check_numbers(args)
     args.hang = HangLimits(args.hang_timeout, args.first_step_timeout) if args.hang_timeout > 0 else None
     restarting = [f"--{k.replace('_', '-')}" for k in ("nnodes", "min_nproc", "max_restarts", "nproc_file") if getattr(args, k) is not None]
     if args.module != "jaxdist.train" and restarting:
@@ -229,12 +263,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise JaxdistError(f"{given[0]} belongs to a run across nodes: it needs --nnodes MIN:MAX")
     if args.nproc is None:
         raise JaxdistError("give --nproc N (processes on this machine) or --nnodes MIN:MAX (one launcher per node, with --rdzv)")
-    if args.nproc < 1:
-        raise JaxdistError(f"--nproc must be >= 1, got {args.nproc}")
     args.elastic = any(getattr(args, k) is not None for k in ("min_nproc", "max_restarts", "nproc_file"))
     if args.elastic:
         _check_elastic_args(args)
     return args
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Each numeric flag finite and in range (one line, exit 2)."""
+    for name, (low, inclusive, meaning) in SECONDS_FLAGS.items():
+        value = getattr(args, name)
+        if not (math.isfinite(value) and (value >= low if inclusive else value > low)):
+            bound = f"{'>=' if inclusive else '>'} {low:g}{f' ({meaning})' if meaning else ''}"
+            raise JaxdistError(f"--{name.replace('_', '-')} must be a finite number of seconds {bound}, got {value:g}")
+    for name, low in COUNT_FLAGS.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise JaxdistError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise JaxdistError(f"--port must be from 1 to 65535, got {args.port}")
 
 
 def _parse_nnodes(text: str) -> tuple[int, int]:
@@ -257,21 +304,16 @@ def _check_node_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     args.min_nodes, args.max_nodes = _parse_nnodes(args.nnodes)
     if args.rdzv is None:
         raise JaxdistError("--nnodes needs --rdzv etcd://HOST:PORT (the rendezvous every node's launcher joins)")
-    args.etcd_host, args.etcd_port = parse_endpoint(args.rdzv)
+    args.etcd_endpoints = parse_endpoints(args.rdzv)
+    args.etcd_host, args.etcd_port = args.etcd_endpoints[0]
     if args.rdzv_id is None:
         raise JaxdistError("--nnodes needs --rdzv-id ID (the run's name in etcd: the same on every node)")
     check_name(args.rdzv_id, "--rdzv-id")
     args.node_id = check_name(args.node_id or _default_node_id(), "--node-id")
     args.nproc_per_node = 1 if args.nproc_per_node is None else args.nproc_per_node
     args.devices_per_proc = 1 if args.devices_per_proc is None else args.devices_per_proc
-    if args.nproc_per_node < 1 or args.devices_per_proc < 1:
-        raise JaxdistError("--nproc-per-node and --devices-per-proc must be >= 1")
-    if args.max_restarts is not None and args.max_restarts < 0:
-        raise JaxdistError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if (args.rdzv_cert or args.rdzv_key) and not (args.rdzv_cacert and args.rdzv_cert and args.rdzv_key):
         raise JaxdistError("--rdzv-cert and --rdzv-key go together, with --rdzv-cacert (HTTPS to etcd)")
-    if args.rdzv_timeout <= 0 or args.rdzv_settle < 0:
-        raise JaxdistError("--rdzv-timeout must be > 0 and --rdzv-settle >= 0")
 
 
 def _default_node_id() -> str:
@@ -284,10 +326,8 @@ def _check_elastic_args(args: argparse.Namespace) -> None:
         raise JaxdistError("--nproc-file and --max-restarts need --min-nproc M (the fewest processes the run may continue with)")
     if not 1 <= args.min_nproc <= args.nproc:
         raise JaxdistError(f"--min-nproc must be from 1 to --nproc ({args.nproc}), got {args.min_nproc}")
-    if args.devices_per_proc is None or args.devices_per_proc < 1:
+    if args.devices_per_proc is None:
         raise JaxdistError("an elastic launch (--min-nproc) needs --devices-per-proc K >= 1: the device count of each process count")
-    if args.max_restarts is not None and args.max_restarts < 0:
-        raise JaxdistError(f"--max-restarts must be >= 0, got {args.max_restarts}")
 
 
 def elastic_plan(args: argparse.Namespace) -> ElasticPlan:
@@ -322,7 +362,7 @@ def node_plan(args: argparse.Namespace) -> NodePlan:
         train.overrides.append(f"train.profile_steps={train.profile_steps}")
     config = config_from_args(train)
     elastic.mesh_for(config, args.min_nodes * args.nproc_per_node, args.devices_per_proc)  # --mesh auto: one line here
-    address = args.coordinator_bind or route_address(args.etcd_host, args.etcd_port)
+    address = args.coordinator_bind or route_address(args.etcd_host, args.etcd_port)  # the first endpoint's route
     check_local_address(address)
     return NodePlan(
         config=config,
@@ -333,7 +373,12 @@ def node_plan(args: argparse.Namespace) -> NodePlan:
         max_nodes=args.max_nodes,
         nproc_per_node=args.nproc_per_node,
         devices_per_proc=args.devices_per_proc,
-        etcd=Etcd(args.etcd_host, args.etcd_port, tls=Tls(args.rdzv_cacert, args.rdzv_cert, args.rdzv_key) if args.rdzv_cacert else None),
+        etcd=Etcd(
+            args.etcd_host,
+            args.etcd_port,
+            tls=Tls(args.rdzv_cacert, args.rdzv_cert, args.rdzv_key) if args.rdzv_cacert else None,
+            others=args.etcd_endpoints[1:],
+        ),
         run_id=args.rdzv_id,
         node_id=args.node_id,
         address=address,
@@ -344,11 +389,31 @@ def node_plan(args: argparse.Namespace) -> NodePlan:
     )
 
 
+def finished_plain(args: argparse.Namespace) -> tuple[int, str] | None:
+    """A plain launch of a finished run: (its step, the line that says so); None to start the
+    processes (also when the training arguments do not parse: each process says why, as before)."""
+    if args.module != "jaxdist.train":
+        return None
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # a --help among them: the processes print it
+            train = parse_train_args(train_arg_parser(), args.train_args)
+        if not train.run_dir:
+            return None  # a new runs/NAME-TIME directory
+        config = config_from_args(train)
+    except (JaxdistError, SystemExit):
+        return None
+    step = elastic.finished_step(config, Path(train.run_dir), train.resume)
+    return None if step is None else (step, elastic.finished_line(config, step))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    set_log_level("info")
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
+        set_log_level(args.log_level)
         plan = elastic_plan(args) if args.elastic else None
         nodes = node_plan(args) if args.nodes else None
+        finished = finished_plain(args) if plan is None and nodes is None else None
     except JaxdistError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -356,6 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_node(nodes)
     if plan is not None:
         return run_elastic(plan)
+    if finished is not None:  # nothing to start: the processes would only compile and exit
+        note(finished[1])
+        return 0
     return run_plain(args.nproc, args.train_args, args.devices_per_proc, args.port, args.hang, args.module)
 
 

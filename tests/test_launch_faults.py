@@ -29,9 +29,10 @@ import pytest
 import yaml
 
 import jaxdist
+import jaxdist.launch as launch
 import jaxdist.train as train_cli
 from jaxdist.cli import train_arg_parser
-from jaxdist.cluster import distributed, supervise
+from jaxdist.cluster import distributed, launcher, supervise
 from jaxdist.cluster.elastic import NprocFile
 from jaxdist.errors import JaxdistError
 from jaxdist.training.checkpoint import checkpoint_steps
@@ -88,6 +89,92 @@ def started():
 
 
 # --- pure logic, no processes ---
+
+# Every numeric launcher flag: nan, inf, negative and (where invalid) zero are one line and exit 2
+# before anything starts. (flags, the message); a nan once slipped through every "< 0" check.
+PLAIN = ["--nproc", "2"]
+NODES = ["--nnodes", "1:2", "--rdzv", "etcd://127.0.0.1:1", "--rdzv-id", "numbers"]  # checked before etcd is asked
+SECONDS = "must be a finite number of seconds"
+BAD_NUMBERS = {
+    "hang timeout nan": ([*PLAIN, "--hang-timeout", "nan"], f"--hang-timeout {SECONDS} >= 0 (0: no hang watch), got nan"),
+    "hang timeout inf": ([*PLAIN, "--hang-timeout", "inf"], f"--hang-timeout {SECONDS} >= 0 (0: no hang watch), got inf"),
+    "hang timeout negative": ([*PLAIN, "--hang-timeout", "-1"], f"--hang-timeout {SECONDS} >= 0 (0: no hang watch), got -1"),
+    "first step timeout nan": ([*PLAIN, "--first-step-timeout", "nan"], f"--first-step-timeout {SECONDS} > 0, got nan"),
+    "first step timeout inf": ([*PLAIN, "--first-step-timeout", "1e999"], f"--first-step-timeout {SECONDS} > 0, got inf"),
+    "first step timeout zero": ([*PLAIN, "--first-step-timeout", "0"], f"--first-step-timeout {SECONDS} > 0, got 0"),
+    "rdzv settle nan": ([*NODES, "--rdzv-settle", "nan"], f"--rdzv-settle {SECONDS} >= 0 (0: no settle window), got nan"),
+    "rdzv settle inf": ([*NODES, "--rdzv-settle", "inf"], f"--rdzv-settle {SECONDS} >= 0 (0: no settle window), got inf"),
+    "rdzv settle negative": ([*NODES, "--rdzv-settle", "-0.5"], f"--rdzv-settle {SECONDS} >= 0 (0: no settle window), got -0.5"),
+    "rdzv timeout nan": ([*NODES, "--rdzv-timeout", "nan"], f"--rdzv-timeout {SECONDS} > 0, got nan"),
+    "rdzv timeout inf": ([*NODES, "--rdzv-timeout=-inf"], f"--rdzv-timeout {SECONDS} > 0, got -inf"),
+    "rdzv timeout zero": ([*NODES, "--rdzv-timeout", "0"], f"--rdzv-timeout {SECONDS} > 0, got 0"),
+    "nproc zero": (["--nproc", "0"], "--nproc must be >= 1, got 0"),
+    "nproc nan": (["--nproc", "nan"], "argument --nproc: invalid int value: 'nan'"),
+    "devices per proc zero": ([*PLAIN, "--devices-per-proc", "0"], "--devices-per-proc must be >= 1, got 0"),
+    "devices per proc negative": ([*NODES, "--devices-per-proc", "-2"], "--devices-per-proc must be >= 1, got -2"),
+    "nproc per node zero": ([*NODES, "--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
+    "max restarts negative": ([*NODES, "--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+    "min nproc zero": ([*PLAIN, "--min-nproc", "0", "--devices-per-proc", "2"], "--min-nproc must be from 1 to --nproc (2), got 0"),
+    "port zero": ([*PLAIN, "--port", "0"], "--port must be from 1 to 65535, got 0"),
+    "port too large": ([*PLAIN, "--port", "65536"], "--port must be from 1 to 65535, got 65536"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_NUMBERS, ids=list(BAD_NUMBERS))
+def test_every_numeric_flag_is_checked(case, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: pytest.fail("the launcher started a process"))
+    flags, message = BAD_NUMBERS[case]
+    assert launch.main([*flags, "--", "--mesh", "data=-1,tensor=2", *OVERRIDES, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"jaxdist: error: {message}"], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_gloos_connection_line_is_chatter_unless_a_peer_is_missing():
+    line = "[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n"
+    assert distributed.is_gloo_chatter(line)
+    assert not distributed.is_gloo_chatter(line.replace("to 7 peer", "to 6 peer"))  # one missing: kept, with gloo's next line
+    assert not distributed.is_gloo_chatter("[Gloo] Rank 3 is NOT connected to: [5]\n")
+    assert not distributed.is_gloo_chatter("[rank 0] step 1 | loss 5.9\n")
+
+
+def test_launcher_notes_follow_the_log_level(capsys):
+    try:
+        for level, shown in (("debug", True), ("info", True), ("warning", False), ("error", False)):
+            launcher.set_log_level(level)
+            launcher.note("a note")
+            launcher.note_error("an error")
+            assert capsys.readouterr().err.splitlines() == [
+                *(["jaxdist.launch: a note"] if shown else []),
+                "jaxdist.launch: error: an error",
+            ]
+    finally:
+        launcher.set_log_level("info")
+
+
+# A process of a run not started by jaxdist.launch (SLURM, Kubernetes): gloo's lines come from C++
+# (file descriptor 1, not sys.stdout), the way this script writes them.
+HIDE_GLOO = """
+import os, sys
+from jaxdist.cluster.distributed import ProcessGroup, hide_gloo_lines
+hide_gloo_lines(sys.argv[1], ProcessGroup("127.0.0.1:1", 2, 0))
+os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\\n")
+print("from python", flush=True)
+os.write(1, b"[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of connected peer ranks is : 1\\n")
+os.write(1, b"the last line, without a newline")
+"""
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_a_train_process_keeps_gloos_lines_off_its_stdout(level):
+    env = {k: v for k, v in subprocess_env().items() if k != distributed.ENV_OUTPUT_FILTERED}
+    out = subprocess.run([sys.executable, "-c", HIDE_GLOO, level], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    connected = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    assert (connected in lines) == (level == "debug"), lines
+    assert "from python" in lines and lines[-1] == "the last line, without a newline"  # nothing else lost, in order
+    assert "[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of connected peer ranks is : 1" in lines
 
 
 def test_a_non_utf8_nproc_file_is_one_warning_and_keeps_the_count(tmp_path, capsys):
@@ -336,6 +423,26 @@ def test_a_save_that_never_finishes_is_stopped_after_the_grace(tmp_path):
     assert "rank 0 did not finish saving within 1s; stopping it" in out
 
 
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_gloos_connection_lines_show_only_at_debug(level, tmp_path):
+    """Trainers print gloo's lines as gloo does (stdout, from C++); the launcher keeps the
+    complete-mesh ones out of its output unless --log-level debug."""
+    body = """
+    os.write(1, f"[Gloo] Rank {rank} is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\\n".encode())
+    if rank == 1:
+        os.write(1, b"[Gloo] Rank 1 is connected to 0 peer ranks. Expected number of connected peer ranks is : 1\\n")
+    print("training", flush=True)
+    """
+    code, out = _run_stub_launcher(tmp_path, body, ["--nproc", "2", "--log-level", level, "--", "--steps", "5"])
+    assert code == 0, out
+    lines = out.splitlines()
+    complete = [f"[rank {r}] [Gloo] Rank {r} is connected to 1 peer ranks. Expected number of connected peer ranks is : 1" for r in (0, 1)]
+    assert all((line in lines) == (level == "debug") for line in complete), out
+    missing = "[rank 1] [Gloo] Rank 1 is connected to 0 peer ranks. Expected number of connected peer ranks is : 1"
+    assert missing in lines  # a peer missing: shown
+    assert "[rank 0] training" in lines and "[rank 1] training" in lines
+
+
 # Stands in for process 0's coordinator: it listens on the port it was told, sharing it (as
 # gRPC does, SO_REUSEPORT) with the launcher's reservation; a taken port is exit 76.
 COORDINATOR_STUB = """
@@ -538,6 +645,14 @@ def test_the_launchers_coordinator_listens_on_loopback_only(running_launch):
     listening = {c.laddr.ip for c in rank0.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
     addresses = {ipaddress.ip_address(ip).ipv4_mapped or ipaddress.ip_address(ip) for ip in listening}  # gRPC may use ::ffff:127.0.0.1
     assert addresses == {ipaddress.ip_address("127.0.0.1")}, (listening, log.read_text()[-2000:])  # not [::] (every interface)
+
+
+@pytest.mark.heavy
+def test_a_real_launch_prints_no_gloo_lines(running_launch):
+    """After two steps gloo has connected the processes (a line per process and group, from C++)."""
+    proc, log = running_launch
+    text = log.read_text()
+    assert "[rank 0] step 1 |" in text and "[Gloo]" not in text, text[-3000:]
 
 
 @pytest.mark.heavy

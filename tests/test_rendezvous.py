@@ -25,10 +25,11 @@ import psutil
 import pytest
 
 import jaxdist.launch as launch
-from jaxdist.cluster import launcher, rendezvous
-from jaxdist.cluster.etcd import Etcd, EtcdUnavailable, Tls
+from jaxdist.cluster import launcher, node_launch, rendezvous
+from jaxdist.cluster.etcd import Etcd, EtcdUnavailable, Tls, parse_endpoints
 from jaxdist.cluster.node_launch import NodeElastic
 from jaxdist.cluster.rendezvous import Ending, Generation, Registration, end_generation, propose, read_state
+from jaxdist.errors import JaxdistError
 from jaxdist.training.checkpoint import checkpoint_steps
 
 from helpers import TINY, subprocess_env
@@ -163,6 +164,8 @@ BAD = {
     "nnodes not numbers": (["--nnodes", "two"], "expected MIN:MAX or N"),
     "http url": (["--rdzv", "http://x"], "--rdzv 'http://x': expected etcd://HOST:PORT"),
     "no port": (["--rdzv", "etcd://host"], "--rdzv 'etcd://host': expected etcd://HOST:PORT"),
+    "an empty endpoint in a list": (["--rdzv", "etcd://a:1,,b:2"], "--rdzv 'etcd://a:1,,b:2': expected etcd://HOST:PORT"),
+    "a list item without a port": (["--rdzv", "etcd://a:1,b"], "--rdzv 'etcd://a:1,b': expected etcd://HOST:PORT"),
     "no rdzv id": (["--rdzv-id", None], "--nnodes needs --rdzv-id ID"),
     "no rdzv": (["--rdzv", None], "--nnodes needs --rdzv etcd://HOST:PORT"),
     "rdzv id with a slash": (["--rdzv-id", "a/b"], "--rdzv-id 'a/b': expected 1 to 128 letters"),
@@ -204,6 +207,51 @@ def test_no_run_dir_and_an_unreachable_etcd_are_one_line(tmp_path, capsys, no_pr
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"cannot use the rendezvous --rdzv etcd://127.0.0.1:{unused}" in err[0], err
     assert time.monotonic() - started < 10 and not (tmp_path / "run").exists()
+
+
+def test_a_finished_run_starts_no_generation(etcd_server, tmp_path, capsys, no_processes):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "40").mkdir(parents=True)  # its last step (no JAX looks at it)
+    argv = _node_argv(etcd_server.url, "--node-id", "a", run_dir=run_dir)
+    argv[argv.index("--rdzv-id") + 1] = "finished"
+    assert launch.main([*argv, "train.steps=40"]) == 0
+    assert capsys.readouterr().err.splitlines() == ["jaxdist.launch: already at step 40 (train.steps=40): nothing to train"]
+    state = read_state(etcd_server.client, "finished")
+    assert state.nodes == [] and state.generation is None  # nothing registered, no generation
+    assert not (run_dir / "elastic.jsonl").exists()  # no start record
+
+
+# --- several endpoints (an etcd cluster's members): fail over ---
+
+
+def test_an_endpoint_list_parses_like_etcdctls():
+    assert parse_endpoints("etcd://a:1,etcd://b:2,a:1,[::1]:3") == [("a", 1), ("b", 2), ("::1", 3)]
+    assert parse_endpoints("etcd://a:1") == [("a", 1)]
+
+
+def test_requests_fail_over_to_the_endpoint_that_answers(etcd_server):
+    dead = launcher.free_port()  # nothing listens there: connection refused
+    etcd = Etcd("127.0.0.1", dead, others=[("127.0.0.1", etcd_server.port)])
+    assert etcd.describe() == f"etcd://127.0.0.1:{dead},127.0.0.1:{etcd_server.port}"
+    etcd.put("/failover/k", b"v")
+    assert etcd.answering() == etcd_server.url  # asked first from now on
+    assert [kv.value for kv in etcd.range("/failover/")[1]] == [b"v"]
+    other = next(p for p in iter(launcher.free_port, None) if p != dead)
+    with pytest.raises(EtcdUnavailable, match=rf"^etcd://127.0.0.1:{dead}: .*; etcd://127.0.0.1:{other}: "):  # each one tried, said
+        Etcd("127.0.0.1", dead, others=[("127.0.0.1", other)]).range("/")
+
+
+def test_the_rendezvous_goes_through_the_second_endpoint_when_the_first_refuses(etcd_server, tmp_path, no_processes):
+    dead = launcher.free_port()
+    a = _node(etcd_server, tmp_path, "failover", "a", "--rdzv", f"etcd://127.0.0.1:{dead},127.0.0.1:{etcd_server.port}")
+    try:
+        a.reg.join(0)
+        gen = a.rendezvous()
+    finally:
+        a.reg.leave()
+    assert gen.number == 1 and gen.members == ("a",)
+    assert read_state(etcd_server.client, "failover").generation == gen  # written through the second endpoint
+    assert a.plan.etcd.answering() == etcd_server.url
 
 
 # --- HTTPS with client certificates (etcd --client-cert-auth) ---
@@ -261,10 +309,10 @@ def test_https_with_a_client_certificate(tls_etcd, tmp_path, capsys, no_processe
 # --- the node loop's decisions against the server (no process is started) ---
 
 
-def _node(etcd_server, tmp_path: Path, run: str, node: str, *flags: str) -> NodeElastic:
+def _node(etcd_server, tmp_path: Path, run: str, node: str, *flags: str, train: tuple[str, ...] = ()) -> NodeElastic:
     argv = _node_argv(etcd_server.url, "--node-id", node, "--rdzv-settle", "0", *flags, run_dir=tmp_path / "run")
     argv[argv.index("--rdzv-id") + 1] = run
-    return NodeElastic(launch.node_plan(launch.parse_args(argv)))
+    return NodeElastic(launch.node_plan(launch.parse_args([*argv, *train])))
 
 
 def test_failures_past_max_restarts_stop_every_node(etcd_server, tmp_path, capsys, no_processes):
@@ -289,19 +337,60 @@ def test_failures_past_max_restarts_stop_every_node(etcd_server, tmp_path, capsy
     assert (gen.number, gen.members, gen.stop["code"]) == (2, (), 1)
 
 
-def test_a_launcher_with_other_arguments_starts_nothing(etcd_server, tmp_path, capsys, no_processes):
+def test_the_arguments_that_count_are_the_running_generations_else_the_first_nodes():
+    def state(gen=None, endings=(), **stopped_and_fingerprints):
+        nodes = [rendezvous.Node(n, "h", stopped, i, fp) for i, (n, (stopped, fp)) in enumerate(stopped_and_fingerprints.items(), 1)]
+        return rendezvous.State(9, nodes, gen, 1, {e: Ending("failure", "a") for e in endings})
+
+    gen = Generation(3, ("a", "b"), "h:1", 1, 0, {}, "running")
+    assert rendezvous.agreed_fingerprint(state()) is None
+    assert rendezvous.agreed_fingerprint(state(x=(0, "first"), a=(0, "second"))) == "first"
+    assert rendezvous.agreed_fingerprint(state(gen, x=(3, "newcomer"), a=(2, "running"))) == "running"  # a runs generation 3
+    assert rendezvous.agreed_fingerprint(state(gen, (3,), x=(3, "new"), a=(2, "running"))) == "new"  # it ended: the first node's
+    # Left behind by launchers all killed: "a" registered again since (stopped = 3) with new arguments.
+    assert rendezvous.agreed_fingerprint(state(gen, a=(3, "new"), b=(3, "new"))) == "new"
+
+
+def test_launchers_with_other_arguments_never_share_a_generation(etcd_server, tmp_path, capsys, no_processes):
+    """Two launchers with different training arguments registered at the same moment: the
+    first proposes a generation without the other (their fingerprints are in their keys),
+    and the other refuses in one line instead of joining and leaving it 'lost'."""
     etcd, run = etcd_server.client, "mismatch"
     a = _node(etcd_server, tmp_path, run, "a")
-    assert propose(etcd, run, read_state(etcd, run), Generation(1, ("a",), "127.0.0.1:1", 2, 0, {"reason": "start"}, "other"))
+    b = _node(etcd_server, tmp_path, run, "b", train=("train.lr=0.5",))  # other training arguments
+    assert a.fingerprint != b.fingerprint
     try:
         a.reg.join(0)
+        b.reg.join(0)  # before either read the other's key
         gen = a.rendezvous()
-        assert gen.number == 1
-        assert a.run_generation(gen) == 2
+        assert gen.number == 1 and gen.members == ("a",) and gen.fingerprint == a.fingerprint
+        with pytest.raises(JaxdistError, match=r"--rdzv-id mismatch runs with other training arguments.*\(node a: "):
+            b.rendezvous()
     finally:
         a.reg.leave()
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "the launchers of --rdzv-id mismatch disagree: generation 1 was made by one with other" in err[0], err
+        b.reg.leave()
+    assert 1 not in read_state(etcd, run).endings  # the generation goes on
+    assert "the launchers of --rdzv-id" not in capsys.readouterr().err
+
+
+def test_a_newcomer_with_other_arguments_is_refused_and_the_run_goes_on(etcd_server, tmp_path, capsys, no_processes, monkeypatch):
+    etcd, run = etcd_server.client, "newcomer"
+    monkeypatch.setattr(node_launch, "STOP_WAIT_S", 0)  # a launcher that joined would not wait for the busy node
+    a = _node(etcd_server, tmp_path, run, "a")
+    try:
+        a.reg.join(0)
+        assert a.rendezvous().members == ("a",)  # generation 1 runs on a
+        argv = _node_argv(etcd_server.url, "--node-id", "b", "--rdzv-settle", "0", "--rdzv-timeout", "2", run_dir=tmp_path / "run")
+        argv[argv.index("--rdzv-id") + 1] = run
+        assert launch.main([*argv, "train.lr=0.5"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("jaxdist: error: --rdzv-id newcomer runs with other training arguments"), err
+        assert "(node a: " in err[0] and "it does not join" in err[0]
+        state = read_state(etcd, run)
+        assert state.node_ids() == ["a"] and state.endings == {} and state.generation.number == 1  # b never registered
+        assert a.read().node_ids() == ["a"]  # a carries on
+    finally:
+        a.reg.leave()
 
 
 # --- real launchers ---

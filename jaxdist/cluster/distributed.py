@@ -17,6 +17,8 @@ node's cluster-internal address). ``0.0.0.0`` or ``::`` asks for every interface
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import errno
 import ipaddress
@@ -24,6 +26,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 
 from jaxdist.errors import JaxdistError
@@ -33,6 +36,56 @@ ENV_COORDINATOR_BIND = "JAXDIST_COORDINATOR_BIND"
 ENV_NUM_PROCESSES = "JAXDIST_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
 EXIT_PORT_TAKEN = 76  # process 0 found the coordinator's port taken: nothing ran; the launcher retries on another port
+ENV_OUTPUT_FILTERED = "JAXDIST_OUTPUT_FILTERED"  # set by jaxdist.launch, which drops gloo's lines from its processes' output
+
+# gloo (inside jaxlib) prints this with std::cout each time it connects a group of CPU processes
+# (gloo/transport/tcp/context.cc, printConnectivityInfo): a few lines per process at start,
+# unconditionally (no flag or variable turns it off). When some peer is missing it says so
+# in a second line ("... is NOT connected to: [...]"), which is never hidden.
+GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer ranks is : (\d+)\s*")
+
+
+def is_gloo_chatter(line: str) -> bool:
+    """gloo's line for a group of processes that connected completely (nothing to act on)."""
+    match = GLOO_CONNECTED.fullmatch(line)
+    return match is not None and match[1] == match[2]
+
+
+def hide_gloo_lines(log_level: str, group: ProcessGroup | None) -> None:
+    """Keep gloo's connection lines out of this process's stdout unless ``log_level`` is
+    debug: in a multi-process run not started by ``jaxdist.launch`` (SLURM, Kubernetes,
+    explicit flags; the launcher filters its processes' output itself). gloo writes them
+    from C++, so Python cannot intercept them: file descriptor 1 becomes a pipe that a
+    daemon thread copies line by line to the real stdout, dropping those lines. At exit
+    what is left in the pipe is copied (up to a second) and stdout restored."""
+    if group is None or log_level == "debug" or os.environ.get(ENV_OUTPUT_FILTERED):
+        return
+    try:
+        sys.stdout.flush()
+        real, saved = os.dup(1), os.dup(1)  # the thread writes to one; the other is put back at exit
+    except (OSError, ValueError):  # no stdout: nothing to keep clean
+        return
+    read, write = os.pipe()
+    os.dup2(write, 1)
+    os.close(write)
+
+    def copy() -> None:
+        with os.fdopen(read, "rb") as pipe, os.fdopen(real, "wb", buffering=0) as out:
+            for line in pipe:
+                if not is_gloo_chatter(line.decode(errors="replace")):
+                    out.write(line)
+
+    thread = threading.Thread(target=copy, name="jaxdist-stdout-filter", daemon=True)
+    thread.start()
+
+    def restore() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+        os.dup2(saved, 1)  # the pipe's last writer here closes: the thread reads to its end
+        os.close(saved)
+        thread.join(timeout=1.0)  # longer only when a child process still holds the pipe
+
+    atexit.register(restore)
 
 
 class CoordinatorPortTaken(JaxdistError):

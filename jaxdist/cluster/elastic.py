@@ -74,6 +74,29 @@ def latest_step(run_dir: Path) -> int | None:
     return steps[-1] if steps else None
 
 
+def finished_step(config: Config, run_dir: Path, resume: str) -> int | None:
+    """The step a finished run would resume at: its checkpoint at or past the end
+    (``train.steps``, or ``train.stop_after_step`` when that comes first, as the loop stops).
+    None when there is training left, and when only the processes can tell (``--resume`` a
+    path or a weights-only checkpoint; ``never`` is theirs to refuse)."""
+    t = config.train
+    end = min(t.steps, t.stop_after_step or t.steps)
+    if resume == "auto":
+        step = latest_step(run_dir)
+    elif resume.isdigit() and int(resume) in checkpoint_steps(run_dir / "checkpoints"):
+        step = int(resume)  # an older step is not finished: the run continues from it
+    else:
+        return None
+    return step if step is not None and step >= end else None
+
+
+def finished_line(config: Config, step: int) -> str:
+    """What a rerun of a finished run says instead of starting anything."""
+    t = config.train
+    why = f"train.stop_after_step={t.stop_after_step}" if 0 < t.stop_after_step < t.steps else f"train.steps={t.steps}"
+    return f"already at step {step} ({why}): nothing to train"
+
+
 @dataclasses.dataclass
 class NprocFile:
     """The ``--nproc-file``: one integer, the processes available now, written by a

@@ -90,6 +90,10 @@ class Elastic:
         return n
 
     def run(self) -> int:
+        finished = elastic.finished_step(self.plan.config, self.plan.run_dir, self.plan.first_resume)
+        if finished is not None:  # nothing to start, and no start record
+            note(elastic.finished_line(self.plan.config, finished))
+            return 0
         n = self.first_count()
         if n is None:
             return EXIT_PREEMPTED  # "try again later"

@@ -8,8 +8,10 @@ keepalive, revoke). Keys and values travel base64-encoded, revisions and lease i
 decimal strings, as the gateway writes them. HTTP proxies from the environment are not
 used: etcd is on the cluster's own network.
 
-``EtcdUnavailable`` means etcd could not be reached (refused, timed out, no leader);
-the caller decides whether to retry. ``EtcdError`` is etcd refusing a request.
+Several endpoints (the members of an etcd cluster, ``--rdzv etcd://A:2379,B:2379``): each
+request goes to the one that answered last and fails over to the others in order when it
+does not answer. ``EtcdUnavailable`` means no endpoint could be reached (refused, timed
+out, no leader); the caller decides whether to retry. ``EtcdError`` is etcd refusing a request.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import re
 import ssl
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 
 from jaxdist.errors import JaxdistError
 
@@ -43,11 +46,28 @@ class EtcdError(Exception):
         self.code = code
 
 
-def parse_endpoint(url: str) -> tuple[str, int]:
-    """``etcd://HOST:PORT`` -> (host, port); a malformed one raises ``JaxdistError``."""
+def parse_endpoints(url: str) -> list[tuple[str, int]]:
+    """``etcd://HOST:PORT[,HOST:PORT...]`` (each item may repeat ``etcd://``, as etcdctl's
+    ``--endpoints`` lists do) -> [(host, port), ...] in order, without repeats; a malformed
+    one raises ``JaxdistError``."""
     scheme, sep, rest = url.partition("://")
     if scheme != "etcd" or not sep:
-        raise JaxdistError(f"--rdzv {url!r}: expected etcd://HOST:PORT")
+        raise JaxdistError(f"--rdzv {url!r}: expected etcd://HOST:PORT (or a list: etcd://HOST:PORT,HOST:PORT)")
+    endpoints = []
+    for item in rest.split(","):
+        endpoint = parse_endpoint(item if item.startswith("etcd://") else f"etcd://{item}", url)
+        if endpoint not in endpoints:
+            endpoints.append(endpoint)
+    return endpoints
+
+
+def parse_endpoint(url: str, flag_value: str | None = None) -> tuple[str, int]:
+    """``etcd://HOST:PORT`` -> (host, port); a malformed one raises ``JaxdistError``
+    (naming ``flag_value``, the whole ``--rdzv`` it came from)."""
+    shown = url if flag_value is None else flag_value
+    scheme, sep, rest = url.partition("://")
+    if scheme != "etcd" or not sep:
+        raise JaxdistError(f"--rdzv {shown!r}: expected etcd://HOST:PORT")
     host, colon, port = rest.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
@@ -58,8 +78,14 @@ def parse_endpoint(url: str) -> tuple[str, int]:
     elif not _HOST.match(host):
         host = ""
     if not colon or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
-        raise JaxdistError(f"--rdzv {url!r}: expected etcd://HOST:PORT (a host name or address and a port from 1 to 65535)")
+        raise JaxdistError(
+            f"--rdzv {shown!r}: expected etcd://HOST:PORT (a host name or address and a port from 1 to 65535; a list: comma-separated)"
+        )
     return host, int(port)
+
+
+def _url(host: str, port: int) -> str:
+    return f"etcd://[{host}]:{port}" if ":" in host else f"etcd://{host}:{port}"
 
 
 def _b64(text: str | bytes) -> str:
@@ -115,23 +141,62 @@ class KeyValue:
 
 
 class Etcd:
-    """One etcd endpoint (``host``, ``port``), plain HTTP."""
+    """An etcd server (``host``, ``port``), or a cluster's members (``others``: more endpoints
+    to fail over to), over HTTP or HTTPS (``tls``)."""
 
-    def __init__(self, host: str, port: int, timeout_s: float = REQUEST_TIMEOUT_S, tls: Tls | None = None):
-        self.host, self.port, self.timeout_s = host, port, timeout_s
-        url_host = f"[{host}]" if ":" in host else host
-        self.base = f"{'https' if tls else 'http'}://{url_host}:{port}"
+    def __init__(
+        self, host: str, port: int, timeout_s: float = REQUEST_TIMEOUT_S, tls: Tls | None = None, others: Sequence[tuple[str, int]] = ()
+    ):
+        self.endpoints = [(host, port), *[e for e in others if e != (host, port)]]
+        self.timeout_s = timeout_s
+        self.scheme = "https" if tls else "http"
+        self.current = 0  # the endpoint that answered last: asked first
         handlers = [urllib.request.ProxyHandler({})]
         if tls is not None:
             handlers.append(urllib.request.HTTPSHandler(context=tls.context()))
         self.opener = urllib.request.build_opener(*handlers)
 
+    @property
+    def host(self) -> str:
+        return self.endpoints[self.current][0]
+
+    @property
+    def port(self) -> int:
+        return self.endpoints[self.current][1]
+
+    def answering(self) -> str:
+        """The endpoint asked first (the one that answered last)."""
+        return _url(self.host, self.port)
+
     def describe(self) -> str:
-        return f"etcd://{self.host}:{self.port}" if ":" not in self.host else f"etcd://[{self.host}]:{self.port}"
+        """The endpoints as ``--rdzv`` names them."""
+        first, *rest = (_url(h, p) for h, p in self.endpoints)
+        return ",".join([first, *(r.removeprefix("etcd://") for r in rest)])
 
     def call(self, path: str, body: dict) -> dict:
+        """One request, to the endpoint that answered last, then to each other one in turn
+        while they do not answer (``EtcdUnavailable`` once none did)."""
+        unavailable = []
+        n = len(self.endpoints)
+        for i in [(self.current + k) % n for k in range(n)]:
+            try:
+                answer = self._call(self.endpoints[i], path, body)
+            except EtcdUnavailable as e:
+                unavailable.append(str(e))
+                continue
+            self.current = i  # a plain store: threads that race here only pick one that answered
+            return answer
+        raise EtcdUnavailable("; ".join(unavailable))
+
+    def _call(self, endpoint: tuple[str, int], path: str, body: dict) -> dict:
+        host, port = endpoint
+        where = _url(host, port)
+        url_host = f"[{host}]" if ":" in host else host
         request = urllib.request.Request(
-            self.base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+            f"{self.scheme}://{url_host}:{port}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
         )
         try:
             with self.opener.open(request, timeout=self.timeout_s) as response:
@@ -142,14 +207,14 @@ class Etcd:
             except ValueError:
                 detail = {}
             message = detail.get("message") or detail.get("error") or f"HTTP {e.code}"
-            if e.code >= 500 and detail.get("code") != 5:  # no leader, shutting down: try again later
-                raise EtcdUnavailable(f"{self.describe()}: {message}") from None
-            raise EtcdError(f"{self.describe()}: {message}", detail.get("code")) from None
+            if e.code >= 500 and detail.get("code") != 5:  # no leader, shutting down: try again later (or another member)
+                raise EtcdUnavailable(f"{where}: {message}") from None
+            raise EtcdError(f"{where}: {message}", detail.get("code")) from None
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, ssl.SSLError) as e:
             reason = getattr(e, "reason", None) or e
-            raise EtcdUnavailable(f"{self.describe()}: {reason}") from None
+            raise EtcdUnavailable(f"{where}: {reason}") from None
         except ValueError as e:  # not JSON: not an etcd gateway
-            raise EtcdError(f"{self.describe()}: the answer is not etcd's JSON ({e})") from None
+            raise EtcdError(f"{where}: the answer is not etcd's JSON ({e})") from None
 
     # --- keys ---
 
@@ -199,7 +264,7 @@ class Etcd:
         """A new lease of ``ttl_s`` seconds; its id."""
         answer = self.call("/v3/lease/grant", {"TTL": str(ttl_s)})
         if answer.get("error"):
-            raise EtcdError(f"{self.describe()}: {answer['error']}")
+            raise EtcdError(f"{self.answering()}: {answer['error']}")
         return int(answer["ID"])
 
     def keepalive(self, lease: int) -> int:

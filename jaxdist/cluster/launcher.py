@@ -27,7 +27,15 @@ import threading
 import time
 from pathlib import Path
 
-from jaxdist.cluster.distributed import ENV_COORDINATOR, ENV_COORDINATOR_BIND, ENV_NUM_PROCESSES, ENV_PROCESS_ID, EXIT_PORT_TAKEN
+from jaxdist.cluster.distributed import (
+    ENV_COORDINATOR,
+    ENV_COORDINATOR_BIND,
+    ENV_NUM_PROCESSES,
+    ENV_OUTPUT_FILTERED,
+    ENV_PROCESS_ID,
+    EXIT_PORT_TAKEN,
+    is_gloo_chatter,
+)
 from jaxdist.cluster.heartbeat import DUMP_SIGNAL, ENV_DIR, ProgressWatch, Stall
 from jaxdist.cluster.lifetime import die_with_parent
 from jaxdist.errors import EXIT_BAD_INPUT, JaxdistError
@@ -38,6 +46,15 @@ GRACE_S = 10.0  # after asking the others to stop, how long before they are kill
 SAVE_GRACE_S = 120.0  # for the others to finish a save (a membership change's or one that exited 75); a compile may come first
 DUMP_WAIT_S = 1.0  # after asking a stalled set for its stacks, before killing it
 PORT_ATTEMPTS = 5  # starts in a row whose coordinator port was taken
+LOG_LEVELS = ("debug", "info", "warning", "error")  # --log-level
+_log_level = "info"
+
+
+def set_log_level(level: str) -> None:
+    """``--log-level``: debug shows gloo's connection lines in the processes' output; warning
+    and error hide the launcher's notes (its errors always show)."""
+    global _log_level
+    _log_level = level
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -67,6 +84,8 @@ def reserve_port(host: str, port: int | None = None) -> socket.socket:
 
 def _pump(rank: int, stream, out) -> None:
     for line in iter(stream.readline, ""):
+        if _log_level != "debug" and is_gloo_chatter(line):  # a few per process and clique at start; gloo has no switch
+            continue
         out.write(f"[rank {rank}] {line}")
         out.flush()
 
@@ -153,6 +172,7 @@ class Launcher:
         if p.bind is not None:  # the set with process 0, the only one whose coordinator listens
             env[ENV_COORDINATOR_BIND] = p.bind
         env["PYTHONUNBUFFERED"] = "1"
+        env[ENV_OUTPUT_FILTERED] = "1"  # this launcher drops gloo's lines (or shows them: --log-level debug)
         if self.devices_per_proc:
             flags = " ".join(t for t in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in t)
             env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={self.devices_per_proc}".strip()
@@ -277,7 +297,9 @@ class Launcher:
 
 
 def note(message: str) -> None:
-    """One line on stderr, prefixed as every launcher message is."""
+    """One line on stderr, prefixed as every launcher message is (not at --log-level warning or error)."""
+    if _log_level in ("warning", "error"):
+        return
     print(f"jaxdist.launch: {message}", file=sys.stderr, flush=True)
 
 

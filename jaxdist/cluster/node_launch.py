@@ -49,6 +49,7 @@ from jaxdist.cluster.rendezvous import (
     Registration,
     Settle,
     State,
+    agreed_fingerprint,
     end_generation,
     joiners,
     propose,
@@ -119,8 +120,8 @@ class NodeElastic:
     def __init__(self, plan: NodePlan):
         self.plan = plan
         self.me = plan.node_id
-        self.reg = Registration(plan.etcd, plan.run_id, plan.node_id, plan.address)
         self.fingerprint = plan.fingerprint()
+        self.reg = Registration(plan.etcd, plan.run_id, plan.node_id, plan.address, fingerprint=self.fingerprint)
         self.interrupted: int | None = None
         self.leaving = False
         self.gen: Launcher | None = None
@@ -151,9 +152,15 @@ class NodeElastic:
     # --- the loop ---
 
     def run(self) -> int:
+        p = self.plan
+        finished = elastic.finished_step(p.config, p.run_dir, p.first_resume)
+        if finished is not None:  # before registering: no generation, no start record
+            note(elastic.finished_line(p.config, finished))
+            return 0
         self.check_start()
         try:
             state = read_state(self.plan.etcd, self.plan.run_id)
+            self.refuse_if_other_arguments(state)  # before registering: the running nodes never see this one
             self.reg.join(state.generation.number if state.generation else 0)
         except (EtcdUnavailable, EtcdError) as e:
             raise JaxdistError(f"cannot use the rendezvous --rdzv {self.plan.etcd.describe()}: {e}") from None
@@ -166,11 +173,31 @@ class NodeElastic:
                 return code
 
     def read(self) -> State | None:
+        """The run's keys, with only the nodes that have this launcher's arguments (None: etcd
+        did not answer). Raises ``JaxdistError`` when the run is another launcher's (see
+        ``refuse_if_other_arguments``)."""
         try:
-            return read_state(self.plan.etcd, self.plan.run_id)
+            state = read_state(self.plan.etcd, self.plan.run_id)
         except (EtcdUnavailable, EtcdError):
             self.unreachable_at = time.monotonic()
             return None  # the lease thread says that etcd is away and when it is back
+        self.refuse_if_other_arguments(state)
+        # One with other arguments that registered at the same moment refuses itself on its next read: never counted.
+        state.nodes = [n for n in state.nodes if n.fingerprint == self.fingerprint]
+        return state
+
+    def refuse_if_other_arguments(self, state: State) -> None:
+        """The run runs (or the nodes that came first wait) with other training arguments,
+        --nproc-per-node or --devices-per-proc: this launcher does not join (one line, exit 2)."""
+        agreed = agreed_fingerprint(state)
+        if agreed is None or agreed == self.fingerprint:
+            return
+        peers = [n.id for n in state.nodes if n.fingerprint == agreed and n.id != self.me]
+        raise JaxdistError(
+            f"--rdzv-id {self.plan.run_id} runs with other training arguments, --nproc-per-node or --devices-per-proc "
+            f"(node {peers[0] if peers else '?'}: {agreed or 'none'}; this launcher: {self.fingerprint}); it does not join: "
+            "start every launcher of a run with the same ones"
+        )
 
     def rendezvous(self) -> Generation | int:
         """Until a generation includes this node (or an exit status: the run is over here)."""

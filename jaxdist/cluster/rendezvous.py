@@ -6,8 +6,10 @@ only agreement protocol is etcd's: transactions and leases, ``jaxdist.cluster.et
 - ``nodes/NODE``: one per launcher, on a lease of ``LEASE_TTL_S`` that a thread renews
   (``Registration``). A launcher killed even by SIGKILL drops out when its lease expires.
   The key's create revision orders the nodes (join order); its value says the node's
-  address and ``stopped``: the last generation whose processes have all ended there, so
-  the node is free to join any later one.
+  address, ``stopped``: the last generation whose processes have all ended there, so
+  the node is free to join any later one, and ``fingerprint``: a hash of its training
+  arguments (and processes and devices per node). Launchers that disagree never share a
+  generation: the one that came later refuses to join (``agreed_fingerprint``).
 - ``gen``: the current generation (``Generation``): its number, the member nodes in rank
   order, the coordinator's address (node 0's, on a port node 0 holds), the processes per
   node, the restarts so far and the change that made it (the ``elastic.jsonl`` record).
@@ -63,6 +65,7 @@ class Node:
     address: str
     stopped: int  # the last generation whose processes have all ended on this node
     revision: int  # the key's create revision: the join order
+    fingerprint: str = ""  # of its training arguments (NodePlan.fingerprint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +171,8 @@ def read_state(etcd: Etcd, run_id: str) -> State:
             continue
         if name.startswith("nodes/"):
             try:
-                nodes.append(Node(name[len("nodes/") :], str(value["address"]), int(value["stopped"]), kv.create_revision))
+                node = Node(name[len("nodes/") :], str(value["address"]), int(value["stopped"]), kv.create_revision)
+                nodes.append(dataclasses.replace(node, fingerprint=str(value.get("fingerprint", ""))))
             except (KeyError, TypeError, ValueError):
                 continue
         elif name == "gen":
@@ -195,6 +199,19 @@ def end_generation(etcd: Etcd, run_id: str, number: int, ending: Ending) -> Endi
 
 
 # --- decisions (pure) ---
+
+
+def agreed_fingerprint(state: State) -> str | None:
+    """The training arguments every launcher of the run must have (their fingerprint): those
+    of the generation that runs (not ended, a live member still running it), else those of
+    the node that registered first; None when no node is there. A launcher with others does
+    not join. (A generation left behind by launchers that were all killed does not count: a
+    node registered since, even under a member's id, has not run it.)"""
+    gen = state.generation
+    running = {n.id for n in state.nodes if gen is not None and n.stopped < gen.number}
+    if gen is not None and gen.stop is None and gen.number not in state.endings and running & set(gen.members):
+        return gen.fingerprint
+    return state.nodes[0].fingerprint if state.nodes else None
 
 
 def busy_nodes(state: State, number: int) -> list[Node]:
@@ -234,8 +251,9 @@ class Registration:
     the same value, so that the other members see the node back before they count it lost.
     """
 
-    def __init__(self, etcd: Etcd, run_id: str, node_id: str, address: str, ttl_s: int = LEASE_TTL_S):
+    def __init__(self, etcd: Etcd, run_id: str, node_id: str, address: str, ttl_s: int = LEASE_TTL_S, fingerprint: str = ""):
         self.etcd, self.key, self.address, self.ttl_s = etcd, f"{prefix(run_id)}nodes/{node_id}", address, ttl_s
+        self.fingerprint = fingerprint
         self.lock = threading.Lock()
         self.lease = 0
         self.stopped = 0
@@ -246,7 +264,7 @@ class Registration:
         self.thread: threading.Thread | None = None
 
     def _value(self) -> bytes:
-        return json.dumps({"address": self.address, "stopped": self.stopped}).encode()
+        return json.dumps({"address": self.address, "stopped": self.stopped, "fingerprint": self.fingerprint}).encode()
 
     def join(self, stopped: int) -> None:
         """Register (raises ``EtcdUnavailable`` / ``EtcdError`` when etcd cannot be used)."""
@@ -285,7 +303,7 @@ class Registration:
                         self.pending = False
                         note(f"the etcd lease of this node expired while etcd was away; registered again ({self.key})")
                     if self.unreachable is not None:
-                        note(f"etcd answers again ({self.etcd.describe()})")
+                        note(f"etcd answers again ({self.etcd.answering()})")
                         self.unreachable = None
                     wait = self.ttl_s / 3
                 except (EtcdUnavailable, EtcdError) as e:

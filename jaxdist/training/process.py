@@ -55,7 +55,7 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _join_and_run(args: argparse.Namespace, config, run_dir: Path):
-    from jaxdist.cluster.distributed import initialize, process_group_from
+    from jaxdist.cluster.distributed import hide_gloo_lines, initialize, process_group_from
     from jaxdist.data.sources import resolve_vocab
     from jaxdist.layout.devices import prepare_devices, settle_remaining_axis
     from jaxdist.layout.mesh import has_remaining_axis, parse_mesh
@@ -64,6 +64,7 @@ def _join_and_run(args: argparse.Namespace, config, run_dir: Path):
     from jaxdist.training.run import run
 
     group = process_group_from(args)
+    hide_gloo_lines(args.log_level, group)  # before initialize: gloo prints at the first collectives
     num_processes = group.num_processes if group and group.num_processes else 1
     quiet = bool(group and group.process_id)  # only process 0 says what a -1 axis became
     settle_remaining_axis(config, num_processes, quiet=quiet)

@@ -107,6 +107,13 @@ def run(
         restored = (
             restore_checkpoint(trainer, config, run_dir, resume, checkpointer, warn, weights_dir) if checkpointer or weights_dir else None
         )
+        if restored is not None and restored.step >= min(t.steps, t.stop_after_step or t.steps):  # a finished run, rerun
+            from jaxdist.training.loop import LoopResult
+
+            why = f"train.stop_after_step={t.stop_after_step}" if 0 < t.stop_after_step < t.steps else f"train.steps={t.steps}"
+            logger.advance(restored.step)
+            logger.message(f"jaxdist: already at step {restored.step} ({why}): nothing to train")
+            return LoopResult(restored.state, [], {})  # no losses: the caller says nothing more
         if run_dir is not None and is_main:  # after the resume check: a rejected config does not overwrite the saved one
             write_config(run_dir, config)
         if restored is None:
