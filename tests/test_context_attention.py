@@ -100,6 +100,58 @@ def test_outputs_and_gradients_match_unsplit_attention(inputs, mesh_name, strate
         _assert_close(got, want, f"{strategy} on {mesh_name}, tile {tile}, load-balanced={balanced}")
 
 
+# 44 tokens: load-balanced on context=2 each chunk has 11 (a prime), and in order on context=4 each
+# device has 11, so no tile length near 4 divides it: the chunks are padded to 12 (tiles of 4).
+T_PRIME = 44
+DOCUMENTS_PRIME = [[5, 13, 2, 15, 9], [44], [1, 1, 30, 12], [7, 20, 17]]
+
+
+@pytest.fixture(scope="module")
+def prime_inputs():
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(B, T_PRIME, H, D)).astype(np.float32)
+    k, v = (rng.normal(size=(B, T_PRIME, KV, D)).astype(np.float32) for _ in range(2))
+    cotangent = rng.normal(size=(B, T_PRIME, H, D)).astype(np.float32)
+    return (q, k, v, *_packed(DOCUMENTS_PRIME), cotangent)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(("mesh_name", "orders"), [("data2_context2_tensor2", (False, True)), ("context4", (False,))])
+def test_padded_tiles_match_unsplit_attention_on_a_length_no_tile_divides(prime_inputs, mesh_name, orders, strategy):
+    """Chunks of 11 tokens with tiles of at most 4: padded to 12 and cut in tiles of 4 (not 1);
+    the outputs and dq/dk/dv equal the unsplit attention's, in order and load-balanced."""
+    attention, _ = _split(mesh_name, strategy, 4)
+    plan = attention.tile_plan(T_PRIME // attention.context_size)
+    assert (plan.chunk, plan.padded, plan.tiles.q, plan.tiles.kv) == (11, 12, 4, 4)
+    want = [np.asarray(x) for x in _reference()(*prime_inputs)]
+    for balanced in orders:
+        got = _run_split(mesh_name, strategy, list(prime_inputs), balanced, 4)
+        _assert_close(got, want, f"{strategy} on {mesh_name}, 11-token chunks, load-balanced={balanced}")
+
+
+def test_a_prime_chunk_gets_tiles_near_the_limit_and_the_note_names_them(prime_inputs):
+    """The issue's case: 2,084 tokens on context=2 are chunks of 521 (a prime), which the old
+    divisor rule cut into 1x1 tiles; now 2 tiles of 261 over a chunk padded to 522, as the note says.
+    On the small case the ring computes 3 x 3 tile pairs per chunk pair, not 11 x 11."""
+    from jaxdist.parallel.blockwise import plan_tiles, tile_length
+
+    assert tile_length(521, 512) == 261
+    assert plan_tiles(521, 512, 512).padded == 522
+    for chunk, limit in [(2048, 512), (768, 512), (1000, 512), (6, 3), (1, 512), (521, 600)]:
+        plan = plan_tiles(chunk, limit, limit)
+        n = -(-chunk // limit)  # the fewest tiles within the limit
+        assert plan.tiles.q == plan.tiles.kv == -(-chunk // n) <= limit and plan.padded - chunk < n
+    note = ContextAttention(_mesh((1, 2, 1)), "ring", batch_axes=("data",)).kernel_note(2084)
+    assert "tiles of 261x261 tokens, each 521-token chunk padded to 522" in note and "up to" not in note
+    assert "tiles of 512x512 tokens, fp32" in ContextAttention(_mesh((1, 2, 1)), "ring", batch_axes=("data",)).kernel_note(4096)
+    q, k, v, _, _, _ = prime_inputs
+    positions = np.broadcast_to(np.arange(T_PRIME, dtype=np.int32), (B, T_PRIME))
+    attention = ContextAttention(_mesh((1, 4, 1)), "ring", batch_axes=("data",), block_q=4, block_kv=4)
+    computed = attention.tile_pairs_computed(q, k, v, np.zeros((B, T_PRIME), np.int32), positions)
+    # in order, device r's 3 query tiles see the 3 tiles of each earlier device and 6 of its own
+    assert computed.tolist() == [[6 + 9 * r for r in range(4)]]
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_padding_rows_see_nothing_and_stay_finite(inputs, strategy):
     """Negative segment ids mark padding: those rows give 0 (no NaN, in forward and backward),

@@ -96,6 +96,7 @@ def test_the_split_says_which_attention_and_kernel_it_uses(capsys):
     err = capsys.readouterr().err
     [line] = [line for line in err.splitlines() if line.startswith("jaxdist: context attention:")]
     assert line.startswith("jaxdist: context attention: ring over context=4, per-block kernel xla"), line
+    assert "(tiles of 4x4 tokens, fp32 scores" in line, line  # the real tiles: 32 tokens over 8 chunks of 4
     assert line.endswith("; sequence load-balanced (shard r holds chunks r and 2N-1-r)"), line
 
 

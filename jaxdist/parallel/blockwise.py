@@ -6,11 +6,13 @@ be in load-balanced order): query i sees key j iff ``seg_i == seg_j >= 0`` and `
 A negative segment id marks padding: such a query sees no key and no query sees such a key; a row
 that sees no key gets output 0 and gradient 0 (no NaN).
 
-Queries and keys are cut into tiles; a pair of tiles where no query can see any key (every key of
-the tile later than every query, or no shared document) is skipped by ``lax.cond``, so the masked
-half of causal attention costs nothing. Scores, the running max and the sums are fp32. The forward
-keeps the unnormalised online-softmax state, so blocks of keys that arrive one after another (the
-ring) merge into it; ``finish`` normalises and returns the log-sum-exp from which ``backward_block``
+Queries and keys are cut into tiles of at most a limit (512 tokens by default); a sequence chunk that
+no tile length near the limit divides is padded up to a multiple of one (``plan_tiles``), the padding
+masked by segment id -1, so a prime length does not fall to tiles of 1 token. A pair of tiles where no
+query can see any key (every key of the tile later than every query, or no shared document) is
+skipped by ``lax.cond``, so the masked half of causal attention costs nothing. Scores, the running
+max and the sums are fp32. The forward keeps the unnormalised online-softmax state, so blocks of keys
+that arrive one after another (the ring) merge into it; ``finish`` normalises and returns the log-sum-exp from which ``backward_block``
 recomputes each tile's probabilities (flash attention's backward). ``attend`` is the custom-VJP
 attention of local queries to keys already in hand (the all-gather strategy).
 
@@ -38,9 +40,59 @@ class Tiles:
 
 
 def tile_length(chunk: int, limit: int) -> int:
-    """The largest divisor of ``chunk`` not above ``limit``: tiles never straddle a chunk (so the
+    """The tile length for a chunk of ``chunk`` tokens: the fewest tiles of at most ``limit``
+    tokens, as even as possible, ceil(chunk / ceil(chunk / limit)). The chunk is padded up to a
+    multiple of it (``plan_tiles``) rather than cut at a divisor: a length with no divisor near the
+    limit (a prime) would otherwise take tiles of 1 token."""
+    limit = max(limit, 1)
+    return -(-chunk // -(-chunk // limit))
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """How one chunk of a device's sequence is tiled (tiles never straddle a chunk, so the
     load-balanced order's two chunks per device are skipped or computed separately)."""
-    return max(d for d in range(1, min(chunk, max(limit, 1)) + 1) if chunk % d == 0)
+
+    tiles: Tiles
+    chunk: int  # tokens per chunk
+    padded: int  # the chunk padded to a multiple of both tile lengths; padding tokens are masked
+
+    @property
+    def pad(self) -> int:
+        return self.padded - self.chunk
+
+
+def plan_tiles(chunk: int, limit_q: int, limit_kv: int) -> TilePlan:
+    """Tiles of at most ``limit_q`` x ``limit_kv`` tokens for chunks of ``chunk`` tokens: the
+    smaller limit sets the padded chunk (fewest tiles, padding below one token per tile); the other
+    tile is the largest multiple of that tile that divides the padded chunk within its limit."""
+    small = tile_length(chunk, min(limit_q, limit_kv))
+    count = -(-chunk // small)
+    padded = count * small
+    large = small * max(m for m in range(1, count + 1) if count % m == 0 and small * m <= max(limit_q, limit_kv, 1))
+    q, kv = (small, large) if limit_q <= limit_kv else (large, small)
+    return TilePlan(Tiles(q, kv), chunk, padded)
+
+
+def pad_chunks(x: jax.Array, chunks: int, padded: int, value=0) -> jax.Array:
+    """[B, chunks x c, ...] -> [B, chunks x padded, ...]: each chunk filled up to ``padded`` tokens
+    with ``value`` (segment ids: -1, which masks the padding: it sees nothing and nobody sees it)."""
+    b, t = x.shape[:2]
+    c = t // chunks
+    if padded == c:
+        return x
+    x = x.reshape(b, chunks, c, *x.shape[2:])
+    widths = [(0, 0), (0, 0), (0, padded - c)] + [(0, 0)] * (x.ndim - 3)
+    return jnp.pad(x, widths, constant_values=value).reshape(b, chunks * padded, *x.shape[3:])
+
+
+def unpad_chunks(x: jax.Array, chunks: int, chunk: int) -> jax.Array:
+    """The inverse of ``pad_chunks``: the first ``chunk`` tokens of each chunk."""
+    b, t = x.shape[:2]
+    padded = t // chunks
+    if padded == chunk:
+        return x
+    return x.reshape(b, chunks, padded, *x.shape[2:])[:, :, :chunk].reshape(b, chunks * chunk, *x.shape[2:])
 
 
 # -- layouts ------------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ queries' share of the sequence, and one of two strategies brings it the keys:
   softmax, with an explicit backward.
 
 Either way the per-block kernel is ``parallel.blockwise`` (XLA, fp32 scores, tiles where nothing is
-visible skipped). The mask comes from positions and segment ids only, so the sequence may be in any
-order; a negative segment id marks padding (sees nothing, seen by nothing, output 0).
+visible skipped; a chunk no good tile length divides is padded with masked tokens). The mask comes
+from positions and segment ids only, so the sequence may be in any order; a negative segment id marks
+padding (sees nothing, seen by nothing, output 0).
 
 Load balancing: under a causal mask the device holding the sequence's end does the most work. The
 sequence is cut in 2N chunks and device r holds chunks r and 2N-1-r (``load_balance_order``),
@@ -36,7 +37,7 @@ from jaxdist.inspect.collectives import collective_ops
 from jaxdist.inspect.hlo import NAME_RE, parse_hlo
 from jaxdist.models.attention import IMPLEMENTATIONS
 from jaxdist.parallel import blockwise
-from jaxdist.parallel.blockwise import BLOCK_SCOPE, Tiles, tile_length
+from jaxdist.parallel.blockwise import BLOCK_SCOPE, TilePlan, pad_chunks, plan_tiles, unpad_chunks
 from jaxdist.parallel.ring import Ring, ring_attention, ring_forward
 
 CONTEXT_AXIS = "context"
@@ -87,7 +88,7 @@ class ContextAttention:
     batch_axes: tuple[str, ...] = ("data", "fsdp")  # mesh axes that split the batch
     heads_axis: str | None = "tensor"  # mesh axis splitting q heads (None: replicated)
     kv_heads_axis: str | None = "tensor"  # the same axis, or None when kv_heads is not divisible by it
-    block_q: int = DEFAULT_TILE  # tile lengths of the per-block kernel (at most; they divide the chunks)
+    block_q: int = DEFAULT_TILE  # tile lengths of the per-block kernel (at most; chunks are padded to a multiple)
     block_kv: int = DEFAULT_TILE
 
     def __post_init__(self):
@@ -105,11 +106,19 @@ class ContextAttention:
     def context_size(self) -> int:
         return self.mesh.shape[CONTEXT_AXIS]
 
-    def kernel_note(self) -> str:
-        """One line for the run's log: the strategy, the context size and the per-block kernel."""
+    def kernel_note(self, seq_len: int | None = None) -> str:
+        """One line for the run's log: the strategy, the context size and the per-block kernel, with
+        the tiles a sequence of ``seq_len`` tokens gets (None: only their limits)."""
+        if seq_len is None:
+            tiles = f"tiles of up to {self.block_q}x{self.block_kv} tokens"
+        else:
+            plan = self.tile_plan(seq_len // self.context_size)
+            tiles = f"tiles of {plan.tiles.q}x{plan.tiles.kv} tokens"
+            if plan.pad:
+                tiles += f", each {plan.chunk}-token chunk padded to {plan.padded} with masked tokens"
         note = (
             f"context attention: {self.strategy} over context={self.context_size}, per-block kernel xla "
-            f"(tiles of up to {self.block_q}x{self.block_kv} tokens, fp32 scores, fully masked tiles skipped)"
+            f"({tiles}, fp32 scores, fully masked tiles skipped)"
         )
         if self.implementation not in ("xla", "xla_fp32"):
             note += (
@@ -179,9 +188,11 @@ class ContextAttention:
         if problems:
             raise ValueError("context attention: " + "; ".join(problems))
 
-    def _tiles(self, local_len: int) -> Tiles:
-        chunk = local_len // 2 if local_len % 2 == 0 else local_len  # the load-balanced order's chunk
-        return Tiles(tile_length(chunk, self.block_q), tile_length(chunk, self.block_kv))
+    def tile_plan(self, local_len: int) -> TilePlan:
+        """The tiling of a device's ``local_len`` tokens: two chunks (the load-balanced order's) when
+        the length is even, each padded to a multiple of the tiles (``blockwise.plan_tiles``)."""
+        chunk = local_len // 2 if local_len % 2 == 0 else local_len
+        return plan_tiles(chunk, self.block_q, self.block_kv)
 
     def _local_kv_heads(self, local_heads: int, k, v):
         """The kv heads this device's query heads read, in the standard grouping (local q head i
@@ -205,16 +216,28 @@ class ContextAttention:
             # them to q keeps the masks inside the loop.
             q, segment_ids, positions = jax.lax.optimization_barrier((q, segment_ids, positions))
         k, v = self._local_kv_heads(q.shape[2], k, v)
-        tiles = self._tiles(q.shape[1])
+        plan = self.tile_plan(q.shape[1])
+        chunks = q.shape[1] // plan.chunk
+
+        # Chunks no good tile length divides are padded with masked tokens (segment id -1: they see nothing
+        # and nobody sees them), outside the custom VJPs: autodiff slices their gradients off.
+        def padded(x, segments: bool = False, n: int = chunks):
+            return pad_chunks(x, n, plan.padded, -1 if segments else 0)
+
+        q_local, seg_q, pos_q = padded(q), padded(segment_ids, True), padded(positions)
         if self.strategy == "ring":
-            ring = Ring(CONTEXT_AXIS, self.context_size, tiles)
+            ring = Ring(CONTEXT_AXIS, self.context_size, plan.tiles)
+            args = (q_local, padded(k), padded(v), seg_q, pos_q)
             if count:
-                return ring_forward(ring, q, k, v, segment_ids, positions)[2].reshape(1, 1)
-            return ring_attention(ring, q, k, v, segment_ids, positions)
-        gathered = [jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True) for x in (k, v, segment_ids, positions)]
+                return ring_forward(ring, *args)[2].reshape(1, 1)
+            return unpad_chunks(ring_attention(ring, *args), chunks, plan.chunk)
+        # gathered unpadded (no padding on the wire), then each of the whole sequence's chunks padded
+        n = chunks * self.context_size
+        k_all, v_all, seg_k, pos_k = (jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True) for x in (k, v, segment_ids, positions))
+        keys = (padded(k_all, n=n), padded(v_all, n=n), padded(seg_k, True, n), padded(pos_k, n=n))
         if count:
-            return blockwise.attention_forward(tiles, q, *gathered[:2], segment_ids, positions, *gathered[2:])[2].reshape(1, 1)
-        return blockwise.attend(tiles, q, *gathered[:2], segment_ids, positions, *gathered[2:])
+            return blockwise.attention_forward(plan.tiles, q_local, *keys[:2], seg_q, pos_q, *keys[2:])[2].reshape(1, 1)
+        return unpad_chunks(blockwise.attend(plan.tiles, q_local, *keys[:2], seg_q, pos_q, *keys[2:]), chunks, plan.chunk)
 
 
 # -- the compiled program ------------------------------------------------------------------------

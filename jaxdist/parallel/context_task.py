@@ -44,5 +44,5 @@ def with_context_attention(task, config: Config, mesh: jax.sharding.Mesh):
         return spec
 
     order = "load-balanced (shard r holds chunks r and 2N-1-r)" if p.context_load_balance else "in order (no load balancing)"
-    note = f"jaxdist: {kernel.kernel_note()}; sequence {order}"
+    note = f"jaxdist: {kernel.kernel_note(config.train.seq_len)}; sequence {order}"
     return dataclasses.replace(task, loss_fn=loss_fn, batch_spec=batch_spec, notes=(*task.notes, note))
