@@ -1,14 +1,16 @@
 """``python -m jaxdist.commbench``: the bandwidth of each collective over each mesh axis, before a run pays for it.
 
     python -m jaxdist.commbench [--mesh SPEC] [--sizes 1K:64M] [--iters 20] [--warmup 5]
-        [--hardware h100|h200|a100|cpu-local] [--json PATH]
+        [--hardware h100|h200|a100|cpu-local] [--out PATH] [--json]
 
 Times all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute over every
 mesh axis of more than one device, for every power of 2 between the two sizes, and prints
 per axis and size the algorithm and bus bandwidth as nccl-tests defines them, beside the
-planner's hardware profile for that link (``jaxdist.plan.commbench`` says how). ``--json
+planner's hardware profile for that link (``jaxdist.plan.commbench`` says how). ``--out
 PATH`` writes a link profile the planner uses instead of the datasheet
-(``python -m jaxdist.plan --links PATH``).
+(``python -m jaxdist.plan --links PATH``); ``--json`` prints it on stdout as one JSON object
+instead of the table, as every jaxdist CLI's ``--json`` does. ``--json PATH``, the old
+spelling of ``--out PATH``, still writes the file, with a one-line deprecation note.
 
 Launched like a training run, one process per device or host: under ``jaxdist.launch
 --module jaxdist.commbench``, SLURM's ``srun`` or with ``--coordinator`` /
@@ -36,7 +38,9 @@ def build_arg_parser():
     parser.add_argument("--iters", type=int, default=20, help="timed runs per point; the median is reported (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs per point after the compile (default 5)")
     parser.add_argument("--hardware", default=None, help="planner profile to compare with (default: the devices' own; cpu-local if cached)")
-    parser.add_argument("--json", default=None, metavar="PATH", help="write the link profile the planner reads (- for stdout)")
+    parser.add_argument("--out", default=None, metavar="PATH", help="write the link profile the planner reads (--links PATH)")
+    # --json alone prints the profile (const "-": stdout); --json PATH is the deprecated spelling of --out PATH
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", help="print the link profile as one JSON object")
     add_process_group_flags(parser)
     return parser
 
@@ -50,13 +54,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.iters < 1 or args.warmup < 0:
             raise JaxdistError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
         sweep = Sweep(tuple(parse_sizes(args.sizes)), args.iters, args.warmup)
-        report, hardware = commbench(args.mesh, sweep, process_group_from(args), args.hardware, args.json)
+        report, hardware = commbench(args.mesh, sweep, process_group_from(args), args.hardware, outputs(args))
     except JaxdistError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if report is not None and args.json != "-":
+    if report is None:  # not process 0
+        return EXIT_OK
+    if "-" not in outputs(args):
         print(format_report(report, hardware))
+    if args.json not in (None, "-"):
+        print(
+            f"jaxdist: warning: --json PATH is deprecated: --out {args.json} writes the link profile, --json alone prints it",
+            file=sys.stderr,
+        )
     return EXIT_OK
+
+
+def outputs(args) -> dict[str, str]:
+    """Where the link profile goes (a path, or - for stdout) -> the flag that asked for it."""
+    out = {args.out: "--out"} if args.out else {}
+    if args.json is not None:
+        if args.json != "-" and args.out:
+            raise JaxdistError(f"--json {args.json} and --out {args.out}: --out PATH writes the profile (--json PATH is its old spelling)")
+        out[args.json] = "--json"
+    return out
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -305,6 +306,22 @@ def test_tensor_parallel_never_gathers_a_full_weight() -> None:
     r = report("tensor=4")
     assert r["collectives"]["all-gather"]["largest"] < smallest_weight
     assert r["mesh"]["tensor"] == 4 and r["strategy"] == "dp+tp"
+
+
+def test_the_attention_scores_note_is_there_only_where_the_scores_are() -> None:
+    """XLA:CPU's plain attention holds fp32 [batch, kv heads, group, seq, seq] scores (read from the
+    compiled HLO) and the report says so; a context axis's blockwise kernel holds none, and its
+    report (JSON notes and the printed table) says nothing of them."""
+    from jaxdist.inspect.step_report import format_report
+
+    long = ("train.seq_len=256",)
+    for mesh, held in (("data=2", True), ("context=2", False)):
+        _, compiled = compiled_step(mesh, long)
+        scores = re.findall(r"f32\[[\d,]*,256,256\]", compiled.as_text())
+        r = report(mesh, long)
+        said = [n for n in r["notes"] if "[batch, heads, seq, seq] scores" in n]
+        assert bool(scores) == held and len(said) == held, (mesh, scores, r["notes"])
+        assert ("[batch, heads, seq, seq] scores" in format_report(r)) == held
 
 
 # -- the CLI ------------------------------------------------------------------------------------

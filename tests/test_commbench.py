@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import math
 import subprocess
@@ -28,6 +29,9 @@ from jaxdist.plan.links import read_link_profile, with_links
 from helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
+# Start JAX's backend with conftest's 8 fake devices now: run first, commbench would ask for as many
+# as its mesh needs (data=16 would then get 16, not "needs 16 devices but 8").
+assert len(jax.devices()) == 8
 MESH = "data=2,tensor=4"  # two axes, of 2 and 4 devices: 2(n-1)/n and (n-1)/n differ on both
 # 64 KiB to 1 MiB: a 16x range, so that the all-reduce time grows with size on CPU even while the
 # other test worker loads both cores (over 64K:256K a busy neighbour's noise could hide the growth)
@@ -57,7 +61,7 @@ def _run_cli(argv: list[str]) -> tuple[int, str, str]:
 def sweep(tmp_path_factory):
     """One in-process sweep over 8 fake CPU devices, with the table and the link profile it wrote."""
     path = tmp_path_factory.mktemp("commbench") / "links.json"
-    argv = ["--mesh", MESH, "--sizes", "64K:1M", "--iters", "3", "--warmup", "1", "--hardware", "h100", "--json", str(path)]
+    argv = ["--mesh", MESH, "--sizes", "64K:1M", "--iters", "3", "--warmup", "1", "--hardware", "h100", "--out", str(path)]
     code, out, err = _run_cli(argv)
     assert code == 0, err
     return {"table": out, "stderr": err, "profile": json.loads(path.read_text()), "path": path}
@@ -158,7 +162,11 @@ def test_the_planner_takes_links_and_rejects_a_bad_file_in_one_line(sweep, tmp_p
         (["--mesh", "data=1"], "nothing to measure"),
         (["--iters", "0"], "--iters must be >= 1"),
         (["--hardware", "tpu9"], "unknown hardware"),
-        (["--json", "/nonexistent-dir/links.json"], "no directory"),
+        (["--out", "/nonexistent-dir/links.json"], "--out /nonexistent-dir/links.json: no directory"),
+        (["--json", "/nonexistent-dir/links.json"], "--json /nonexistent-dir/links.json: no directory"),  # the old spelling of --out
+        (["--json", "a.json", "--out", "b.json"], "--out PATH writes the profile"),
+        (["--out", "links.json"], "a link profile needs two sizes or more per axis"),  # --sizes 4K: one point per axis
+        (["--mesh", "tensor=4", "--sizes", "1:8", "--out", "links.json"], "two sizes or more"),  # four sizes, one buffer
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, says):
@@ -177,7 +185,7 @@ def test_on_cpu_the_planner_column_is_this_hosts_cached_profile_or_says_it_is_le
     from jaxdist.plan.measure import cpu_count, host_string
 
     monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
-    argv = ["--mesh", "data=2", "--sizes", "4K:8K", "--iters", "1", "--warmup", "0", "--json", str(tmp_path / "links.json")]
+    argv = ["--mesh", "data=2", "--sizes", "4K:8K", "--iters", "1", "--warmup", "0"]
     code, out, err = _run_cli(argv)
     assert code == 0 and "planner busbw" not in out
     assert [line for line in err.splitlines() if "planner" in line] == [
@@ -199,12 +207,98 @@ def test_on_cpu_the_planner_column_is_this_hosts_cached_profile_or_says_it_is_le
         "collective_bytes_per_s": 0.5e9,
     }
     (tmp_path / "cpu-local.json").write_text(json.dumps(profile))
-    code, out, err = _run_cli(argv)
-    assert code == 0 and "planner profile cpu-local: 1 GB/s x 1, 50 us per ring step" in out, out + err
-    for row in json.loads((tmp_path / "links.json").read_text())["results"]:
+    # the library's report (no link profile: two sizes timed once may not grow, and then there is no file to read)
+    report, hardware = commbench.commbench("data=2", commbench.Sweep((4096, 8192), 1, 0), None, None)
+    assert "planner profile cpu-local: 1 GB/s x 1, 50 us per ring step" in commbench.format_report(report, hardware)
+    for row in report["results"]:
         bus_bytes = row["bytes"] * NCCL_BUS_FACTOR[row["kind"]](2)
         steps = RING_STEPS.get(row["kind"], lambda n: n - 1)(2)
         assert math.isclose(row["planner_time_s"], steps * 50e-6 + bus_bytes / 1e9, rel_tol=1e-9), row
+
+
+def test_sizes_that_round_to_one_buffer_are_measured_once_and_said_so():
+    """1 to 8 bytes over 4 devices are all one float32 element per device (16 bytes): one row per
+    collective, not four of the same measurement, and one line naming the rounding."""
+    code, out, err = _run_cli(["--mesh", "tensor=4", "--sizes", "1:8", "--iters", "1", "--warmup", "0", "--hardware", "h100"])
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if line.startswith("  ") and line.split()[0] in KINDS]
+    assert sorted(r[0] for r in rows) == sorted(KINDS) and {r[1] for r in rows} == {"16"}
+    notes = [line for line in err.splitlines() if "rounded" in line or "->" in line]
+    assert len(notes) == 1 and notes[0].startswith("jaxdist: note: ") and "tensor=4: 1/2/4/8 -> 16" in notes[0], err
+
+
+def _fake_times(monkeypatch, times):
+    """Every point "measured" at the next of ``times`` (no timing: the CLI's plumbing is under test)."""
+    it = iter(times)
+    monkeypatch.setattr(commbench, "median_time", lambda run, **_: next(it))
+
+
+@pytest.mark.parametrize("flag", ["--out", "--json"])
+def test_a_profile_with_no_link_is_an_error_and_nothing_is_written(flag, tmp_path, monkeypatch):
+    """All-reduce times that do not grow with size fit no link: the planner could not read the
+    file, so none is written (also under the old spelling --json PATH), in one line, exit 2."""
+    _fake_times(monkeypatch, itertools.repeat(1e-3))
+    path = tmp_path / "links.json"
+    code, out, err = _run_cli(
+        ["--mesh", "data=2", "--sizes", "4K:8K", "--iters", "1", "--warmup", "0", "--hardware", "h100", flag, str(path)]
+    )
+    assert code == 2 and not path.exists() and not list(tmp_path.iterdir()), (code, err)
+    assert [line for line in err.splitlines() if line.startswith("jaxdist: error")] == [err.splitlines()[-1]]
+    assert err.splitlines()[-1].startswith(
+        "jaxdist: error: no link profile written: the intra_node link (data) is left out of the profile: its all-reduce time does not grow"
+    ), err
+    assert "warning: the intra_node link" not in err  # said once, in the error
+
+
+def test_json_prints_the_profile_out_writes_it_and_json_path_still_writes_it(tmp_path, monkeypatch):
+    """--json prints one JSON object on stdout (as every jaxdist CLI's --json; no table), --out PATH
+    writes the same profile, and --json PATH (the old spelling of --out) writes it with one deprecation line."""
+    _fake_times(monkeypatch, (1e-4 * k for k in itertools.count(1)))  # growing with size: a link fits
+    argv = ["--mesh", "data=2", "--sizes", "4K:8K", "--iters", "1", "--warmup", "0", "--hardware", "h100"]
+    code, out, err = _run_cli([*argv, "--json", "--out", str(tmp_path / "a.json")])
+    assert code == 0, err
+    printed = json.loads(out)  # the whole of stdout is one object
+    assert printed == json.loads((tmp_path / "a.json").read_text()) and printed["format"] == "jaxdist-link-profile"
+    assert set(read_link_profile(tmp_path / "a.json")) == {"intra_node"} and "deprecated" not in err
+    code, out, err = _run_cli([*argv, "--json", str(tmp_path / "b.json")])
+    assert code == 0 and "axis data (2 devices, intra-node link)" in out, err  # the table, as with --out
+    assert json.loads((tmp_path / "b.json").read_text())["links"]["intra_node"]["axis"] == "data"
+    assert [line for line in err.splitlines() if "deprecated" in line] == [
+        f"jaxdist: warning: --json PATH is deprecated: --out {tmp_path / 'b.json'} writes the link profile, --json alone prints it"
+    ]
+
+
+def test_the_planner_says_when_the_links_were_measured_on_other_devices(sweep, monkeypatch):
+    """A profile measured on fake CPU devices priced into an H100 plan: legal, said in one line;
+    links measured on the plan's own kind of device say nothing."""
+    import dataclasses
+
+    import jaxdist.plan.search as search
+    from jaxdist.plan.__main__ import main as plan_main
+
+    def not_compiled(config, **kwargs):  # the warning comes before any compile: none is needed
+        raise RuntimeError("not compiled in this test")
+
+    monkeypatch.setattr(search, "compile_summary", not_compiled)
+    tiny = ["data.source=synthetic", "model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4"]
+    tiny += ["train.seq_len=32", "train.global_batch=16"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = plan_main(["--gpus", "2", "--hardware", "h100", "--max-compiles", "1", "--links", str(sweep["path"]), *tiny])
+    assert code == 0, err.getvalue()
+    said = [line for line in err.getvalue().splitlines() if "measured on" in line]
+    assert said == [
+        f"jaxdist: warning: --links {sweep['path']} was measured on 8 cpu devices, not on the plan's H100 SXM 80GB: its links price this plan's collectives"
+    ]
+    from jaxdist.plan.links import measured_elsewhere
+
+    h100 = load_hardware("h100")
+    cpu_local = dataclasses.replace(h100, key="cpu-local")
+    assert measured_elsewhere({"platform": "cpu", "device_kind": "cpu", "devices": 8}, cpu_local) is None
+    assert measured_elsewhere({"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3", "devices": 8}, h100) is None
+    assert measured_elsewhere({"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"}, load_hardware("h100-hbm2e")) is None
+    assert "NVIDIA A100" in measured_elsewhere({"platform": "gpu", "device_kind": "NVIDIA A100-SXM4-80GB"}, h100)
+    assert "H100" in measured_elsewhere({"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"}, cpu_local)
 
 
 def test_a_bad_size_from_the_command_line_exits_2_before_jax_starts():
@@ -221,7 +315,7 @@ def test_two_processes_under_the_launcher(tmp_path):
     inter-node link: gloo), tensor stays inside each; the profile carries both links."""
     path = tmp_path / "links.json"
     cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", "2", "--devices-per-proc", "2", "--module", "jaxdist.commbench", "--"]
-    cmd += ["--mesh", "data=2,tensor=2", "--sizes", "64K:1M", "--iters", "3", "--warmup", "1", "--hardware", "h100", "--json", str(path)]
+    cmd += ["--mesh", "data=2,tensor=2", "--sizes", "64K:1M", "--iters", "3", "--warmup", "1", "--hardware", "h100", "--out", str(path)]
     proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     launcher = psutil.Process(proc.pid)
     try:

@@ -429,3 +429,46 @@ def test_the_screen_takes_a_context_axis_only_where_nothing_else_fits():
                 [*shapes, "model.mlp_dim=14336", f"train.seq_len={seq}", "train.global_batch=1", "parallel.context_load_balance=false"],
             )
             assert estimated_time(unbalanced, best, n, h100) > estimated_time(config, best, n, h100)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the CLI prints (issue 33)
+
+
+def test_the_table_gives_small_step_times_in_significant_figures():
+    """A small model's step (387 us) and its MFU and memory read as numbers, not 0.000 / 0.0% / 0.0."""
+    c = {"mesh": "data=4", "microbatches": 1, "remat": "none", "context_strategy": None, "step_time_s": 3.87e-4}
+    c |= {"tokens_per_sec_per_device": 662242.0, "mfu": 8.8e-3, "memory_per_device_bytes": 117 * 2**20, "bound": "communication"}
+    result = {"config": "tiny", "gpus": 4, "hardware_name": "H100", "gpus_per_node": 4, "global_batch": 16, "seq_len": 64}
+    result |= {
+        "layouts": {"compiled": 1, "fitting_estimate": 1},
+        "candidates": [c, c | {"step_time_s": 1.4e-3}, c | {"step_time_s": 12.345}],
+    }
+    table = plan_cli.format_table(result, 5)
+    rows = table.splitlines()[2:]
+    assert "387 us" in rows[0] and "0.88%" in rows[0] and "117 MiB" in rows[0], table
+    assert "1.40 ms" in rows[1] and "12.3 s" in rows[2] and "0.000" not in table and " 0.0 " not in table, table
+
+
+def test_build_notes_are_said_once_and_cpu_backend_notes_not_for_a_gpu_plan(tmp_path, monkeypatch, capsys):
+    """Each compiled layout's build prints its notes; the planner says each once, and leaves out of
+    an H100 plan the one on how XLA:CPU runs ragged_dot (the plan prices a GPU's grouped GEMM). The
+    notes are kept in the compile cache, so a cached rerun says the same."""
+    from jaxdist.plan.search import CPU_BACKEND_NOTE, plan_notes
+
+    monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
+    argv = ["--gpus", "2", "--hardware", "h100", "--max-compiles", "2", "--json", *TINY, "model.moe_experts=4", "model.moe_mlp_dim=64"]
+    said = []
+    for _ in range(2):  # compiled, then cached
+        assert plan_cli.main(argv) == 0
+        captured = capsys.readouterr()
+        result = json.loads(captured.out)
+        lines = [line for line in captured.err.splitlines() if line.startswith("jaxdist: ")]
+        assert len(lines) == len(set(lines)) and not [line for line in lines if CPU_BACKEND_NOTE.search(line)], lines
+        assert len(result["candidates"]) == 2 and not [n for c in result["candidates"] for n in c["notes"] if CPU_BACKEND_NOTE.search(n)]
+        said.append(lines)
+    assert said[0] == said[1]
+    cached = [n for path in (tmp_path / "plan").glob("*.json") for n in json.loads(path.read_text())["notes"]]
+    cpu_notes = [n for n in cached if CPU_BACKEND_NOTE.search(n)]
+    assert len(cpu_notes) == 2  # the build said it (ragged_dot's dense expansion) for each compile; the plan did not
+    assert plan_notes([*cached, *cached], shared_host=True) == list(dict.fromkeys(cached))  # a CPU plan: each once

@@ -52,8 +52,9 @@ def _param_bytes(trainer: Any) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
-def _notes(report: dict[str, Any], config: Config, unknown_loops: int) -> list[str]:
-    """What a reader needs to interpret the numbers, from what this compile actually shows."""
+def _notes(report: dict[str, Any], config: Config, unknown_loops: int, attention: str | None = None) -> list[str]:
+    """What a reader needs to interpret the numbers, from what this compile actually shows
+    (``attention``: the decoder's attention implementation, the task's choice)."""
     notes = []
     collectives, on_cpu = report["collectives"], report["platform"] == "cpu"
     experts = report.get("experts")
@@ -74,7 +75,9 @@ def _notes(report: dict[str, Any], config: Config, unknown_loops: int) -> list[s
             "XLA's CPU backend runs bf16 dots in f32 and promotes bf16 all-reduces to f32, so weight all-gathers and "
             "activation all-reduces here move f32 where a GPU can move bf16 (up to twice the bytes of a GPU run)"
         )
-    if on_cpu and config.model.kind == "llama":
+    # Only plain XLA attention holds the scores: a context axis runs parallel.blockwise's tiles instead
+    # (one tile pair's scores at a time), and a Pallas kernel is blockwise too.
+    if on_cpu and config.model.kind == "llama" and report["mesh"].get("context", 1) == 1 and attention in ("xla", "xla_fp32", None):
         notes.append("temp memory reflects XLA's CPU attention, which materialises [batch, heads, seq, seq] scores (no flash attention)")
     if unknown_loops:
         notes.append(f"{unknown_loops} while loop(s) without a known trip count were counted once")
@@ -124,7 +127,7 @@ def build_report(trainer: Any, compiled: Any) -> dict[str, Any]:
         }
     if getattr(trainer, "inner_steps", 0):
         report["diloco"] = _diloco_section(trainer, ops, mesh_shape)
-    report["notes"] = _notes(report, config, loops_without_trip_count(module))
+    report["notes"] = _notes(report, config, loops_without_trip_count(module), getattr(trainer.task, "attention", None))
     return report
 
 

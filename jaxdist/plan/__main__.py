@@ -8,7 +8,7 @@ layout jaxdist accepts is screened (an expert axis only for an MoE model)
 (memory must fit with 10% headroom; a rough time orders them), then the best are compiled
 against N fake CPU devices, best first, until ``--time-budget`` seconds or
 ``--max-compiles`` compiles; each compiled step is priced by ``jaxdist.plan.cost`` on the
-hardware profile (``--links PATH``: its links as ``python -m jaxdist.commbench --json PATH`` measured
+hardware profile (``--links PATH``: its links as ``python -m jaxdist.commbench --out PATH`` measured
 them, ``jaxdist.plan.links``). Compiles are cached, so a rerun is fast. ``--json`` prints
 ``{"candidates": [...]}`` best first, each with ``mesh``, ``microbatches``, ``remat``, ``context_strategy``,
 ``step_time_s``, ``tokens_per_sec_per_device``, ``mfu``, ``memory_per_device_bytes`` and
@@ -34,7 +34,7 @@ def build_arg_parser():
     parser.add_argument("--hardware", required=True, help="h100 | h200 | a100 | h100-hbm2e | cpu-local")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's)")
     parser.add_argument(
-        "--links", default=None, metavar="PATH", help="measured links (python -m jaxdist.commbench --json PATH) for the datasheet's"
+        "--links", default=None, metavar="PATH", help="measured links (python -m jaxdist.commbench --out PATH) for the datasheet's"
     )
     parser.add_argument("--global-batch", type=int, default=None, help="train.global_batch (sequences per step)")
     parser.add_argument("--top", type=int, default=5, help="candidates to print")
@@ -71,9 +71,12 @@ def plan(args, log=print) -> dict:
         overrides.append(f"train.global_batch={args.global_batch}")
     hardware = load_hardware(args.hardware, gpus_per_node=args.gpus_per_node)
     if getattr(args, "links", None):
-        from jaxdist.plan.links import read_link_profile, with_links
+        from jaxdist.plan.links import load_link_profile, measured_elsewhere, with_links
 
-        links = read_link_profile(args.links)
+        links, measured = load_link_profile(args.links)
+        elsewhere = measured_elsewhere(measured, hardware)
+        if elsewhere:  # e.g. fake CPU devices' links pricing an H100 plan: legal, but the numbers are not the plan's
+            log(f"jaxdist: warning: --links {args.links} was {elsewhere}: its links price this plan's collectives")
         hardware = with_links(hardware, links, args.links)
         for missing in sorted({"intra_node", "inter_node"} - set(links)):
             log(f"jaxdist: warning: --links {args.links} measured no {missing} link; the profile's datasheet figure prices it")
@@ -118,9 +121,9 @@ def _price(config, fitting, hardware, args, log) -> dict:
 
     from jaxdist.plan.cost import predict_summary
     from jaxdist.plan.hlo_cost import ProgramCost
-    from jaxdist.plan.search import HEADROOM, compile_summary, configured, routed_expert_params, states_bytes
+    from jaxdist.plan.search import HEADROOM, compile_summary, configured, plan_notes, routed_expert_params, states_bytes
 
-    start, priced, skipped, failed = time.monotonic(), [], 0, []
+    start, priced, skipped, failed, notes = time.monotonic(), [], 0, [], []
     todo = fitting[: args.max_compiles]
     bar = tqdm(todo, desc="compiling layouts", unit="layout", file=sys.stderr, disable=not sys.stderr.isatty())
     for candidate, estimate in bar:
@@ -137,6 +140,8 @@ def _price(config, fitting, hardware, args, log) -> dict:
             continue
         program = ProgramCost.from_dict(summary["program"])
         p = predict_summary(program, hardware, summary)
+        layout_notes = plan_notes(summary.get("notes", []), hardware.shared_host)
+        notes += layout_notes
         states = summary["memory"]["arguments"]
         if hardware.fused_attention:  # XLA:CPU's temp holds unfused attention scores: states + activation estimate
             memory, source = (
@@ -156,9 +161,12 @@ def _price(config, fitting, hardware, args, log) -> dict:
                 "memory_source": source,
                 "fits": memory <= HEADROOM * hardware.memory_bytes,
                 "cached": cached,
+                "notes": layout_notes,
             }
         )
     bar.close()
+    for note in plan_notes(notes, hardware.shared_host):  # each once, however many layouts compiled it
+        log(note)
     ranked = sorted((c for c in priced if c["fits"]), key=lambda c: c["step_time_s"])
     return {
         "config": config.name,
@@ -180,17 +188,38 @@ def format_table(result: dict, top: int) -> str:
         f"{result['config']} on {result['gpus']} x {result['hardware_name']} ({result['gpus_per_node']} per node), "
         f"global batch {result['global_batch']} x {result['seq_len']} tokens; "
         f"{result['layouts']['compiled']} of {result['layouts']['fitting_estimate']} screened layouts compiled",
-        f"{'#':>2}  {'mesh':<34} {'mb':>3} {'remat':<13} {'step s':>8} {'tok/s/dev':>10} {'MFU':>6} {'mem GiB':>8}  bound",
+        f"{'#':>2}  {'mesh':<34} {'mb':>3} {'remat':<13} {'step':>9} {'tok/s/dev':>10} {'MFU':>6} {'memory':>9}  bound",
     ]
     for i, c in enumerate(result["candidates"][:top], 1):
         mesh = f"{c['mesh']} {c['context_strategy']}" if c.get("context_strategy") else c["mesh"]
         lines.append(
-            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {c['remat']:<13} {c['step_time_s']:>8.3f} "
-            f"{c['tokens_per_sec_per_device']:>10,.0f} {c['mfu']:>6.1%} {c['memory_per_device_bytes'] / GIB:>8.1f}  {c['bound']}"
+            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {c['remat']:<13} {format_seconds(c['step_time_s']):>9} "
+            f"{c['tokens_per_sec_per_device']:>10,.0f} {format_fraction(c['mfu']):>6} {format_bytes(c['memory_per_device_bytes']):>9}  {c['bound']}"
         )
     if not result["candidates"]:
         lines.append("no compiled layout fits (see --json's did_not_fit)")
     return "\n".join(lines)
+
+
+def format_seconds(t: float) -> str:
+    """3 significant figures in s, ms or us: a small model's step is not "0.000"."""
+    if t == 0:
+        return "0 s"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        value = t / scale
+        if float(f"{value:.3g}") >= 1 or unit == "us":  # rounded first: 0.9996 s is 1.00 s, not 1.00e+03 ms
+            return f"{value:,.0f} {unit}" if value >= 1000 else f"{f'{value:#.3g}'.rstrip('.')} {unit}"  # 1.40 ms, 387 us
+    raise AssertionError("unreachable")
+
+
+def format_fraction(x: float) -> str:
+    """A percentage with 2 significant figures below 1% (0.04%, not 0.0%)."""
+    return f"{x:.1%}" if x >= 0.01 or x == 0 else f"{x * 100:.2g}%"
+
+
+def format_bytes(n: float) -> str:
+    """GiB with one decimal; MiB (3 significant figures) below 1,000 MiB: a small model's memory is not "0.0"."""
+    return f"{n / GIB:.1f} GiB" if n >= 999.5 * 2**20 else f"{f'{n / 2**20:#.3g}'.rstrip('.')} MiB"  # 1,000 MiB on: GiB
 
 
 def fake_cpu_devices(n: int) -> None:

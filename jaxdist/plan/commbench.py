@@ -9,7 +9,7 @@ waits for every member, and so does a step).
 
 Byte counts and bus bandwidth are nccl-tests' (its doc/PERFORMANCE.md), for ``n`` devices on
 the axis; float32 elements, S rounded down to a multiple of 4n bytes as nccl-tests rounds its
-counts to the ranks:
+counts to the ranks (sizes that round to one S are measured once, and one line says so):
 
     collective          S (bytes)                                         busbw / algbw
     all-reduce          each device's buffer (in and out)                 2(n-1)/n
@@ -46,7 +46,7 @@ from typing import Any
 
 from jaxdist.errors import JaxdistError
 from jaxdist.plan.cost import collective_time
-from jaxdist.plan.hardware import Hardware
+from jaxdist.plan.hardware import Hardware, default_hardware
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
@@ -93,6 +93,32 @@ def parse_sizes(spec: str) -> list[int]:
 def buffer_elements(size: int, n: int) -> int:
     """Elements of S for ``n`` devices: ``size`` bytes rounded down to a multiple of n elements (at least n)."""
     return max(size // ELEMENT_BYTES // n, 1) * n
+
+
+def axis_elements(sizes: Sequence[int], n: int) -> list[int]:
+    """The distinct S (elements) the sweep measures over an axis of ``n`` devices: sizes that
+    round to the same buffer are one point, not several rows of the same measurement."""
+    return list(dict.fromkeys(buffer_elements(size, n) for size in sizes))
+
+
+def rounding_note(sizes: Sequence[int], axes: dict[str, int]) -> str | None:
+    """One line naming the requested sizes that an axis measures at another size (None if none)."""
+    parts = []
+    for axis, n in axes.items():
+        rounded: dict[int, list[int]] = {}
+        for size in sizes:
+            measured = buffer_elements(size, n) * ELEMENT_BYTES
+            if measured != size:
+                rounded.setdefault(measured, []).append(size)
+        if rounded:
+            groups = ", ".join(f"{'/'.join(format_size(s) for s in asked)} -> {format_size(m)}" for m, asked in rounded.items())
+            parts.append(f"{axis}={n}: {groups}")
+    if not parts:
+        return None
+    return (
+        f"jaxdist: note: sizes are whole float32 elements, a multiple of 4 x n bytes over n devices (as nccl-tests counts), "
+        f"and a size measured twice is one row: {'; '.join(parts)}"
+    )
 
 
 def local_shapes(kind: str, elements: int, n: int) -> tuple[int, int]:
@@ -211,13 +237,15 @@ def run_commbench(mesh, sweep: Sweep, *, on_point: Callable[[int], None] = lambd
 
     links = axis_links(mesh)
     axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+    note = rounding_note(sweep.sizes, {a: int(mesh.shape[a]) for a in axes})
+    if note:
+        log(note)
     rows, medians, warned = [], [], set()
     for axis in axes:
         n = mesh.shape[axis]
         for kind in sweep.kinds:
-            for size in sweep.sizes:
+            for elements in axis_elements(sweep.sizes, n):
                 on_point(len(rows) + 1)
-                elements = buffer_elements(size, n)
                 fn, x = program(mesh, axis, kind, elements)
                 compiled = fn.lower(x).compile()
                 ran = compiled_kinds(compiled)
@@ -283,14 +311,6 @@ def _host() -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- the planner's side
-
-
-def default_hardware(platform: str, device_kind: str) -> str | None:
-    """The planner profile these devices are: a GPU by its kind, this host's ``cpu-local`` on CPU."""
-    if platform == "cpu":
-        return "cpu-local"
-    kind = device_kind.upper()
-    return next((key for key in ("h200", "h100", "a100") if key.upper() in kind), None)
 
 
 def planner_columns(rows: list[dict[str, Any]], hardware: Hardware) -> None:
@@ -377,17 +397,17 @@ def planner_hardware(key: str | None) -> Hardware | None:
     return cpu_local(profile)
 
 
-def check_output(path: str | None) -> None:
-    """``--json PATH`` can be written (checked before anything runs; ``-`` is stdout)."""
+def check_output(path: str | None, flag: str = "--out") -> None:
+    """``--out PATH`` can be written (checked before anything runs; ``-`` is stdout)."""
     if path is None or path == "-":
         return
     target = Path(path)
     if target.is_dir():
-        raise JaxdistError(f"--json {path}: is a directory")
+        raise JaxdistError(f"{flag} {path}: is a directory")
     if not target.parent.is_dir():
-        raise JaxdistError(f"--json {path}: no directory {target.parent}")
+        raise JaxdistError(f"{flag} {path}: no directory {target.parent}")
     if not os.access(target.parent, os.W_OK):
-        raise JaxdistError(f"--json {path}: cannot write in {target.parent}")
+        raise JaxdistError(f"{flag} {path}: cannot write in {target.parent}")
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
@@ -402,10 +422,15 @@ def write_json(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, target)
 
 
-def commbench(mesh_spec: str, sweep: Sweep, group, hardware_key: str | None, json_path: str | None) -> tuple[dict | None, Hardware | None]:
+def commbench(
+    mesh_spec: str, sweep: Sweep, group, hardware_key: str | None, outputs: dict[str, str] | None = None
+) -> tuple[dict | None, Hardware | None]:
     """Measure the links of ``mesh_spec`` as one process of ``group`` (None: alone): fake CPU
     devices or GPUs arranged first, the process group joined as the trainer joins it; returns
-    process 0's report (None on the others) and the planner profile beside it."""
+    process 0's report (None on the others) and the planner profile beside it. ``outputs``
+    (path or ``-`` for stdout -> the flag that named it) get the link profile; a profile with no
+    link in it (nothing the planner could read) is an error and nothing is written."""
+    outputs = outputs or {}
     from jaxdist.cluster.distributed import initialize
     from jaxdist.cluster.heartbeat import beat, install_stack_dump
     from jaxdist.layout.devices import DEFAULT_FAKE_DEVICES, ensure_fake_cpu_devices, forced_host_device_count, gpu_plugin_installed
@@ -415,7 +440,8 @@ def commbench(mesh_spec: str, sweep: Sweep, group, hardware_key: str | None, jso
     sizes = parse_mesh(mesh_spec)
     if sizes is None:
         raise JaxdistError("--mesh auto: name the axes to measure (default data=-1: every device on one axis)")
-    check_output(json_path)
+    for path, flag in outputs.items():
+        check_output(path, flag)
     key = hardware_key
     hardware = planner_hardware(key) if key else None
     processes = group.num_processes if group is not None and group.num_processes else 1
@@ -434,6 +460,9 @@ def commbench(mesh_spec: str, sweep: Sweep, group, hardware_key: str | None, jso
     if all(size == 1 for size in sizes.values()):
         raise JaxdistError(f"mesh {format_mesh(sizes)} has no axis of more than one device: nothing to measure")
     mesh = build_mesh(sizes)
+    if outputs and max(len(axis_elements(sweep.sizes, n)) for n in mesh.shape.values() if n > 1) < 2:
+        # a link is fitted as latency + bytes / bandwidth: one size per axis gives no bandwidth, and the planner no link
+        raise JaxdistError(f"{' and '.join(outputs.values())}: a link profile needs two sizes or more per axis; --sizes measures one")
     first = jax.process_index() == 0
     if key is None:
         key = default_hardware(jax.devices()[0].platform, jax.devices()[0].device_kind)
@@ -451,8 +480,15 @@ def commbench(mesh_spec: str, sweep: Sweep, group, hardware_key: str | None, jso
     report["hardware"] = hardware.key if hardware else None
     if hardware is not None:
         planner_columns(report["results"], hardware)
-    if json_path is not None:
+    if outputs:
         from jaxdist.plan.links import link_profile
 
-        write_json(json_path, link_profile(report, log))
+        left_out: list[str] = []
+        profile = link_profile(report, left_out=left_out)
+        if not profile["links"]:  # the planner refuses such a file: write none rather than one it cannot read
+            raise JaxdistError(f"no link profile written: {'; '.join(left_out)}; measure a wider range of --sizes")
+        for why in left_out:
+            log(f"jaxdist: warning: {why}; measure a wider range of --sizes")
+        for path in outputs:
+            write_json(path, profile)
     return report, hardware

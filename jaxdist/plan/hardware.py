@@ -66,6 +66,14 @@ class Hardware:
         return self.peak_flops * self.matmul_efficiency
 
 
+def default_hardware(platform: str, device_kind: str) -> str | None:
+    """The planner profile these devices are: a GPU by its kind, this host's ``cpu-local`` on CPU."""
+    if platform == "cpu":
+        return CPU_LOCAL
+    kind = device_kind.upper()
+    return next((key for key in ("h200", "h100", "a100") if key.upper() in kind), None)
+
+
 def profiles() -> list[str]:
     return sorted([*(p.stem for p in PROFILE_DIR.glob("*.yaml")), CPU_LOCAL])
 

@@ -1,4 +1,4 @@
-"""Link profiles: what ``python -m jaxdist.commbench --json PATH`` measured, in a form the
+"""Link profiles: what ``python -m jaxdist.commbench --out PATH`` measured, in a form the
 planner reads instead of a profile's datasheet links (``python -m jaxdist.plan --links PATH``).
 
 The format follows the ``cpu-local`` profile's collectives (``jaxdist.plan.measure``): per
@@ -27,7 +27,7 @@ from typing import Any
 
 from jaxdist.errors import JaxdistError
 from jaxdist.plan.cost import ring_steps
-from jaxdist.plan.hardware import Hardware, Link
+from jaxdist.plan.hardware import Hardware, Link, default_hardware
 from jaxdist.plan.measure import fit_latency_bandwidth, ring_wire_bytes
 
 FORMAT = "jaxdist-link-profile"
@@ -35,9 +35,10 @@ VERSION = 1
 LINKS = ("intra_node", "inter_node")  # the planner's Hardware fields
 
 
-def fit_links(rows: Sequence[dict[str, Any]], log=print) -> dict[str, dict[str, Any]]:
+def fit_links(rows: Sequence[dict[str, Any]], log=print, *, left_out: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Per link, the latency/bandwidth fit of the all-reduce rows of the largest axis on it
-    (``rows``: commbench's results). A link whose points show no bandwidth is left out, in one line."""
+    (``rows``: commbench's results). A link whose points show no bandwidth is left out, in one
+    warning line (or, given ``left_out``, appended to it as "the LINK link (AXIS) ...: why")."""
     links: dict[str, dict[str, Any]] = {}
     for link in LINKS:
         axes = {(r["group_size"], r["axis"]) for r in rows if r["link"] == link and r["kind"] == "all-reduce"}
@@ -54,21 +55,32 @@ def fit_links(rows: Sequence[dict[str, Any]], log=print) -> dict[str, dict[str, 
                 if len(sizes) < 2
                 else f"its all-reduce time does not grow with size from {sizes[0]} to {sizes[-1]} bytes (latency-bound or noisy)"
             )
-            log(f"jaxdist: warning: the {link} link ({axis}) is left out of the profile: {why}; measure a wider range of --sizes")
+            reason = f"the {link} link ({axis}) is left out of the profile: {why}"
+            if left_out is not None:
+                left_out.append(reason)
+            else:
+                log(f"jaxdist: warning: {reason}; measure a wider range of --sizes")
             continue
         links[link] = {"latency_s": latency, "bytes_per_s": bandwidth, "group_size": n, "axis": axis, "all_reduce": points}
     return links
 
 
-def link_profile(report: dict[str, Any], log=print) -> dict[str, Any]:
+def link_profile(report: dict[str, Any], log=print, *, left_out: list[str] | None = None) -> dict[str, Any]:
     """The file commbench writes for ``report`` (``jaxdist.plan.commbench.run_commbench``'s)."""
     header = {k: report[k] for k in ("host", "cores", "jax_version", "platform", "device_kind", "devices", "processes", "mesh")}
     header |= {k: report[k] for k in ("dtype", "iters", "warmup", "threads", "measured_at")}
-    return {"format": FORMAT, "version": VERSION, **header, "links": fit_links(report["results"], log), "results": report["results"]}
+    links = fit_links(report["results"], log, left_out=left_out)
+    return {"format": FORMAT, "version": VERSION, **header, "links": links, "results": report["results"]}
 
 
 def read_link_profile(path: str | Path) -> dict[str, Link]:
     """The measured links of a commbench profile file, as the planner's ``Link``s."""
+    return load_link_profile(path)[0]
+
+
+def load_link_profile(path: str | Path) -> tuple[dict[str, Link], dict[str, Any]]:
+    """(the measured links of a commbench profile file as the planner's ``Link``s, the file's
+    other fields: where and on what they were measured)."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
@@ -77,7 +89,7 @@ def read_link_profile(path: str | Path) -> dict[str, Link]:
         raise JaxdistError(f"--links {path}: not JSON ({e})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise JaxdistError(
-            f'--links {path}: not a link profile (expected "format": "{FORMAT}"; python -m jaxdist.commbench --json writes one)'
+            f'--links {path}: not a link profile (expected "format": "{FORMAT}"; python -m jaxdist.commbench --out PATH writes one)'
         )
     if data.get("version") != VERSION:
         raise JaxdistError(f"--links {path}: version {data.get('version')!r}, this jaxdist reads version {VERSION}")
@@ -96,7 +108,21 @@ def read_link_profile(path: str | Path) -> dict[str, Link]:
         if not (isinstance(n, int) and not isinstance(n, bool) and n >= 2):
             raise JaxdistError(f"--links {path}: link {name!r} needs group_size >= 2, got {n!r}")
         out[name] = Link(bandwidth=float(bandwidth), latency=float(latency) / ring_steps("all-reduce", n), efficiency=1.0)
-    return out
+    return out, {k: v for k, v in data.items() if k not in ("links", "results")}
+
+
+def measured_elsewhere(header: dict[str, Any], hardware: Hardware) -> str | None:
+    """What the links were measured on, when that is not the devices ``hardware`` describes
+    (CPU links for a GPU plan, another GPU's): one line's worth; None when they match or the file does not say."""
+    platform, kind = header.get("platform"), header.get("device_kind")
+    if not isinstance(platform, str) or not isinstance(kind, str):
+        return None
+    measured = default_hardware(platform, kind)
+    if measured is not None and (hardware.key == measured or hardware.key.startswith(f"{measured}-")):
+        return None
+    devices = header.get("devices")
+    what = f"{devices if isinstance(devices, int) else ''} {platform} devices".strip() + ("" if kind.lower() == platform else f" ({kind})")
+    return f"measured on {what}, not on the plan's {hardware.name}"
 
 
 def _number(value: object) -> bool:

@@ -17,13 +17,17 @@ and the JAX version, so a rerun is fast.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
+import io
 import itertools
 import json
 import math
 import os
+import re
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -355,7 +359,7 @@ def cache_dir() -> Path:
 def cache_key(config: Config) -> str:
     import jax
 
-    payload = json.dumps({"config": config.to_dict(), "jax": jax.__version__, "format": 8}, sort_keys=True)
+    payload = json.dumps({"config": config.to_dict(), "jax": jax.__version__, "format": 9}, sort_keys=True)  # 9: notes
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
@@ -393,7 +397,12 @@ def _compile(config: Config) -> dict[str, Any]:
         raise JaxdistError(
             f"compiling for {devices} devices needs XLA_FLAGS=--xla_force_host_platform_device_count={devices} before JAX starts"
         )
-    trainer, compiled = compile_train_step(config, sizes, jax.devices("cpu")[:devices])  # CPU even on a GPU machine
+    with contextlib.redirect_stderr(io.StringIO()) as printed:  # the build's notes: kept with the summary, said once by the planner
+        trainer, compiled = compile_train_step(config, sizes, jax.devices("cpu")[:devices])  # CPU even on a GPU machine
+    notes = [line for line in printed.getvalue().splitlines() if line.startswith("jaxdist: ")]
+    for line in printed.getvalue().splitlines():
+        if line and not line.startswith("jaxdist: "):  # not jaxdist's (JAX's own warnings): passed on as they came
+            print(line, file=sys.stderr)
     mesh_shape = {a: int(n) for a, n in trainer.layout.mesh.shape.items()}
     heads = max(config.model.n_heads // mesh_shape.get("tensor", 1), 1)
     local_experts = config.model.moe_experts // mesh_shape.get("expert", 1) if config.model.kind == "llama" else 0
@@ -407,4 +416,15 @@ def _compile(config: Config) -> dict[str, Any]:
         "tokens_per_step": float(trainer.task.tokens_per_example * config.train.global_batch),
         "bubble": float(spec.bubble) if spec is not None else 0.0,
         "mesh": mesh_shape,
+        "notes": notes,
     }
+
+
+# The compile runs on fake CPU devices: a note on how XLA:CPU runs the program (ragged_dot's dense
+# expansion, fp16 attention in f32) describes that compile, not a GPU plan, which prices GPU kernels.
+CPU_BACKEND_NOTE = re.compile(r"\bon CPU\b|XLA:CPU|\bCPU backend\b")
+
+
+def plan_notes(notes: list[str], shared_host: bool) -> list[str]:
+    """The build notes that apply to a plan for this hardware: each once, in order; CPU-backend notes only on a shared host."""
+    return list(dict.fromkeys(n for n in notes if shared_host or not CPU_BACKEND_NOTE.search(n)))
