@@ -2,10 +2,13 @@
 memory per device, FLOPs and the collectives XLA inserted.
 
     python -m jaxdist.analyze [--config NAME_OR_PATH] [--mesh SPEC] [key.sub=value ...] [--json]
+                              [--target h100|h200|a100|h100-hbm2e [--gpus N] [--gpus-per-node 8] [--hlo-out PATH]]
 
 Nothing is allocated: the step is lowered on abstract shapes (``jax.ShapeDtypeStruct``
 with shardings) and compiled; the numbers come from the compiled per-device program
-(``jaxdist.inspect.step_report`` lists the JSON fields).
+(``jaxdist.inspect.step_report`` lists the JSON fields). With ``--target`` XLA:GPU compiles
+it for that GPU on this host, no GPU needed (``jaxdist.plan.gpu_target``): the report adds
+the target, the peak memory and whether it fits, the kernels and the collectives' overlap.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ def build_arg_parser():
         "python -m jaxdist.analyze", "Compile the train step on abstract shapes and report memory, FLOPs and collectives."
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--target", default=None, help="compile for this GPU without one: h100 | h200 | a100 | h100-hbm2e")
+    parser.add_argument("--gpus", type=int, default=None, help="--target: GPUs in the run (default: the mesh's devices, else 8)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="--target: GPUs per host (a multi-node target's hosts)")
+    parser.add_argument("--hlo-out", default=None, metavar="PATH", help="write the optimized per-device HLO text here")
     return parser
 
 
@@ -30,17 +37,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(build_arg_parser(), argv)
         config = config_from_args(args)
+        if args.target is not None:  # before JAX starts: the compile-only route needs JAX_PLATFORMS=cpu
+            from jaxdist.plan.gpu_target import prepare_target
+
+            prepare_target()
         from jaxdist.inspect.step_report import format_report
         from jaxdist.layout.devices import prepare_devices
         from jaxdist.training.compiled import analyze
 
-        sizes = prepare_devices(config)  # before JAX starts: fake CPU devices for the mesh
-        report = analyze(config, sizes)
+        if args.target is not None:
+            report, hlo = _analyze_target(args, config)
+        else:
+            if args.gpus is not None:
+                raise JaxdistError("--gpus needs --target (without one the mesh runs on this host's devices)")
+            sizes = prepare_devices(config)  # before JAX starts: fake CPU devices for the mesh
+            report, hlo = analyze(config, sizes, with_hlo=True)
+        if args.hlo_out:
+            _write(args.hlo_out, hlo)
     except JaxdistError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(json.dumps(report) if args.json else format_report(report))
     return EXIT_OK
+
+
+def _analyze_target(args, config):
+    from jaxdist.layout.mesh import mesh_device_count, parse_mesh
+    from jaxdist.plan.gpu_target import compile_for_target, target_hardware, target_report
+
+    hardware = target_hardware(args.target)
+    sizes = parse_mesh(config.parallel.mesh)
+    gpus = args.gpus or (mesh_device_count(sizes) if sizes is not None and -1 not in sizes.values() else 8)
+    if sizes is not None and -1 in sizes.values():
+        from jaxdist.layout.devices import settle_remaining_axis
+
+        settle_remaining_axis(config, 1, gpus)
+        sizes = parse_mesh(config.parallel.mesh)
+    from jaxdist.data.sources import resolve_vocab
+
+    resolve_vocab(config)
+    trainer, compiled, options = compile_for_target(config, sizes, hardware, gpus, args.gpus_per_node)
+    report = target_report(trainer, compiled, hardware, options, args.gpus_per_node)
+    if not report["fits"]:
+        print(f"jaxdist: {config.name} does not fit {hardware.name}: {report['fits_note']}", file=sys.stderr)
+    return report, compiled.as_text()
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise JaxdistError(f"--hlo-out {path}: {e.strerror}") from None
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ and a ``-1`` mesh axis sized to the devices there are."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import importlib.util
 import os
 import re
@@ -27,6 +29,7 @@ def prepare_devices(config: Config, num_processes: int = 1) -> MeshSizes | None:
     Resolve the vocab first (``jaxdist.data.sources.resolve_vocab``) for the tensor axis's
     check to see it.
     """
+    train_on_cpu_without_gpu()
     settle_remaining_axis(config, num_processes)
     sizes = parse_mesh(config.parallel.mesh)
     if has_remaining_axis(sizes):  # GPU: sized and checked once the backend has started
@@ -67,10 +70,45 @@ def settle_remaining_axis(config: Config, num_processes: int = 1, n_devices: int
     config.parallel.mesh = format_mesh(resolved)
 
 
+CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether a JAX CUDA plugin is installed (it may have no GPU to run on)."""
+    return any(_module_exists(p) for p in CUDA_PLUGINS)
+
+
 def gpu_plugin_installed() -> bool:
+    """Whether this process trains on GPUs: a CUDA plugin, and a GPU the driver shows it
+    (``JAX_PLATFORMS=cpu``: never). The plugin alone is not enough: CI machines and
+    laptops have it for compiling GPU programs without a GPU (``jaxdist.analyze --target``)."""
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
         return False
-    return any(_module_exists(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"))
+    return cuda_plugin_installed() and cuda_device_count() > 0
+
+
+@functools.cache
+def cuda_device_count() -> int:
+    """GPUs the CUDA driver shows this process (``CUDA_VISIBLE_DEVICES`` applies); 0 without
+    a driver. Asks libcuda directly, before JAX starts its backend."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+def train_on_cpu_without_gpu() -> None:
+    """A CUDA plugin without a GPU: say so once and keep JAX on the CPU (its fake devices),
+    instead of letting the plugin fail to initialise. Before JAX starts."""
+    if os.environ.get("JAX_PLATFORMS") or not cuda_plugin_installed() or cuda_device_count() > 0:
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # the plugin's own "Could not find cuda drivers" info line
+    print("jaxdist: the CUDA plugin is installed but found no GPU (no driver or no visible device): training on CPU", file=sys.stderr)
 
 
 def _module_exists(name: str) -> bool:

@@ -90,8 +90,10 @@ def microbatch_balancing_note(config: Config) -> str | None:
     )
 
 
-def build_task(config: Config, platform: str = "cpu") -> Task:
-    """The task for ``config``'s model; parallelism is applied afterwards (``jaxdist.parallel.parallelize``)."""
+def build_task(config: Config, platform: str = "cpu", compute_capability: str | None = None) -> Task:
+    """The task for ``config``'s model; parallelism is applied afterwards (``jaxdist.parallel.parallelize``).
+    ``compute_capability``: the mesh's GPUs' (e.g. "9.0"), which decides kernels; read from
+    the mesh's own devices, so a program compiled for a GPU target on a CPU host sees its target."""
     cfg, dtype = config.model, compute_dtype(config, platform)
     if cfg.fp8 != "off" and dtype != jnp.bfloat16:  # config.validate refused the other dtypes; auto is float32 off GPU
         raise ConfigError(
@@ -107,7 +109,12 @@ def build_task(config: Config, platform: str = "cpu") -> Task:
         if config.data.source != "synthetic":  # packed text: mask the EOD successors, maybe the documents
             keys += ["loss_mask", *(("segment_ids", "positions") if packed else ())]
         attention, note = choose_implementation(
-            cfg.attention, platform=platform, dtype=dtype, head_dim=cfg.resolved_head_dim, packed=packed
+            cfg.attention,
+            platform=platform,
+            dtype=dtype,
+            head_dim=cfg.resolved_head_dim,
+            packed=packed,
+            compute_capability=compute_capability,
         )
         return Task(
             make_model=lambda rngs: Llama(cfg, dtype=dtype, attention=attention, rngs=rngs),

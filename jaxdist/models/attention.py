@@ -264,7 +264,7 @@ def choose_implementation(
 
     Explicit choices are returned as they are. ``auto`` is cudnn on a GPU when it applies
     (16-bit dtype, head_dim <= 128 and a multiple of 8, and for packed documents a Hopper or
-    newer GPU, ``compute_capability`` >= "9.0", read from the first GPU when not given), else
+    newer GPU, ``compute_capability`` >= "9.0": the mesh's devices', required then), else
     xla. When auto falls back to xla on a GPU, the note says why in one line; else it is None.
     """
     if requested not in IMPLEMENTATIONS:
@@ -281,7 +281,9 @@ def choose_implementation(
     if head_dim > 128 or head_dim % 8:
         return "xla", f"attention: head_dim {head_dim} does not suit cuDNN (<= 128, multiple of 8); {cost}"
     if packed:
-        cc = compute_capability or jax.devices("gpu")[0].compute_capability
+        cc = compute_capability
+        if cc is None:
+            raise ValueError("attention: packed documents on a GPU need the devices' compute capability to choose a kernel")
         if tuple(int(x) for x in cc.split(".")) < (9, 0):
             return (
                 "xla",

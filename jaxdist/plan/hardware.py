@@ -47,6 +47,7 @@ class Hardware:
     sources: tuple[str, ...] = ()
     op_overhead_s: float = 0.0  # per executed op (XLA:CPU's dispatch); GPUs: launches hide behind the queue
     matmul_curve: tuple[tuple[float, float], ...] = ()  # (FLOPs per call, FLOP/s): small matmuls run slower
+    device: dict | None = None  # GPUs: the device facts a compile-only target is described by (plan.gpu_target)
 
     def matmul_rate(self, flops_per_call: float) -> float:
         """Sustained FLOP/s of one matmul of this size (log-log interpolation of the curve)."""
@@ -91,7 +92,10 @@ def load_hardware(key: str, *, gpus_per_node: int | None = None) -> Hardware:
         def numbers(d: dict) -> dict:  # YAML 1.1 reads "80.0e9" as a string
             return {k: (float(v) if isinstance(v, str) and k not in ("name",) else v) for k, v in d.items()}
 
-        data = numbers({k: v for k, v in data.items() if k != "sources"}) | {"sources": data.get("sources", ())}
+        data = numbers({k: v for k, v in data.items() if k not in ("sources", "device")}) | {
+            "sources": data.get("sources", ()),
+            "device": data.get("device"),
+        }
         data["intra_node"], data["inter_node"] = Link(**numbers(data["intra_node"])), Link(**numbers(data["inter_node"]))
         data["sources"] = tuple(data.get("sources", ()))
         hardware = Hardware(key=key, **data)

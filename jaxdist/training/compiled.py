@@ -23,6 +23,9 @@ def compile_train_step(config: Config, mesh_sizes: MeshSizes | None, devices: Se
     return trainer, trainer.train_step.lower(trainer.abstract_state(), batch).compile()
 
 
-def analyze(config: Config, mesh_sizes: MeshSizes | None, devices: Sequence[Any] | None = None) -> dict[str, Any]:
-    """Compile ``config``'s train step on a mesh from abstract shapes and report on it."""
-    return build_report(*compile_train_step(config, mesh_sizes, devices))
+def analyze(config: Config, mesh_sizes: MeshSizes | None, devices: Sequence[Any] | None = None, *, with_hlo: bool = False):
+    """Compile ``config``'s train step on a mesh from abstract shapes and report on it
+    (``with_hlo``: and the optimized HLO text, as a pair)."""
+    trainer, compiled = compile_train_step(config, mesh_sizes, devices)
+    report = build_report(trainer, compiled)
+    return (report, compiled.as_text()) if with_hlo else report

@@ -33,7 +33,7 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
 
     devices = list(jax.devices() if devices is None else devices)
     resolve_vocab(config)
-    task = build_task(config, devices[0].platform)
+    task = build_task(config, devices[0].platform, getattr(devices[0], "compute_capability", None))
     if mesh_sizes is None:
         mesh_sizes = auto_mesh(len(devices), task.n_params)
     warnings = check_config_on_mesh(config, mesh_sizes)  # raises before anything is built

@@ -1,0 +1,203 @@
+"""A GPU program without a GPU: the real train step compiled by XLA:GPU for a target
+(``h100``, ``h200``, ``a100``, ``h100-hbm2e``) on this host.
+
+JAX's CUDA plugin compiles for devices it only describes: a topology built from a
+``GpuTargetConfig`` text (``jax.experimental.topologies.get_topology_desc``) gives
+compile-only devices, and ``jit(...).lower(abstract shapes).compile()`` runs XLA:GPU's
+whole pipeline (fusion, scheduling, PTX, cubin) with nothing allocated. The target text is
+written here from the device facts of ``plan/hardware/NAME.yaml`` (its ``device``
+section, sources named there). What needs a GPU is not done: there is no autotuning
+(matmul kernels keep XLA's defaults) and cuDNN graphs are not built, so an unsupported
+cuDNN configuration only fails on a real device.
+
+Needs the plugin (``pip install -e ".[dev]"`` brings ``jax-cuda12-plugin``) and
+``JAX_PLATFORMS=cpu`` before JAX starts (the plugin's own backend fails without a
+driver): ``prepare_target`` sets it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from jaxdist.config import Config
+from jaxdist.errors import JaxdistError
+from jaxdist.layout.devices import cuda_plugin_installed
+from jaxdist.layout.mesh import MeshSizes
+from jaxdist.layout.xla_flags import GPU_FLAGS
+from jaxdist.plan.hardware import Hardware, load_hardware
+
+TARGETS = ("h100", "h200", "a100", "h100-hbm2e")
+INSTALL_HINT = (
+    'compiling for a GPU target needs JAX\'s CUDA plugin: pip install -e ".[dev]" (or pip install "jax-cuda12-plugin==<your jaxlib>")'
+)
+
+
+def prepare_target() -> None:
+    """Before JAX starts: the compile-only route needs the plugin and a CPU backend."""
+    if not cuda_plugin_installed():
+        raise JaxdistError(INSTALL_HINT)
+    if os.environ.get("JAX_PLATFORMS", "cpu").strip().lower() != "cpu":
+        raise JaxdistError(f"compiling for a GPU target needs JAX_PLATFORMS=cpu, got {os.environ['JAX_PLATFORMS']!r}")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # the plugin's "Could not find cuda drivers" info line
+
+
+def target_hardware(name: str) -> Hardware:
+    if name not in TARGETS:
+        raise JaxdistError(f"unknown GPU target {name!r} (targets: {', '.join(TARGETS)})")
+    return load_hardware(name)
+
+
+def target_config_text(hardware: Hardware) -> str:
+    """The ``GpuTargetConfig`` (text proto) of a profile's ``device`` facts."""
+    d = hardware.device
+    major, minor = (int(x) for x in str(d["compute_capability"]).split("."))
+    info = {
+        "threads_per_block_limit": d["threads_per_block"],
+        "threads_per_warp": 32,
+        "shared_memory_per_block": 48 * 1024,  # without opting in (CUDA's static limit)
+        "shared_memory_per_core": d["shared_memory_per_sm"],
+        "threads_per_core_limit": d["threads_per_sm"],
+        "core_count": d["sm_count"],
+        "fpus_per_core": d["fp32_cores_per_sm"],
+        "block_dim_limit_x": 2**31 - 1,
+        "block_dim_limit_y": 65535,
+        "block_dim_limit_z": 65535,
+        "memory_bandwidth": int(hardware.memory_bandwidth),
+        "l2_cache_size": d["l2_cache_bytes"],
+        "clock_rate_ghz": d["clock_ghz"],
+        "device_memory_size": int(hardware.memory_bytes),
+        "shared_memory_per_block_optin": d["shared_memory_per_block_optin"],
+        "registers_per_core_limit": d["registers_per_sm"],
+        "registers_per_block_limit": d["registers_per_block"],
+    }
+    lines = ["gpu_device_info {", *(f"  {k}: {v}" for k, v in info.items())]
+    lines += [f"  cuda_compute_capability {{ major: {major} minor: {minor} }}", "}", 'platform_name: "CUDA"']
+    cudnn = _cudnn_version()
+    if cudnn:
+        lines.append(f"dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} patch: {cudnn[2]} }}")
+    lines.append(f'device_description_str: "{d["description"]}"')
+    return "\n".join(lines) + "\n"
+
+
+def _cudnn_version() -> tuple[int, int, int] | None:
+    """The installed cuDNN's version (what the compiled program would load), if any."""
+    try:
+        from jax._src.lib import cuda_versions  # noqa: PLC0415 - the plugin's own version queries
+
+        version = cuda_versions.cudnn_get_version() if cuda_versions is not None else 0
+    except Exception:  # noqa: BLE001 - no cuDNN: attention falls back, said elsewhere
+        return None
+    return (version // 10000, version // 100 % 100, version % 100) if version >= 10000 else None
+
+
+def target_devices(hardware: Hardware, gpus: int, gpus_per_node: int) -> list[Any]:
+    """``gpus`` compile-only devices of the target, ``gpus_per_node`` per host (a multi-node
+    target's devices carry their host as their process index)."""
+    from jax.experimental import topologies
+
+    if gpus < 1 or gpus_per_node < 1 or gpus % min(gpus, gpus_per_node):
+        raise JaxdistError(f"--gpus {gpus} must be a positive multiple of --gpus-per-node {gpus_per_node} (or fewer)")
+    per_host = min(gpus, gpus_per_node)
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=target_config_text(hardware), topology=f"1x{gpus // per_host}x{per_host}"
+        )
+    except Exception as e:  # noqa: BLE001 - the plugin's reasons are one line each
+        raise JaxdistError(f"cannot describe {gpus} {hardware.name} devices: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    return list(topology.devices)
+
+
+def compiler_options(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """jaxdist's GPU XLA flags (``layout.xla_flags``) as per-compile options, with ``extra``
+    on top. Per compile rather than ``XLA_FLAGS``: this process's CPU backend started with its own."""
+
+    def value(text: str) -> Any:
+        return {"true": True, "false": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
+
+    options = {name: value(text) for name, text in GPU_FLAGS.items()} if os.environ.get("JAXDIST_XLA_DEFAULTS", "1") != "0" else {}
+    return options | dict(extra or {})
+
+
+@contextlib.contextmanager
+def target_capability(compute_capability: str) -> Iterator[None]:
+    """JAX's cuDNN attention checks the *default* backend's first GPU for Hopper features
+    (packed documents, head dims), which on this host is a CPU: during a target compile the
+    checks answer for the target instead. The two names are JAX internals, isolated here;
+    ``tests/test_gpu_target.py`` fails loudly when a JAX upgrade moves them."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    target = tuple(int(x) for x in compute_capability.split("."))
+    saved = cudnn_attention.check_compute_capability, cudnn_attention.is_cuda_compute_capability_equal
+    cudnn_attention.check_compute_capability = lambda c: target >= tuple(int(x) for x in c.split("."))
+    cudnn_attention.is_cuda_compute_capability_equal = lambda c: target == tuple(int(x) for x in c.split("."))
+    try:
+        yield
+    finally:
+        cudnn_attention.check_compute_capability, cudnn_attention.is_cuda_compute_capability_equal = saved
+
+
+def compile_for_target(
+    config: Config, mesh_sizes: MeshSizes | None, hardware: Hardware, gpus: int, gpus_per_node: int, extra_options: dict | None = None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """(trainer, compiled step, compiler options) of ``config`` on ``gpus`` target devices:
+    the same trainer ``jaxdist.train`` builds, lowered on abstract shapes."""
+    from jaxdist.layout.mesh import mesh_device_count
+    from jaxdist.training.run import build_trainer
+
+    devices = target_devices(hardware, gpus, gpus_per_node)
+    if mesh_sizes is not None and mesh_device_count(mesh_sizes) != gpus:
+        raise JaxdistError(f"mesh of {mesh_device_count(mesh_sizes)} devices on {gpus} target GPUs: size it to all of them (or --gpus)")
+    options = compiler_options(extra_options)
+    with target_capability(hardware.device["compute_capability"]):
+        trainer = build_trainer(config, mesh_sizes, devices)
+        batch = trainer.abstract_batch(config.train.global_batch)
+        lowered = trainer.train_step.lower(trainer.abstract_state(), batch)
+    return trainer, lowered.compile(options), options
+
+
+def memory_fraction() -> float:
+    """The share of a GPU's memory JAX's allocator may take (``XLA_PYTHON_CLIENT_MEM_FRACTION``, JAX's default 0.75)."""
+    try:
+        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    except ValueError:
+        return 0.75
+
+
+def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict[str, Any], gpus_per_node: int) -> dict[str, Any]:
+    """``analyze --target``'s JSON: the CPU report's keys for the GPU program, plus ``target``,
+    ``memory_per_device_bytes.peak``, ``fits`` (and ``fits_note``), ``kernels``, each
+    collective kind's ``async`` and ``overlapped_fraction``, and ``xla_flags``."""
+    from jaxdist.inspect.gpu_program import collective_schedule, kernel_counts, xla_flags_in_force
+    from jaxdist.inspect.hlo import parse_hlo
+    from jaxdist.inspect.step_report import build_report
+
+    report = build_report(trainer, compiled)
+    module = parse_hlo(compiled.as_text())
+    peak = int(compiled.memory_analysis().peak_memory_in_bytes)
+    report["memory_per_device_bytes"]["peak"] = peak
+    allowed = memory_fraction() * hardware.memory_bytes
+    report["target"] = {
+        "name": hardware.key,
+        "description": hardware.device["description"],
+        "compute_capability": str(hardware.device["compute_capability"]),
+        "memory_bytes": int(hardware.memory_bytes),
+        "gpus_per_node": gpus_per_node,
+        "hosts": max(1, report["devices"] // gpus_per_node),
+    }
+    report["fits"] = peak <= allowed
+    report["fits_note"] = (
+        f"peak {peak / 2**30:.1f} GiB of the {allowed / 2**30:.1f} GiB JAX may allocate "
+        f"(XLA_PYTHON_CLIENT_MEM_FRACTION {memory_fraction():g} of {hardware.memory_bytes / 2**30:.1f} GiB)"
+    )
+    report["kernels"] = kernel_counts(module)
+    for kind, schedule in collective_schedule(module, report["mesh"]).items():
+        if kind in report["collectives"]:
+            report["collectives"][kind]["async"] = schedule["async"]
+            report["collectives"][kind]["overlapped_fraction"] = schedule["overlapped_fraction"]
+    report["xla_flags"] = xla_flags_in_force(options)
+    report["notes"] = [note for note in report["notes"] if "xla_flops_per_device" not in note]
+    return report

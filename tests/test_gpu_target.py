@@ -1,0 +1,145 @@
+"""GPU programs without a GPU: the train step compiled by XLA:GPU for an H100 on this host
+(``jaxdist.plan.gpu_target``), read by ``jaxdist.inspect.gpu_program``.
+
+Needs JAX's CUDA plugin (the ``dev`` extra installs it); without it these tests skip with
+that one reason. The compile-only devices come from a target description, so nothing here
+needs a GPU or a driver.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="JAX's CUDA plugin is not installed (pip install -e '.[dev]')")
+
+from jaxdist import analyze  # noqa: E402
+from jaxdist.config import load_config  # noqa: E402
+from jaxdist.data.sources import resolve_vocab  # noqa: E402
+from jaxdist.inspect.gpu_program import collective_schedule, kernel_counts  # noqa: E402
+from jaxdist.layout.mesh import parse_mesh  # noqa: E402
+from jaxdist.plan.gpu_target import compile_for_target, target_hardware, target_report  # noqa: E402
+
+from helpers import TINY, subprocess_env  # noqa: E402
+
+
+def test_the_jax_internals_the_cudnn_capability_guard_replaces_exist():
+    """``gpu_target.target_capability`` swaps two functions of JAX's cuDNN attention module for
+    the duration of a target compile; a JAX upgrade that moves them must fail here, loudly."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    assert callable(cudnn_attention.check_compute_capability)
+    assert callable(cudnn_attention.is_cuda_compute_capability_equal)
+
+
+def _compile(overrides=(), mesh="data=8", gpus=8, target="h100"):
+    config = load_config(None, [*TINY, "model.dtype=bfloat16", *overrides])
+    resolve_vocab(config)
+    hardware = target_hardware(target)
+    trainer, compiled, options = compile_for_target(config, parse_mesh(mesh), hardware, gpus, 8)
+    return target_report(trainer, compiled, hardware, options, 8), compiled.as_text()
+
+
+@pytest.fixture(scope="module")
+def tiny_h100():
+    return _compile(("model.n_layers=3",))
+
+
+def test_the_h100_program_has_cudnn_attention_in_every_layer_and_async_gradient_reductions(tiny_h100):
+    report, hlo = tiny_h100
+    assert report["target"]["compute_capability"] == "9.0" and report["platform"] == "gpu"
+    kernels = report["kernels"]
+    assert kernels == kernel_counts(hlo)
+    # 3 layers on packed documents (the stdlib corpus): one cuDNN forward and one backward each
+    assert kernels["attention_cudnn_fwd"] == 3 and kernels["attention_cudnn_bwd"] == 3, kernels
+    assert kernels["gemm"] > 0 and kernels["other_fusion"] > 0
+    reduce = report["collectives"]["all-reduce"]
+    assert reduce["count"] > 0 and reduce["async"] == reduce["count"] and reduce["overlapped_fraction"] > 0
+    assert report["memory_per_device_bytes"]["peak"] > 0 and report["fits"]
+    assert "xla_gpu_enable_latency_hiding_scheduler" in report["xla_flags"]
+
+
+def test_kernel_and_overlap_reading_on_a_hand_written_schedule():
+    """The reader against HLO written here: a loop of 4 runs a cuBLAS gemm and a collective whose
+    window holds the gemm (overlapped), and a synchronous one with nothing in its window."""
+    hlo = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[64,64])) -> (s32[], f32[64,64]) {
+  %p = (s32[], f32[64,64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[64,64]{1,0} get-tuple-element(%p), index=1
+  %ars = f32[64,64]{1,0} all-reduce-start(%x), replica_groups={{0,1}}, to_apply=%add, backend_config={"collective_backend_config":{"is_sync":false}}
+  %g = f32[64,64]{1,0} custom-call(%x, %x), custom_call_target="__cublas$gemm"
+  %ard = f32[64,64]{1,0} all-reduce-done(%ars)
+  %s2 = f32[64,64]{1,0} all-reduce-start(%g), replica_groups={{0,1}}, to_apply=%add, backend_config={"collective_backend_config":{"is_sync":true}}
+  %d2 = f32[64,64]{1,0} all-reduce-done(%s2)
+  ROOT %t = (s32[], f32[64,64]) tuple(%i, %d2)
+}
+
+%cond (q: (s32[], f32[64,64])) -> pred[] {
+  %q = (s32[], f32[64,64]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x0: f32[64,64]) -> (s32[], f32[64,64]) {
+  %x0 = f32[64,64]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[64,64]) tuple(%zero, %x0)
+  ROOT %w = (s32[], f32[64,64]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+    kernels = kernel_counts(hlo)
+    assert kernels["gemm"] == 4 and kernels["collective"] == 8, kernels
+    reduce = collective_schedule(hlo)["all-reduce"]
+    assert reduce["count"] == 8 and reduce["async"] == 4 and reduce["overlapped_fraction"] == 0.5, reduce
+
+
+def test_analyze_target_cli_prints_the_report_and_writes_the_hlo(tmp_path, capsys):
+    hlo = tmp_path / "step.hlo"
+    argv = ["--target", "h100", "--mesh", "data=2", "--gpus", "2", *TINY, "model.dtype=bfloat16", "--json", "--hlo-out", str(hlo)]
+    assert analyze.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["target"]["name"] == "h100" and report["devices"] == 2 and set(report["kernels"]) >= {"gemm", "gemm_fp8", "grouped_gemm"}
+    assert hlo.read_text().startswith("HloModule") and "__cudnn$fmha" in hlo.read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--target", "v100"], "unknown GPU target 'v100'"),
+        (["--target", "h100", "--mesh", "data=4", "--gpus", "8"], "mesh of 4 devices on 8 target GPUs"),
+        (["--mesh", "data=2", "--gpus", "2"], "--gpus needs --target"),
+    ],
+)
+def test_analyze_target_bad_input_is_one_line(argv, expected, capsys):
+    assert analyze.main([*argv, *TINY]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxdist")]
+    assert len(err) == 1 and expected in err[0], err
+
+
+def test_without_the_plugin_analyze_target_says_how_to_install_it(monkeypatch, capsys):
+    import jaxdist.plan.gpu_target as gpu_target
+
+    monkeypatch.setattr(gpu_target, "cuda_plugin_installed", lambda: False)
+    assert analyze.main(["--target", "h100", *TINY]) == 2
+    assert "needs JAX's CUDA plugin: pip install" in capsys.readouterr().err
+
+
+def test_a_machine_with_the_plugin_and_no_gpu_trains_on_fake_cpu_devices(tmp_path):
+    """The plugin alone no longer switches jaxdist to its GPU defaults: without a GPU the run
+    says so in one line and trains on fake CPU devices (JAX_PLATFORMS left unset, as a user has it)."""
+    env = {k: v for k, v in subprocess_env().items() if k != "JAX_PLATFORMS"}
+    cmd = [sys.executable, "-m", "jaxdist.train", "--mesh", "data=2", "--steps", "1", "--run-dir", str(tmp_path / "run"), *TINY]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "the CUDA plugin is installed but found no GPU" in proc.stderr
+    assert "using 2 fake CPU devices" in proc.stderr and "(2 cpu)" in proc.stderr
