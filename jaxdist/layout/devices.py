@@ -33,14 +33,14 @@ def prepare_devices(config: Config, num_processes: int = 1) -> MeshSizes | None:
     settle_remaining_axis(config, num_processes)
     sizes = parse_mesh(config.parallel.mesh)
     if has_remaining_axis(sizes):  # GPU: sized and checked once the backend has started
-        apply_gpu_defaults()
+        apply_gpu_defaults(config)
         return sizes
     if config.parallel.dcn_mesh:
         parse_mesh(config.parallel.dcn_mesh)  # reject a malformed spec before JAX starts
     if sizes is not None:
         check_config_on_mesh(config, sizes)  # warnings are printed once, by build_trainer
     if gpu_plugin_installed():
-        apply_gpu_defaults()
+        apply_gpu_defaults(config)
     elif sizes is not None:
         if mesh_device_count(sizes) % num_processes:
             raise JaxdistError(

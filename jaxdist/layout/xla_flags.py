@@ -33,13 +33,18 @@ GPU_FLAGS: dict[str, str] = {
 # devices, a gloo size mismatch across processes); experiments/README.md, "ddp_gap.py".
 
 
-def with_gpu_defaults(xla_flags: str) -> str:
+def gpu_flags(config=None) -> dict[str, str]:
+    """The GPU flags a run of ``config`` gets (None: the ones every run gets)."""
+    return dict(GPU_FLAGS)
+
+
+def with_gpu_defaults(xla_flags: str, config=None) -> str:
     """``xla_flags`` plus every default flag it does not already set."""
     present = {token.split("=", 1)[0].lstrip("-") for token in xla_flags.split()}
-    extra = [f"--{name}={value}" for name, value in GPU_FLAGS.items() if name not in present]
+    extra = [f"--{name}={value}" for name, value in gpu_flags(config).items() if name not in present]
     return " ".join([xla_flags.strip(), *extra]).strip()
 
 
-def apply_gpu_defaults() -> None:
+def apply_gpu_defaults(config=None) -> None:
     if os.environ.get("JAXDIST_XLA_DEFAULTS", "1") != "0":
-        os.environ["XLA_FLAGS"] = with_gpu_defaults(os.environ.get("XLA_FLAGS", ""))
+        os.environ["XLA_FLAGS"] = with_gpu_defaults(os.environ.get("XLA_FLAGS", ""), config)

@@ -26,7 +26,7 @@ from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.layout.devices import cuda_plugin_installed
 from jaxdist.layout.mesh import MeshSizes
-from jaxdist.layout.xla_flags import GPU_FLAGS
+from jaxdist.layout.xla_flags import gpu_flags
 from jaxdist.plan.hardware import Hardware, load_hardware
 
 TARGETS = ("h100", "h200", "a100", "h100-hbm2e")
@@ -111,14 +111,18 @@ def target_devices(hardware: Hardware, gpus: int, gpus_per_node: int) -> list[An
     return list(topology.devices)
 
 
-def compiler_options(extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """jaxdist's GPU XLA flags (``layout.xla_flags``) as per-compile options, with ``extra``
-    on top. Per compile rather than ``XLA_FLAGS``: this process's CPU backend started with its own."""
+def compiler_options(config: Config | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """jaxdist's GPU XLA flags for ``config`` (``layout.xla_flags.gpu_flags``: what a GPU run of it
+    sets) as per-compile options, with ``extra`` on top. Per compile rather than ``XLA_FLAGS``:
+    this process's CPU backend started with its own. A flag the user set in ``XLA_FLAGS`` wins,
+    as on a GPU."""
 
     def value(text: str) -> Any:
         return {"true": True, "false": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
 
-    options = {name: value(text) for name, text in GPU_FLAGS.items()} if os.environ.get("JAXDIST_XLA_DEFAULTS", "1") != "0" else {}
+    user = {token.split("=", 1)[0].lstrip("-"): token.split("=", 1)[-1] for token in os.environ.get("XLA_FLAGS", "").split()}
+    defaults = gpu_flags(config) if os.environ.get("JAXDIST_XLA_DEFAULTS", "1") != "0" else {}
+    options = {name: value(text) for name, text in defaults.items() if name not in user}
     return options | dict(extra or {})
 
 
@@ -151,7 +155,7 @@ def compile_for_target(
     devices = target_devices(hardware, gpus, gpus_per_node)
     if mesh_sizes is not None and mesh_device_count(mesh_sizes) != gpus:
         raise JaxdistError(f"mesh of {mesh_device_count(mesh_sizes)} devices on {gpus} target GPUs: size it to all of them (or --gpus)")
-    options = compiler_options(extra_options)
+    options = compiler_options(config, extra_options)
     with target_capability(hardware.device["compute_capability"]):
         trainer = build_trainer(config, mesh_sizes, devices)
         batch = trainer.abstract_batch(config.train.global_batch)
