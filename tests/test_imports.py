@@ -8,6 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "jaxdist"
 # python -m jaxdist.X: argument parsing and one call into a library; nothing imports them
 CLIS = {
+    "jaxdist.__main__",
     "jaxdist.train",
     "jaxdist.analyze",
     "jaxdist.profile",
