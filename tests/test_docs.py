@@ -64,12 +64,14 @@ def test_the_console_script_and_python_m_agree(tmp_path):
 
 def test_every_config_key_is_documented_and_configs_readme_is_current():
     """configs/README.md is generated from config.py's field documentation: a key without a
-    line, or a README older than the fields, fails here (regenerate: python -m jaxdist.config > configs/README.md)."""
-    from jaxdist.config import keys, readme_markdown
+    line, or a README older than the fields, fails here (regenerate: python tests/config_reference.py > configs/README.md)."""
+    from jaxdist.config import keys
+
+    from config_reference import readme_markdown
 
     undocumented = [key for key, field in keys().items() if not field.metadata.get("doc")]
     assert not undocumented, undocumented
     written = (README.parent / "configs" / "README.md").read_text()
-    assert written == readme_markdown(), "configs/README.md is stale: python -m jaxdist.config > configs/README.md"
+    assert written == readme_markdown(), "configs/README.md is stale: python tests/config_reference.py > configs/README.md"
     for key in keys():
         assert f"| `{key}` |" in written, key
