@@ -6,7 +6,8 @@ parallelize step does. The decoder's stacked layers ([L, ...], ``layers`` sharde
 S stages of L/S layers. Inside ``jax.shard_map`` -- manual over ``pipe`` only, so the
 data / fsdp / tensor axes stay with the partitioner inside each stage -- a scan of
 ticks runs every stage in lockstep and ``ppermute`` moves activations to the next
-stage (and, in 1F1B, cotangents to the previous one).
+stage (and, in 1F1B, cotangents to the previous one). On XLA:CPU their bf16 sums over pipe
+run in float32 (``pipeline_parts``: in a partial-manual region the CPU compiler aborts on them).
 
 - ``gpipe``: every microbatch through every stage, the backward pass from autodiff.
   Ticks M + S - 1; bubble (S-1)/(M+S-1); keeps O(M) microbatches of activations.
@@ -38,7 +39,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxdist.layout.sharding import active_layout
 from jaxdist.parallel.microbatch import merge_microbatches, split_microbatches
 from jaxdist.parallel.pipeline_1f1b import one_f_one_b_loss
-from jaxdist.parallel.pipeline_parts import from_last_stage, index, set_where, shift, stage_major
+from jaxdist.parallel.pipeline_parts import from_last_stage, index, promote, restore, set_where, shift, stage_major, sum_dtype
 from jaxdist.parallel.schedule import PipelineSpec
 
 StageFn = Callable[[Any, jax.Array, dict[str, jax.Array]], jax.Array]
@@ -66,9 +67,11 @@ def pipeline_loss(
     x_mb = split_microbatches(x, M)
     aux_mb = {k: split_microbatches(v, M) for k, v in aux.items()}
     targets_mb = {k: split_microbatches(v, M) for k, v in targets.items()}
+    acc = sum_dtype(x.dtype, mesh)  # what the sums over pipe run in (pipeline_parts: bf16 on CPU)
 
-    def per_stage(params, x_mb, aux_mb):
+    def per_stage(params, x_in, aux_mb):
         params = jax.tree.map(lambda p: p[0], params)  # this stage's [V, K, ...]
+        x_mb = restore(x_in, x)
         s = jax.lax.axis_index("pipe")
 
         def tick(carry, t):
@@ -90,7 +93,7 @@ def pipeline_loss(
 
         zeros = jnp.zeros_like(x_mb)
         (_, outputs, _), _ = jax.lax.scan(tick, (zeros, zeros, jnp.zeros_like(x_mb[0])), jnp.arange(spec.ticks))
-        return from_last_stage(outputs, SEQ + 1, S)  # stage s gets 1/S of every sequence: [M, b, T/S, D]
+        return from_last_stage(outputs, SEQ + 1, S, acc)  # stage s gets 1/S of every sequence: [M, b, T/S, D]
 
     pieces = PartitionSpec(None, None, "pipe")
     run = jax.shard_map(
@@ -101,13 +104,14 @@ def pipeline_loss(
         axis_names={"pipe"},
         check_vma=False,
     )
-    y_mb = run(staged, x_mb, aux_mb)
+    y_mb = run(staged, promote(x_mb, mesh), aux_mb)  # replicated over pipe: autodiff sums its gradient over pipe
 
     # The head on each stage's piece of the sequences, not all of it everywhere. Manual over
     # 'data' too: with it left to the partitioner inside a pipe-manual region, XLA's SPMD
     # partitioner (jaxlib 0.10) fails a check on the loss's gather once tensor is partitioned.
-    def head(head_params, y_mb, targets_mb):
-        loss = head_loss_fn(head_params, merge_microbatches(y_mb), {k: merge_microbatches(v) for k, v in targets_mb.items()})
+    def head(head_in, y_mb, targets_mb):
+        params = restore(head_in, head_params)
+        loss = head_loss_fn(params, merge_microbatches(y_mb), {k: merge_microbatches(v) for k, v in targets_mb.items()})
         return jax.lax.psum(loss, ("pipe", "data"))
 
     rows_pieces = PartitionSpec(None, "data", "pipe")
@@ -119,7 +123,7 @@ def pipeline_loss(
         axis_names={"pipe", "data"},
         check_vma=False,
     )
-    return run_head(head_params, y_mb, targets_mb)
+    return run_head(promote(head_params, mesh), y_mb, targets_mb)  # replicated over pipe and data, like x above
 
 
 # -- the loss scale 1F1B's in-forward backward needs ----------------------------------------

@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxdist.parallel.microbatch import merge_microbatches, split_microbatches
-from jaxdist.parallel.pipeline_parts import from_last_stage, index, layer_major, my_piece, set_where, shift, stage_major
+from jaxdist.parallel.pipeline_parts import from_last_stage, index, layer_major, my_piece, psum_in, set_where, shift, stage_major, sum_dtype
 from jaxdist.parallel.schedule import PipelineSpec, one_f_one_b_backward, one_f_one_b_forward
 
 SEQ = 1  # the sequence axis of a microbatch [b, T, D]: what the head is split over
@@ -78,6 +78,7 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
     aux_mb = {k: split_microbatches(v, M) for k, v in aux.items()}
     targets_mb = {k: split_microbatches(v, M) for k, v in targets.items()}
     residuals = StageResiduals(stage_fn)
+    acc = sum_dtype(x.dtype, mesh)  # what the sums over pipe run in (pipeline_parts: bf16 on CPU)
 
     def per_stage(params, head_params, x_mb, aux_mb, targets_mb, seed):
         params = jax.tree.map(lambda p: p[0], params)  # [V, K, ...]
@@ -106,7 +107,7 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
                 valid, _, m_last, v_last = one_f_one_b_forward(spec, S - 1, t)
                 valid = valid & (v_last == V - 1)
                 mine = {k: my_piece(v, SEQ, S) for k, v in index(targets_mb, clipped(m_last)).items()}
-                value, vjp = jax.vjp(lambda hp, yy: head_loss_fn(hp, yy, mine), head_params, from_last_stage(y, SEQ, S))
+                value, vjp = jax.vjp(lambda hp, yy: head_loss_fn(hp, yy, mine), head_params, from_last_stage(y, SEQ, S, acc))
                 dh, dy_mine = vjp(seed.astype(value.dtype))  # the backward starts from ``seed``, as autodiff's would
                 dy = jax.lax.all_gather(dy_mine, "pipe", axis=SEQ, tiled=True)
                 loss = loss + jnp.where(valid, value, 0.0)
@@ -178,7 +179,7 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
         loss = jax.lax.psum(loss, ("pipe", "data"))
         g_head = jax.lax.psum(g_head, ("pipe", "data"))
         g_params = jax.lax.psum(g_params, "data")
-        dx = jax.lax.psum(dx, "pipe")
+        dx = psum_in(dx, "pipe", acc)
         return loss, jax.tree.map(lambda g: g[None], g_params), g_head, dx
 
     # Manual over 'data' as well: XLA's SPMD partitioner (jaxlib 0.10) fails a check when

@@ -1,5 +1,19 @@
 """What every pipeline schedule shares: the stage-major weight layout, ring shifts over
-``pipe``, and the head and loss spread over the stages (1/S of every sequence each)."""
+``pipe``, the head and loss spread over the stages (1/S of every sequence each), and the
+dtype its sums over ``pipe`` run in.
+
+bf16 sums over pipe: XLA:CPU computes bf16 all-reduces and reduce-scatters in float32 (its
+AllReducePromotion pass), rebuilding each reducer as one binary op with the opcode of the old
+reducer's root. In a ``shard_map`` manual over only some of the mesh's axes, as the pipelines'
+are (data / fsdp / tensor stay with the partitioner; axes of size 1 count too), Shardy wraps
+the reducer's add in a sharding annotation that becomes its root, a ``copy``, and the pass
+aborts the process ("Invalid binary instruction opcode copy", jaxlib 0.10.2). So on CPU the
+pipelines sum bf16 in float32 themselves (``sum_dtype``), as the pass would have: the same
+numbers. XLA:GPU sums bf16 natively (it promotes only 16-bit integers), so there the sums
+stay bf16 and the program is unchanged. The sums: the reduce-scatter to the head
+(``from_last_stage``), 1F1B's input gradient (``psum_in``) and autodiff's transposes of
+inputs replicated over a manual axis (``promote``: GPipe's input and head parameters).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxdist.parallel.schedule import PipelineSpec
 
@@ -51,7 +66,33 @@ def my_piece(x: jax.Array, axis: int, stages: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("pipe") * n, n, axis)
 
 
-def from_last_stage(y: jax.Array, axis: int, stages: int) -> jax.Array:
-    """The last stage's ``y``, cut along ``axis`` into S pieces, piece s to stage s (a reduce-scatter)."""
+def from_last_stage(y: jax.Array, axis: int, stages: int, dtype: jnp.dtype) -> jax.Array:
+    """The last stage's ``y``, cut along ``axis`` into S pieces, piece s to stage s (a
+    reduce-scatter, summed in ``dtype``: ``sum_dtype``)."""
     last = jax.lax.axis_index("pipe") == stages - 1
-    return jax.lax.psum_scatter(jnp.where(last, y, jnp.zeros_like(y)), "pipe", scatter_dimension=axis, tiled=True)
+    mine = jax.lax.psum_scatter(jnp.where(last, y, jnp.zeros_like(y)).astype(dtype), "pipe", scatter_dimension=axis, tiled=True)
+    return mine.astype(y.dtype)
+
+
+def psum_in(x: jax.Array, axes: str | tuple[str, ...], dtype: jnp.dtype) -> jax.Array:
+    """``psum`` over ``axes``, summed in ``dtype`` (``sum_dtype``), in ``x``'s dtype."""
+    return jax.lax.psum(x.astype(dtype), axes).astype(x.dtype)
+
+
+def sum_dtype(dtype: jnp.dtype, mesh: Mesh) -> jnp.dtype:
+    """The dtype a pipeline sums ``dtype`` over its manual axes in: float32 for bf16 on CPU
+    (see the module's docstring), ``dtype`` itself otherwise."""
+    if dtype == jnp.bfloat16 and mesh.devices.flat[0].platform == "cpu":
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(dtype)
+
+
+def promote(tree: Any, mesh: Mesh) -> Any:
+    """``tree`` in ``sum_dtype``: a ``shard_map`` input replicated over a manual axis, whose
+    gradient autodiff sums over that axis (the body casts it back with ``restore``)."""
+    return jax.tree.map(lambda x: x.astype(sum_dtype(x.dtype, mesh)), tree)
+
+
+def restore(tree: Any, like: Any) -> Any:
+    """``tree`` in ``like``'s dtypes (undoes ``promote``)."""
+    return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
