@@ -213,3 +213,29 @@ def test_a_jaxdist_trained_moe_run_exports_to_transformers_mixtral(tmp_path, cap
     with torch.no_grad():
         want = model.float().eval()(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(load_model(tmp_path / "run")(jnp.asarray(ids))), want, atol=1e-4, rtol=0)
+
+
+def test_a_tied_llama_starts_as_close_to_uniform_as_transformers_does():
+    """``model.tie_embeddings=true`` at init: the first loss on random tokens is within one nat
+    of transformers' own tied Llama of the same shapes (its default init), and both near
+    ln(vocab) (jaxdist's tied table started at std 1 once: 28.7 nats on 256 tokens)."""
+    from flax import nnx
+
+    from jaxdist.config import ModelConfig
+    from jaxdist.models.llama import Llama
+
+    vocab, d = 512, 64
+    ids = np.random.default_rng(0).integers(0, vocab, (4, 65))
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=d, intermediate_size=192, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.no_grad():
+        theirs = float(transformers.LlamaForCausalLM(config)(torch.tensor(ids), labels=torch.tensor(ids)).loss)
+    cfg = ModelConfig(vocab_size=vocab, d_model=d, n_layers=2, n_heads=8, n_kv_heads=4, mlp_dim=192, tie_embeddings=True)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    logits = np.asarray(model(jnp.asarray(ids[:, :-1])), np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    ours = float(-np.take_along_axis(logp, ids[:, 1:, None], -1).mean())
+    assert abs(ours - theirs) < 1.0 and abs(ours - np.log(vocab)) < 1.0, (ours, theirs, np.log(vocab))
