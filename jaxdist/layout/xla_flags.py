@@ -33,6 +33,11 @@ GPU_FLAGS: dict[str, str] = {
 # devices, a gloo size mismatch across processes); experiments/README.md, "ddp_gap.py".
 
 
+# fp8 runs (model.fp8) need no flag of their own: models.fp8's dots take the fp8 arrays, which
+# XLA:GPU can only run as fp8 GEMMs (a Triton fp8 gemm or cuBLASLt's). The flag route to them,
+# --xla_gpu_enable_triton_gemm=false, would also move every bf16 GEMM from Triton to cuBLAS.
+
+
 def gpu_flags(config=None) -> dict[str, str]:
     """The GPU flags a run of ``config`` gets (None: the ones every run gets)."""
     return dict(GPU_FLAGS)

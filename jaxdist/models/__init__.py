@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxdist.config import Config
 from jaxdist.errors import ConfigError
+from jaxdist.models.fp8 import FP8_MIN_CAPABILITY, fp8_capable
 
 Batch = dict[str, jax.Array]
 Stats = dict[str, jax.Array]
@@ -98,6 +99,11 @@ def build_task(config: Config, platform: str = "cpu", compute_capability: str | 
     if cfg.fp8 != "off" and dtype != jnp.bfloat16:  # config.validate refused the other dtypes; auto is float32 off GPU
         raise ConfigError(
             f"model.fp8={cfg.fp8} needs bfloat16 compute; model.dtype=auto is {dtype.name} on {platform}: set model.dtype=bfloat16"
+        )
+    if cfg.fp8 != "off" and platform == "gpu" and compute_capability and not fp8_capable(compute_capability):
+        raise ConfigError(
+            f"model.fp8={cfg.fp8} needs fp8 GEMMs: compute capability {FP8_MIN_CAPABILITY} or newer (Ada, Hopper); "
+            f"these GPUs are {compute_capability} (XLA would compute every fp8 matmul in f16): set model.fp8=off"
         )
     if cfg.kind == "llama":
         from jaxdist.models.attention import choose_implementation

@@ -1,23 +1,31 @@
 """fp8 matmuls (``model.fp8``): one ``custom_vjp`` einsum with per-tensor scalar scales.
 
 Forward: the input and the weight are quantised to e4m3 (max 448), the output gradient in
-the backward to e5m2 (max 57344); each scale is amax / fp8 max. The quantised operands
-enter the dot as convert -> multiply by the scalar scale -> dot, the form XLA:GPU rewrites
-into cuBLASLt's fp8 matmul (``__cublas$lt$matmul$f8``, 3 per matmul: the forward and the
-two backward dots); XLA:CPU upcasts but keeps fp8's rounding, so CPU runs see its error.
+the backward to e5m2 (max 57344); each scale is amax / fp8 max. The dots take the fp8
+arrays themselves (``scaled_dot``: f32 accumulation, the product of the two scales applied
+to the output), so XLA:GPU can only run them as fp8 GEMMs, 3 per matmul (the forward and
+the two backward dots, never e5m2 x e5m2): a Triton fp8 gemm fusion or cuBLASLt's fp8
+matmul (``__cublas$lt$matmul$f8``), whichever its autotuner picks. Operands dequantised
+before the dot (convert -> multiply -> dot) were taken by a bf16 Triton gemm instead
+(``tests/test_fp8_gpu.py``). On GPUs below compute capability 8.9 XLA would compute fp8
+dots in f16: ``models.build_task`` refuses them. XLA:CPU upcasts but keeps fp8's rounding,
+so CPU runs see its error.
 
-- ``current``: each scale from this call's amax (stateless).
+- ``current``: each scale from this call's amax (stateless). Each quantisation waits for
+  its tensor's amax (a global max: an all-reduce where the tensor is split), so those
+  all-reduces sit on the critical path and XLA runs most of them synchronously.
 - ``delayed``: each matmul holds an ``Fp8History`` [3, H] (input, weight, output
-  gradient; newest first), the scale comes from the history's max (this call's amax
-  while the history is empty: step 0). The history is state, not a parameter: its
-  "gradient" is the new history with this call's amax in front (Flax's
+  gradient; newest first), the scale comes from the history's max alone (1 while the
+  history is empty: step 0, Transformer Engine's start), so this call's amax only feeds
+  the new history and its all-reduce leaves the critical path. The history is state, not
+  a parameter: its "gradient" is the new history with this call's amax in front (Flax's
   overwrite-with-gradient pattern), combined by max wherever gradients add
   (microbatches, the batch axes' reduction) and written over the old value after the
   update; the optimizer never sees it (``training.optim``).
 
 The amaxes are ``jnp.max`` over global arrays, so under GSPMD they are already reduced
-over every mesh axis the tensor is split on. Flax's ``fp8_ops`` gives the quantise,
-dequantise and scale arithmetic (the form known to be rewritten on GPU).
+over every mesh axis the tensor is split on. Flax's ``fp8_ops`` gives the quantise and
+scale arithmetic.
 """
 
 from __future__ import annotations
@@ -25,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,8 +43,14 @@ from flax.linen import fp8_ops
 
 MODES = ("off", "current", "delayed")
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-CUBLAS_FP8_TARGET = "__cublas$lt$matmul$f8"
 GEMMS_PER_MATMUL = 3  # forward, input gradient, weight gradient
+FP8_MIN_CAPABILITY = "8.9"  # fp8 GEMMs (cuBLASLt's and Triton's) need Ada or Hopper; below, XLA computes fp8 dots in f16
+
+
+def fp8_capable(compute_capability: str) -> bool:
+    """Whether GPUs of ``compute_capability`` (e.g. "9.0") run fp8 GEMMs."""
+    version = lambda text: tuple(int(x) for x in str(text).split(".")[:2])  # noqa: E731
+    return version(compute_capability) >= version(FP8_MIN_CAPABILITY)
 
 
 class Fp8History(nnx.Variable):
@@ -72,13 +85,13 @@ def amax(x: jax.Array) -> jax.Array:
 
 
 def scale_for(current: jax.Array, history: jax.Array | None, dtype) -> jax.Array:
-    """amax / fp8 max of ``dtype``, from the history's max, or ``current`` (this call's
-    amax) when there is no history or it holds nothing yet; 1 for an all-zero tensor."""
+    """amax / fp8 max of ``dtype``: current scaling's from ``current`` (this call's amax),
+    delayed scaling's from the ``history``'s max alone, so that no quantisation waits for
+    this call's amax (its all-reduce only feeds the new history, and XLA overlaps it or moves
+    it out of the layer loop); 1 while the history holds nothing yet (step 0, Transformer
+    Engine's start) or nothing finite, and for an all-zero tensor."""
     fmax = fp8_ops.get_fp8_max(dtype, jnp.float32)
-    if history is not None:
-        past = jnp.max(history)
-        current = jnp.where((past > 0) & jnp.isfinite(past), past, current)
-    return fp8_ops.compute_scale(current, jnp.ones((), jnp.float32), fmax)
+    return fp8_ops.compute_scale(current if history is None else jnp.max(history), jnp.ones((), jnp.float32), fmax)
 
 
 def record(history: jax.Array, observed: jax.Array) -> jax.Array:
@@ -94,6 +107,34 @@ def qdq(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
 # -- the fp8 einsum ----------------------------------------------------------------------
 
 
+def transposed_equations(equation: str) -> tuple[str, str]:
+    """The einsums of the input and weight gradients of ``equation`` ("lhs,rhs->out"):
+    "out,rhs->lhs" and "lhs,out->rhs", each again one dot of two operands. Needs every
+    index of an operand in the other operand or the output (none summed inside one operand)."""
+    inputs, out = equation.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    for own, others in ((lhs, rhs + out), (rhs, lhs + out)):
+        if "." in own or len(set(own)) != len(own) or not set(own) <= set(others):
+            raise ValueError(f"fp8_einsum: {equation!r} is not a plain two-operand contraction (an index summed within one operand)")
+    return f"{out},{rhs}->{lhs}", f"{lhs},{out}->{rhs}"
+
+
+def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+    """x / scale in float32, clipped to ``dtype``'s range, rounded to ``dtype`` (an fp8 array)."""
+    return fp8_ops.quantize(x, dtype, scale, jnp.float32)
+
+
+def scaled_dot(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """``einsum(equation, a, b) * scale`` of two fp8 arrays, in ``dtype``: the dot's operands
+    stay fp8 in the program (accumulated in f32, rounded to ``dtype``, then scaled by the
+    product of the two per-tensor scales), so XLA:GPU can only run it as an fp8 GEMM (a
+    Triton fp8 gemm fusion or cuBLASLt's fp8 matmul): no dequantised bf16 operand exists
+    for a bf16 kernel to take. The output in ``dtype`` keeps a tensor-parallel partial
+    sum's all-reduce at the compute dtype's width."""
+    y = jnp.einsum(equation, a, b, preferred_element_type=dtype)
+    return (y.astype(jnp.float32) * scale).astype(dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def fp8_einsum(equation: str, x: jax.Array, w: jax.Array, history: jax.Array | None = None) -> jax.Array:
     """``jnp.einsum(equation, x, w)`` with e4m3 operands and an e5m2 output gradient.
@@ -105,11 +146,12 @@ def fp8_einsum(equation: str, x: jax.Array, w: jax.Array, history: jax.Array | N
 def _forward(equation, x, w, history):
     if x.dtype != w.dtype:
         raise TypeError(f"fp8_einsum: operands in one compute dtype, got {x.dtype} and {w.dtype}")
+    transposed_equations(equation)  # refuse what the backward could not express as two dots
     seen_x, seen_w = amax(x), amax(w)
     scale_x = scale_for(seen_x, None if history is None else history[0], E4M3)
     scale_w = scale_for(seen_w, None if history is None else history[1], E4M3)
-    q_x, q_w = fp8_ops.quantize(x, E4M3, scale_x, x.dtype), fp8_ops.quantize(w, E4M3, scale_w, w.dtype)
-    y = jnp.einsum(equation, fp8_ops.dequantize(q_x, x.dtype, scale_x), fp8_ops.dequantize(q_w, w.dtype, scale_w))
+    q_x, q_w = quantize(x, E4M3, scale_x), quantize(w, E4M3, scale_w)
+    y = scaled_dot(equation, q_x, q_w, scale_x * scale_w, x.dtype)
     return y, (q_x, q_w, scale_x, scale_w, seen_x, seen_w, history)
 
 
@@ -118,10 +160,10 @@ def _backward(equation, residuals, g):
     dtype = g.dtype  # the operands' compute dtype (the output's)
     seen_g = amax(g)
     scale_g = scale_for(seen_g, None if history is None else history[2], E5M2)
-    g = fp8_ops.dequantize(fp8_ops.quantize(g, E5M2, scale_g, dtype), dtype, scale_g)
-    x, w = fp8_ops.dequantize(q_x, dtype, scale_x), fp8_ops.dequantize(q_w, dtype, scale_w)
-    _, transpose = jax.vjp(functools.partial(jnp.einsum, equation), x, w)
-    dx, dw = transpose(g)  # e5m2 x e4m3 both (never e5m2 x e5m2)
+    q_g = quantize(g, E5M2, scale_g)
+    input_grad, weight_grad = transposed_equations(equation)
+    dx = scaled_dot(input_grad, q_g, q_w, scale_g * scale_w, dtype)  # e5m2 x e4m3 (never e5m2 x e5m2)
+    dw = scaled_dot(weight_grad, q_x, q_g, scale_x * scale_g, dtype)
     if history is None:
         return dx, dw, None
     return dx, dw, jnp.stack([record(history[0], seen_x), record(history[1], seen_w), record(history[2], seen_g)])
@@ -255,12 +297,7 @@ def overwrite_histories(params: Any, grads: Any) -> Any:
     return jax.tree.map(lambda p, g: p.replace(g[...]) if is_history(p) else p, params, grads, is_leaf=is_history)
 
 
-# -- on GPU: did XLA use cuBLASLt's fp8 matmul? -------------------------------------------
-
-
-def count_fp8_gemms(hlo_text: str) -> int:
-    """cuBLASLt fp8 matmul custom calls in an optimised HLO module's text."""
-    return len(re.findall(r'custom_call_target="' + re.escape(CUBLAS_FP8_TARGET) + '"', hlo_text))
+# -- on GPU: did every fp8 matmul become an fp8 GEMM? --------------------------------------
 
 
 def matmuls_per_layer(cfg, moe_layer: bool) -> int:
@@ -272,30 +309,31 @@ def matmuls_per_layer(cfg, moe_layer: bool) -> int:
     return attention + (2 if cfg.fused_projections else 3)
 
 
-def expected_fp8_gemms(cfg) -> int:
-    """The fewest cuBLASLt fp8 calls a compiled train step of ``cfg`` holds: 3 per fp8
-    einsum in the program (a scanned stack's body once, an unrolled stack's every layer;
-    ``model.fp8_keep_ends``' bf16 first and last layers none)."""
+def fp8_matmuls(cfg) -> int:
+    """The fp8 einsums one forward pass of ``cfg`` runs: every layer's, but
+    ``model.fp8_keep_ends``' bf16 first and last layers."""
     if cfg.fp8 == "off":
         return 0
     dense = cfg.moe_first_dense if cfg.moe_experts else cfg.n_layers
-    stacks = [(dense, False), (cfg.n_layers - dense, True)]
-    first, last = (0, cfg.n_layers - 1) if cfg.fp8_keep_ends else (-1, -1)
-    total, start = 0, 0
-    for depth, moe in stacks:
-        fp8_layers = [i for i in range(start, start + depth) if i not in (first, last)]
-        start += depth
-        if fp8_layers:
-            total += matmuls_per_layer(cfg, moe) * (1 if cfg.scan_layers else len(fp8_layers))
-    return GEMMS_PER_MATMUL * total
+    kept = {0, cfg.n_layers - 1} if cfg.fp8_keep_ends else set()
+    return sum(matmuls_per_layer(cfg, moe_layer=i >= dense) for i in range(cfg.n_layers) if i not in kept)
 
 
-def fp8_gemm_note(cfg, hlo_text: str) -> str | None:
-    """One line when the compiled step has fewer cuBLASLt fp8 matmuls than ``cfg`` asks for."""
-    found, expected = count_fp8_gemms(hlo_text), expected_fp8_gemms(cfg)
-    if found >= expected:
+def expected_fp8_gemms(cfg, microbatches: int = 1) -> int:
+    """The fp8 GEMMs one train step of ``cfg`` runs at least (``inspect.gpu_program.kernel_counts``'
+    ``gemm_fp8``, loop trip counts included): 3 per fp8 einsum and microbatch (activation
+    recomputation, ``model.remat``, adds forward GEMMs on top)."""
+    return GEMMS_PER_MATMUL * fp8_matmuls(cfg) * microbatches
+
+
+def fp8_gemm_note(cfg, gemm_fp8: int, microbatches: int = 1) -> str | None:
+    """One line when a compiled step runs fewer fp8 GEMMs (``gemm_fp8``: ``kernel_counts``' count
+    per step, cuBLASLt fp8 calls and Triton gemms on f8 operands) than ``cfg`` asks for."""
+    expected = expected_fp8_gemms(cfg, microbatches)
+    if gemm_fp8 >= expected:
         return None
     return (
-        f"jaxdist: warning: model.fp8={cfg.fp8}: the compiled step has {found} cuBLASLt fp8 matmuls, expected {expected} "
-        f"({GEMMS_PER_MATMUL} per fp8 matmul); XLA computes the others in f16/bf16 (fp8 GEMMs need sm89+ and a supported layout)"
+        f"jaxdist: warning: model.fp8={cfg.fp8}: the compiled step runs {gemm_fp8} fp8 GEMMs per step, expected {expected} "
+        f"({GEMMS_PER_MATMUL} per fp8 matmul and microbatch); XLA computes the others in bf16/f16 "
+        f"(fp8 GEMMs need compute capability {FP8_MIN_CAPABILITY}+ and CUDA 12)"
     )

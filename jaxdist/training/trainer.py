@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.config import Config
+from jaxdist.inspect.gpu_program import kernel_counts
 from jaxdist.layout.sharding import Layout, activation_layout
 from jaxdist.models import Batch, Task, fp8
 from jaxdist.models.moe import REGULARIZER
@@ -174,7 +175,8 @@ class Trainer:
         outer = self.outer_step.lower(state).compile() if self.inner_steps else None
         say = (logger.message if logger is not None else print) if jax.process_index() == 0 else (lambda _: None)
         if self.config.model.fp8 != "off" and self.layout.mesh.devices.flat[0].platform == "gpu":
-            note = fp8.fp8_gemm_note(self.config.model, compiled.as_text())  # XLA falls back to f16 silently
+            gemms = kernel_counts(compiled.as_text())["gemm_fp8"]  # XLA falls back to f16 silently: count what it made
+            note = fp8.fp8_gemm_note(self.config.model, gemms, self.microbatches)
             if note:
                 say(note)
         return wrappers.host_step(self.config, self.layout.mesh, compiled, outer, int(jax.device_get(state.step)), say)

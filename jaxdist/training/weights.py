@@ -122,7 +122,7 @@ def restore_params(step_dir: Path, abstract_params: Any) -> Any:
     if histories is not None:  # weights of a run without delayed fp8: its amax histories start empty
         rest = restore_params(step_dir, fp8.split(abstract_params)[1])
         print(
-            f"jaxdist: {step_dir} has no fp8 amax histories (model.fp8=delayed): they start empty (step 0 scales from the current amax)",
+            f"jaxdist: {step_dir} has no fp8 amax histories (model.fp8=delayed): they start empty (the next step quantises with scale 1 and fills them)",
             file=sys.stderr,
         )
         return fp8.merge(jax.tree.map(lambda a: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)(), histories), rest)
