@@ -1,12 +1,19 @@
-"""The decoder's hand-written backward passes (RMSNorm, SwiGLU) against autodiff through
-the plain formulas, in fp32 and bf16."""
+"""The decoder's hand-written backward passes (RMSNorm, SwiGLU, the projections' fp32 weight
+gradients, the embedding lookup) against autodiff through the plain formulas, in fp32 and bf16;
+and, in the model's gradient program, that every weight gradient leaves its matmul in fp32 and the
+embedding table is gathered in the compute dtype (what ``tests/test_gpu_precision.py`` checks in
+the compiled GPU program: XLA:CPU promotes bf16 reductions, so no CPU run shows the dtype that
+crosses devices)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from jaxdist.models.layers import rms_norm, swiglu
+from jaxdist.config import ModelConfig
+from jaxdist.models.layers import embed_lookup, project, rms_norm, swiglu
+from jaxdist.models.llama import Llama
 
 
 def plain_rms_norm(x, scale, eps, dtype):
@@ -58,3 +65,127 @@ def test_swiglu_value_and_gradients_equal_autodiff(dtype):
     for g, w in zip(got, want, strict=True):
         assert g.dtype == dtype
         np.testing.assert_allclose(g.astype(jnp.float32), w.astype(jnp.float32), rtol=tol, atol=tol * 10)
+
+
+# -- projections and the embedding: fp32 weight gradients ------------------------------------
+
+PROJECTIONS = ["bthk,hkd->btd", "btf,fd->btd", "btd,dv->btv", "btd,dkgh->btkgh"]  # wo, w_down, the head, fused qkv
+SHAPES = {"b": 2, "t": 5, "h": 3, "k": 4, "d": 6, "f": 7, "v": 9, "g": 2}
+
+
+def _operands(equation, seed):
+    (x_sub, w_sub), out = equation.split("->")[0].split(","), equation.split("->")[1]
+    shape = lambda sub: tuple(SHAPES[c] for c in sub)  # noqa: E731
+    return _probe(shape(x_sub), seed), _probe(shape(w_sub), seed + 1), _probe(shape(out), seed + 2)
+
+
+def plain_project(equation, x, w):
+    return jnp.einsum(equation, x, w.astype(x.dtype))
+
+
+@pytest.mark.parametrize("equation", PROJECTIONS)
+def test_project_value_and_gradients_equal_autodiff_in_fp32(equation):
+    x, w, probe = _operands(equation, 10)
+
+    def objective(f):
+        return lambda x, w: jnp.sum(jnp.tanh(f(equation, x, w)) * probe)
+
+    np.testing.assert_array_equal(project(equation, x, w), plain_project(equation, x, w))
+    got = jax.grad(objective(project), argnums=(0, 1))(x, w)
+    want = jax.grad(objective(plain_project), argnums=(0, 1))(x, w)
+    for g, r in zip(got, want, strict=True):
+        assert g.dtype == jnp.float32 and float(jnp.max(jnp.abs(r))) > 1e-2
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("equation", PROJECTIONS)
+def test_project_in_bf16_keeps_the_input_gradient_and_sums_the_weight_gradient_in_fp32(equation):
+    """bf16 compute: the output and the input gradient are autodiff's (bf16 matmuls), the weight
+    gradient is the exact sum of the bf16 products (float64 here) to fp32 precision, returned in
+    the weight's dtype: fp32 for an fp32 master weight (the head), bf16 for a cast one (the layers)."""
+    x, w, probe = _operands(equation, 20)
+    x = x.astype(jnp.bfloat16)
+    probe = probe.astype(jnp.bfloat16).astype(jnp.float32)  # the output gradient: exact in bf16
+
+    def objective(f):
+        return lambda x, w: jnp.sum(f(equation, x, w).astype(jnp.float32) * probe)
+
+    np.testing.assert_array_equal(project(equation, x, w).astype(jnp.float32), plain_project(equation, x, w).astype(jnp.float32))
+    dx, dw = jax.grad(objective(project), argnums=(0, 1))(x, w)
+    auto_dx, auto_dw = jax.grad(objective(plain_project), argnums=(0, 1))(x, w)
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    np.testing.assert_allclose(dx.astype(jnp.float32), auto_dx.astype(jnp.float32), rtol=1e-2, atol=1e-2)
+    (x_sub, w_sub), out = equation.split("->")[0].split(","), equation.split("->")[1]
+    exact = np.einsum(f"{x_sub},{out}->{w_sub}", np.asarray(x.astype(jnp.float32), np.float64), np.asarray(probe, np.float64))
+    np.testing.assert_allclose(dw, exact, rtol=1e-6, atol=1e-6)
+    # autodiff's bf16 matmul rounds the weight gradient to bf16 (what crossed devices before)
+    assert float(np.max(np.abs(np.asarray(auto_dw, np.float64) - exact))) > 1e-3
+    _, dw_cast = jax.grad(objective(project), argnums=(0, 1))(x, w.astype(jnp.bfloat16))
+    assert dw_cast.dtype == jnp.bfloat16
+    np.testing.assert_allclose(dw_cast.astype(jnp.float32), exact, rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_embed_lookup_value_and_table_gradient_equal_autodiff(dtype):
+    """Repeated tokens: their rows' gradients add up in the table's fp32, as autodiff of the lookup
+    on the fp32 table (cast after it) does."""
+    table = _probe((11, 6), 30)
+    tokens = jnp.asarray(np.random.default_rng(31).integers(0, 11, (3, 13)), jnp.int32)
+    probe = _probe((3, 13, 6), 32)
+
+    def plain(table, tokens, dtype):
+        return jnp.take(table, tokens, axis=0).astype(dtype)
+
+    def objective(f):
+        return lambda table: jnp.sum(f(table, tokens, dtype).astype(jnp.float32) * probe)
+
+    got = embed_lookup(table, tokens, dtype)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got.astype(jnp.float32), plain(table, tokens, dtype).astype(jnp.float32))
+    d_table = jax.grad(objective(embed_lookup))(table)
+    assert d_table.dtype == jnp.float32 and len(set(tokens.ravel().tolist())) < tokens.size
+    np.testing.assert_allclose(d_table, jax.grad(objective(plain))(table), rtol=1e-6, atol=1e-6)
+
+
+# -- in the model's gradient program -----------------------------------------------------------
+
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs inside it (scan, remat, custom rules, pjit)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _equations(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _equations(sub)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_models_weight_gradients_leave_their_matmuls_in_fp32_and_the_table_is_gathered_in_bf16(fused):
+    """A bf16 decoder's gradient program: each weight-shaped matmul output (a weight gradient, the
+    partial sum XLA reduces across the batch axes) is fp32, every projection's included; the
+    embedding's lookup reads a bf16 table (the FSDP all-gather moves bf16) and its gradient is an
+    fp32 scatter-add."""
+    cfg = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=48, fused_projections=fused)
+    graphdef, params = nnx.split(Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 5)), jnp.int32)
+
+    def loss(params):
+        return nnx.merge(graphdef, params).loss({"inputs": tokens, "targets": tokens})[0]
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+    # the weight-gradient matmuls' outputs: d 32, 4 heads / 2 kv heads of 8, mlp 48, vocab 96; the
+    # fused qkv [d, kv, 2 q + k + v, 8] and gate/up [d, 2, f] take theirs per part (project_split).
+    # Matched by their dimensions in any order (autodiff's transposed matmul may permute them).
+    parts = {(32, 2, 2, 8), (32, 2, 1, 8), (32, 1, 48)} if fused else {(32, 4, 8), (32, 2, 8), (32, 48)}
+    expected = {tuple(sorted(shape)) for shape in parts | {(4, 8, 32), (48, 32), (32, 96)}}  # + wo, w_down, the head
+    weight_grads: dict[tuple, set[str]] = {}
+    for out in (eqn.outvars[0].aval for eqn in _equations(jaxpr) if eqn.primitive.name == "dot_general"):
+        if tuple(sorted(out.shape)) in expected:
+            weight_grads.setdefault(tuple(sorted(out.shape)), set()).add(str(out.dtype))
+    assert set(weight_grads) == expected, weight_grads
+    assert all(dtypes == {"float32"} for dtypes in weight_grads.values()), weight_grads
+    table = [e for e in _equations(jaxpr) if e.primitive.name in ("gather", "scatter-add") and tuple(e.invars[0].aval.shape) == (96, 32)]
+    assert sorted((e.primitive.name, str(e.invars[0].aval.dtype)) for e in table) == [("gather", "bfloat16"), ("scatter-add", "float32")]

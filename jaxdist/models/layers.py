@@ -1,6 +1,15 @@
-"""The decoder's elementwise pieces and fused-projection splits, with hand-written backward
-passes where autodiff's would cost memory or copies (``experiments/step_overhead.py``
-measures each against the former step and PyTorch's)."""
+"""The decoder's elementwise pieces, projections and embedding lookup, with hand-written
+backward passes where autodiff's would cost memory or copies (``experiments/step_overhead.py``
+measures each against the former step and PyTorch's), or would reduce weight gradients
+across devices in bf16.
+
+Gradient precision: every weight gradient here comes out of an fp32-output matmul (or an
+fp32 scatter-add for the embedding). Under data or FSDP parallelism each device's weight
+gradient is a partial sum, and XLA's partitioner reduces it (all-reduce, reduce-scatter)
+right where the matmul produces it: autodiff's transpose of a bf16 matmul would hand it a
+bf16 partial sum, so the gradients would cross devices in bf16 although
+``parallel.grad_reduce=float32`` (XLA:CPU promotes bf16 reductions, so only a GPU program
+shows it: ``tests/test_gpu_precision.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxdist.layout.sharding import constrain
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype=None) -> jax.Array:
@@ -110,3 +121,84 @@ def _project_bwd(equation, out_axis, w_axis, sizes, residuals, grads):
 
 
 project_split.defvjp(_project_fwd, _project_bwd)
+
+
+def _transposed_equations(equation: str) -> tuple[str, str]:
+    """(input-gradient, weight-gradient) einsum equations of ``x,w->out``: each index of one
+    operand must appear in the other or in the output (a projection's)."""
+    inputs, out = equation.replace(" ", "").split("->")
+    x_sub, w_sub = inputs.split(",")
+    if not (set(x_sub) <= set(w_sub + out) and set(w_sub) <= set(x_sub + out)):
+        raise ValueError(f"project: {equation!r} sums an index out of one operand alone")
+    return f"{out},{w_sub}->{x_sub}", f"{x_sub},{out}->{w_sub}"
+
+
+def project(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``einsum(equation, x, w)`` in ``x``'s dtype (``w`` is cast to it: an fp32 master weight
+    may be passed as it is), whose weight gradient is an fp32-output matmul returned in
+    ``w``'s dtype. The forward matmul and the input gradient are autodiff's (bf16 outputs
+    under bf16 compute: Megatron's tensor-parallel activation all-reduces stay bf16); the
+    weight gradient is the same tensor-core matmul with an fp32 store, so the partial sums
+    reduced across the batch axes are fp32 (module docstring)."""
+    return _project(equation, jnp.dtype(w.dtype), x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _project(equation: str, w_dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum(equation, x, w.astype(x.dtype))
+
+
+def _project_one_fwd(equation, w_dtype, x, w):
+    w = w.astype(x.dtype)  # kept as autodiff keeps it: the cast (under FSDP, gathered) weight
+    return jnp.einsum(equation, x, w), (x, w)
+
+
+def _project_one_bwd(equation, w_dtype, residuals, g):
+    x, w = residuals
+    dx_equation, dw_equation = _transposed_equations(equation)
+    dx = jnp.einsum(dx_equation, g, w)
+    dw = jnp.einsum(dw_equation, x, g, preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w_dtype)
+
+
+_project.defvjp(_project_one_fwd, _project_one_bwd)
+
+
+def matmul(dot, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """A model projection: through ``dot`` (a ``models.fp8.Fp8Einsum``) when it runs fp8,
+    else ``project`` (fp32 weight gradient)."""
+    return project(equation, x, w) if dot.plain() else dot(equation, x, w)
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
+    """Rows ``tokens`` of ``table`` in ``dtype``. The table is cast before it is laid out for
+    the lookup (gathered over FSDP, split over ``tensor`` by vocabulary), so that all-gather
+    moves the compute dtype; the gradient is scattered and reduced in the table's dtype
+    (fp32 master weights: an fp32 scatter-add and reduce-scatter), as autodiff of the lookup
+    on the uncast table would."""
+    return _embed_lookup(table, tokens, jnp.dtype(dtype))
+
+
+def _lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    # Gather the table over FSDP first: a lookup into a vocab-split table then needs only a
+    # masked gather plus one all-reduce over 'tensor'.
+    return jnp.take(constrain(table, ("vocab", None)), tokens, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _embed_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
+    return _lookup(table.astype(dtype), tokens)
+
+
+def _embed_fwd(table, tokens, dtype):
+    return _embed_lookup(table, tokens, dtype), (table, tokens)
+
+
+def _embed_bwd(dtype, residuals, g):
+    table, tokens = residuals
+    abstract = jax.ShapeDtypeStruct(table.shape, table.dtype)
+    (d_table,) = jax.linear_transpose(lambda t: _lookup(t, tokens), abstract)(g.astype(table.dtype))
+    return d_table, None
+
+
+_embed_lookup.defvjp(_embed_fwd, _embed_bwd)

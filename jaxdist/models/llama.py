@@ -30,7 +30,7 @@ from jaxdist.config import ModelConfig
 from jaxdist.layout.sharding import constrain
 from jaxdist.models.attention import model_attention
 from jaxdist.models.fp8 import Fp8Einsum, disabled
-from jaxdist.models.layers import project_split, rms_norm, split_parts, swiglu
+from jaxdist.models.layers import embed_lookup, matmul, project, project_split, rms_norm, split_parts, swiglu
 from jaxdist.models.moe import REGULARIZER, MoE, moe_sums
 from jaxdist.models.params import fan_in_init, param
 
@@ -113,16 +113,16 @@ class Attention(nnx.Module):
             k = constrain(k[:, :, :, 0], ("batch", "seq", "act_kv_heads", None))
             v = constrain(v[:, :, :, 0], ("batch", "seq", "act_kv_heads", None))
         else:
-            q = constrain(self.q_dot("btd,dhk->bthk", x, w(self.wq)), ("batch", "seq", "act_heads", None))
-            k = constrain(self.k_dot("btd,dhk->bthk", x, w(self.wk)), ("batch", "seq", "act_kv_heads", None))
-            v = constrain(self.v_dot("btd,dhk->bthk", x, w(self.wv)), ("batch", "seq", "act_kv_heads", None))
+            q = constrain(matmul(self.q_dot, "btd,dhk->bthk", x, w(self.wq)), ("batch", "seq", "act_heads", None))
+            k = constrain(matmul(self.k_dot, "btd,dhk->bthk", x, w(self.wk)), ("batch", "seq", "act_kv_heads", None))
+            v = constrain(matmul(self.v_dot, "btd,dhk->bthk", x, w(self.wv)), ("batch", "seq", "act_kv_heads", None))
         q, k = rope(q, positions, self.rope_freqs), rope(k, positions, self.rope_freqs)
         if cache is None:
             out = model_attention(q, k, v, segment_ids, positions, implementation=self.implementation)
         else:
             out, cache = cached_attention(q, k, v, cache)
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        out = self.o_dot("bthk,hkd->btd", out, w(self.wo))
+        out = matmul(self.o_dot, "bthk,hkd->btd", out, w(self.wo))
         return out if cache is None else (out, cache)
 
 
@@ -183,10 +183,10 @@ class MLP(nnx.Module):
                 parts = split_parts(constrain(self.gate_up_dot("btd,dcf->btcf", x, weight), ("batch", "seq", None, "act_mlp")), 2, (1, 1))
             gate, up = (constrain(part[:, :, 0], ("batch", "seq", "act_mlp")) for part in parts)
         else:
-            gate = self.gate_dot("btd,df->btf", x, self.w_gate[...].astype(self.dtype))
-            up = self.up_dot("btd,df->btf", x, self.w_up[...].astype(self.dtype))
+            gate = matmul(self.gate_dot, "btd,df->btf", x, self.w_gate[...].astype(self.dtype))
+            up = matmul(self.up_dot, "btd,df->btf", x, self.w_up[...].astype(self.dtype))
         hidden = constrain(swiglu(gate, up), ("batch", "seq", "act_mlp"))
-        return self.down_dot("btf,fd->btd", hidden, self.w_down[...].astype(self.dtype))
+        return matmul(self.down_dot, "btf,fd->btd", hidden, self.w_down[...].astype(self.dtype))
 
 
 class Block(nnx.Module):
@@ -323,10 +323,7 @@ class Llama(nnx.Module):
         positions = batch.get("positions")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        # Gather the table over FSDP first: a lookup into a vocab-split table then needs
-        # only a masked gather plus one all-reduce over 'tensor'.
-        table = constrain(self.embed[...], ("vocab", None))
-        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        x = embed_lookup(self.embed[...], tokens, self.dtype)  # the table gathered in the compute dtype
         aux = {"positions": positions}
         if batch.get("segment_ids") is not None:
             aux["segment_ids"] = batch["segment_ids"]
@@ -422,7 +419,7 @@ class Llama(nnx.Module):
 
     def _logits(self, head: dict[str, jax.Array], x: jax.Array) -> jax.Array:
         x = rms_norm(x, head["norm"], self.cfg.norm_eps, self.dtype)
-        logits = jnp.einsum("btd,dv->btv", x, head["head"].astype(self.dtype)).astype(jnp.float32)
+        logits = project("btd,dv->btv", x, head["head"]).astype(jnp.float32)  # its gradient: fp32 throughout
         valid = self.cfg.valid_vocab
         if valid and valid < logits.shape[-1]:  # padding rows of an imported vocab: never predicted, never sampled
             logits = jnp.where(jnp.arange(logits.shape[-1]) < valid, logits, -jnp.inf)
