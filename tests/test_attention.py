@@ -266,3 +266,46 @@ def test_xla_kernel_matches_jax_attention_outputs_and_gradients():
     for name, g, w in zip("qkv", low, want, strict=True):
         assert g.dtype == jnp.bfloat16
         np.testing.assert_allclose(g.astype(jnp.float32), w, atol=0.1, rtol=0.05, err_msg=f"bf16 d{name}")
+
+
+def test_packed_offsets_are_split_over_the_batch_like_the_segment_ids():
+    """JAX's cuDNN call partitions with its operands' shardings as it finds them; built by a scatter,
+    the offsets came out whole on every device (P()) beside batch-split queries, so each device's
+    call read all rows' documents against its own rows. Built row by row they follow the segment ids."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    segment_ids = jax.ShapeDtypeStruct((4, 64), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec("data")))
+    compiled = jax.jit(lambda s: packed_offsets(s, 4)).lower(segment_ids).compile()
+    assert [s.spec for s in compiled.output_shardings] == [PartitionSpec("data"), PartitionSpec("data")]
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, cc, reason",
+    [
+        (jnp.bfloat16, 64, "8.0", "packed documents (sequence packing) needs compute capability >= 9.0 (Hopper), these GPUs are 8.0"),
+        (jnp.float32, 64, "9.0", "needs bf16/fp16 compute, got float32"),
+        (jnp.bfloat16, 192, "8.0", "head_dim <= 128 and a multiple of 8, got 192"),
+        (jnp.bfloat16, 100, "9.0", "head_dim <= 256 and a multiple of 8, got 100"),
+    ],
+)
+def test_explicit_cudnn_that_cudnn_would_refuse_is_one_config_error(dtype, head_dim, cc, reason):
+    """Refused before anything is traced (JAX's own check fails inside the trace, with a traceback);
+    what cuDNN takes passes, on a GPU whose capability is unknown too, and on CPU (the stand-in tests)."""
+    from jaxdist.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        choose_implementation("cudnn", platform="gpu", dtype=dtype, head_dim=head_dim, packed=True, compute_capability=cc)
+    assert str(error.value).startswith("model.attention=cudnn: ") and reason in str(error.value) and "\n" not in str(error.value)
+    for ok in ("9.0", None):
+        assert choose_implementation("cudnn", platform="gpu", dtype=jnp.bfloat16, head_dim=64, packed=True, compute_capability=ok) == (
+            "cudnn",
+            None,
+        )
+    assert choose_implementation("cudnn", platform="cpu", dtype=dtype, head_dim=head_dim, packed=True, compute_capability=cc)[0] == "cudnn"
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "cc"), [(jnp.float32, 64, "9.0"), (jnp.bfloat16, 256, "9.0"), (jnp.bfloat16, 64, "8.0")])
+def test_auto_fallback_names_the_kernel_that_runs(dtype, head_dim, cc):
+    impl, note = choose_implementation("auto", platform="gpu", dtype=dtype, head_dim=head_dim, packed=True, compute_capability=cc)
+    assert impl == "xla" and "runs XLA's kernel (model.attention=xla)" in note and "\n" not in note, note

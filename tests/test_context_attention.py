@@ -239,7 +239,8 @@ def test_ring_skips_fully_masked_tiles_and_load_balancing_evens_them(inputs):
 
 def test_ring_program_sends_blocks_over_context_only():
     """The forward sends K, V, segment ids and positions context-1 times; the backward adds dK and
-    dV (fp32) context times (XLA may merge the backward's resend of K/V with the forward's)."""
+    dV (fp32) context-1 times: a device's own block comes last, so they end on their owner with no
+    last shift (XLA may merge the backward's resend of K/V with the forward's)."""
     mesh = _mesh((2, 2, 2))
     attention = ContextAttention(mesh, "ring", batch_axes=("data",))
     shapes = [((B, T, H, D), "float32"), ((B, T, KV, D), "float32"), ((B, T, KV, D), "float32"), ((B, T), "int32"), ((B, T), "int32")]
@@ -256,7 +257,7 @@ def test_ring_program_sends_blocks_over_context_only():
 
     assert permutes(attention) == (n - 1) * block
     grads = permutes(jax.grad(lambda q, k, v, s, p: jnp.sum(attention(q, k, v, s, p) ** 2), argnums=(0, 1, 2)))
-    assert (n - 1) * block + n * 2 * local_kv <= grads <= 2 * (n - 1) * block + n * 2 * local_kv
+    assert (n - 1) * block + (n - 1) * 2 * local_kv <= grads <= 2 * (n - 1) * block + (n - 1) * 2 * local_kv
 
 
 _SCHEDULED = """HloModule m, is_scheduled=true, num_partitions=4
@@ -306,3 +307,62 @@ def test_kernel_note_names_the_kernel_and_an_unused_choice():
         "model.attention=cudnn is not used"
         in ContextAttention(mesh, "all_gather", implementation="cudnn", batch_axes=("data",)).kernel_note()
     )
+
+
+def test_the_rings_backward_hands_dk_dv_to_their_owners_in_context_minus_one_shifts():
+    """The backward alone (the forward's residuals given) on context=4: K, V and their ids take the
+    3 shifts the forward took, and dK/dV (fp32) 3 more: each block's gradient starts on its first
+    holder and its last holder is its owner, so nothing moves after the last block (a ring reduction's
+    n-1 hops). The ring before sent them 4 times, the last after all compute."""
+    n = 4
+    attention = ContextAttention(_mesh((1, n, 1)), "ring", batch_axes=("data",))
+    shapes = [((B, T, H, D), "float32"), ((B, T, KV, D), "float32"), ((B, T, KV, D), "float32"), ((B, T), "int32"), ((B, T), "int32")]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    local_kv = B * (T // n) * KV * D * 4
+    block = 2 * local_kv + 2 * B * (T // n) * 4  # k, v, segment ids, positions
+
+    def backward(q, k, v, segments, positions, cotangent):
+        return jax.vjp(lambda q, k, v: attention(q, k, v, segments, positions), q, k, v)[1]
+
+    vjp = jax.eval_shape(backward, *args, args[0])
+    lowered = jax.jit(lambda f, g: f(g)).lower(vjp, args[0])
+    ops = collective_ops(parse_hlo(lowered.compile().as_text()), {"data": 1, "context": n, "tensor": 1})
+    permutes = [op for op in ops if op.kind == "collective-permute"]
+    assert permutes and all(op.axes == ("context",) for op in permutes)
+    assert sum(op.bytes * op.executions for op in permutes) == (n - 1) * block + (n - 1) * 2 * local_kv
+
+
+_SCHEDULED_LOOP = """HloModule m, is_scheduled=true, num_partitions=4
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %cp-start = (f32[8]{0}, f32[8]{0}) collective-permute-start(%x), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}, backend_config={"collective_backend_config":{"is_sync":false}}
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused, metadata={op_name="jit(step)/context_attention/context_block/dot_general"}
+  %cp-done = f32[8]{0} collective-permute-done(%cp-start)
+  %cp-start.1 = (f32[8]{0}, f32[8]{0}) collective-permute-start(%cp-done), channel_id=2, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}, backend_config={"collective_backend_config":{"is_sync":true}}
+  %cp-done.1 = f32[8]{0} collective-permute-done(%cp-start.1)
+  %out = f32[8]{0} add(%cp-done.1, %f)
+  ROOT %t = (s32[], f32[8]) tuple(%i, %out)
+}
+
+%cond (q: (s32[], f32[8])) -> pred[] {
+  %q = (s32[], f32[8]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x0: f32[8]) -> (s32[], f32[8]) {
+  %x0 = f32[8]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]) tuple(%zero, %x0)
+  ROOT %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_ring_overlap_in_hlo_counts_sync_starts_as_synchronous_and_loop_trips():
+    """In a loop of 3: an async permute around a block (overlapped) and one XLA marked is_sync (it found
+    nothing to hide it behind and runs it in line): 6 permutes per step, 3 async and overlapped, 3 synchronous."""
+    found = ring_overlap_in_hlo(_SCHEDULED_LOOP, {"context": 4})
+    assert found == {"collective_permutes": 6, "over_context": 6, "async_pairs": 3, "overlapped_pairs": 3, "synchronous": 3}

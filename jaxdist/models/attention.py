@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdist.errors import ConfigError
+
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 
 # The Pallas kernel's tiles (its defaults: 128 forward, 32 backward). Triton needs power-of-two
@@ -198,18 +200,22 @@ def packed_offsets(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array
     document's token count; unused entries are -1, so the last column of offsets is always -1.
     (``jax._src.cudnn.fused_attention_stablehlo`` shifts the valid entries of all rows together
     into cuDNN's flat [total documents] form.) Documents past the M-th are left out.
+
+    Built row by row (a sort along the sequence, no scatter), so that the sharding partitioner
+    splits them over the batch axes as it splits the segment ids: JAX's cuDNN call takes their
+    sharding as it finds it, and the scatter-built offsets were left whole on every device, each
+    device's call then reading every row's documents against its own rows (the per-device
+    program's seqlen operands had the global batch; ``tests/test_context_gpu.py`` checks them).
     """
     b, t = segment_ids.shape
     starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    index = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1  # which document of its row each token is in
-    rows = jnp.arange(b)[:, None]
-    counts = jnp.zeros((b, max_segments), jnp.int32).at[rows, index].add(1, mode="drop")
-    lengths = jnp.where(counts > 0, counts, -1)  # every real document has a token, so 0 means unused
-    # Scatter each start position to its document's slot; others (and documents >= M) go out of
-    # range (index M+1) and are dropped, leaving -1.
-    slot = jnp.where(starts & (index < max_segments), index, max_segments + 1)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    offsets = jnp.full((b, max_segments + 1), -1, jnp.int32).at[rows, slot].set(positions, mode="drop")
+    # each row's document starts in order, then t (no such document) up to M+1 columns
+    first = jnp.sort(jnp.where(starts, jnp.arange(t, dtype=jnp.int32), t), axis=1)
+    width = max_segments + 1
+    first = first[:, :width] if t >= width else jnp.pad(first, ((0, 0), (0, width - t)), constant_values=t)
+    valid = first[:, :-1] < t
+    lengths = jnp.where(valid, first[:, 1:] - first[:, :-1], -1)
+    offsets = jnp.concatenate([jnp.where(valid, first[:, :-1], -1), jnp.full((b, 1), -1, jnp.int32)], axis=1)
     return offsets, lengths
 
 
@@ -257,29 +263,53 @@ def _pallas(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | N
 # Choice
 
 
+def cudnn_refusal(*, dtype, head_dim: int, packed: bool, compute_capability: str | None) -> str | None:
+    """Why JAX's cuDNN flash attention would refuse this configuration on GPUs of ``compute_capability``
+    (its own checks, ``jax._src.cudnn.fused_attention_stablehlo``: 16-bit inputs, head_dim a multiple of
+    8 up to 128, 256 on Hopper, packed documents on Hopper or newer), or None; an unknown capability
+    (None) is not held against it."""
+    cc = None if compute_capability is None else tuple(int(x) for x in compute_capability.split("."))
+    if jnp.dtype(dtype).itemsize != 2:
+        return f"cuDNN flash attention needs bf16/fp16 compute, got {jnp.dtype(dtype).name}"
+    limit = 256 if cc is not None and cc >= (9, 0) else 128
+    if head_dim > limit or head_dim % 8:
+        return f"cuDNN flash attention needs head_dim <= {limit} and a multiple of 8, got {head_dim}"
+    if packed and cc is not None and cc < (9, 0):
+        return f"cuDNN flash attention on packed documents (sequence packing) needs compute capability >= 9.0 (Hopper), these GPUs are {compute_capability}"
+    return None
+
+
 def choose_implementation(
     requested: str, *, platform: str, dtype, head_dim: int, packed: bool, compute_capability: str | None = None
 ) -> tuple[str, str | None]:
     """(implementation, note) for ``model.attention`` = auto | xla | cudnn | pallas.
 
-    Explicit choices are returned as they are. ``auto`` is cudnn on a GPU when it applies
-    (16-bit dtype, head_dim <= 128 and a multiple of 8, and for packed documents a Hopper or
-    newer GPU, ``compute_capability`` >= "9.0": the mesh's devices', required then), else
-    xla. When auto falls back to xla on a GPU, the note says why in one line; else it is None.
+    Explicit choices are returned as they are, except ``cudnn`` on GPUs whose cuDNN attention
+    would refuse the configuration (``cudnn_refusal``): a ``ConfigError``, one line, before
+    anything is compiled, rather than JAX's error from inside the trace. ``auto`` is cudnn on a
+    GPU when it applies (16-bit dtype, head_dim <= 128 and a multiple of 8, and for packed
+    documents a Hopper or newer GPU, ``compute_capability`` >= "9.0": the mesh's devices',
+    required then), else xla. When auto falls back to xla on a GPU, the note says why and which
+    kernel runs instead, in one line; else it is None.
     """
     if requested not in IMPLEMENTATIONS:
         raise ValueError(f"model.attention must be one of {', '.join(IMPLEMENTATIONS)}, got {requested!r}")
     if platform == "cpu" and jnp.dtype(dtype) == jnp.float16 and requested in ("auto", "xla"):
         return "xla_fp32", "attention: float16 on CPU: scores are computed in float32 (XLA's CPU dot has no f16 x f16 -> f32 form)"
+    if requested == "cudnn" and platform == "gpu":
+        reason = cudnn_refusal(dtype=dtype, head_dim=head_dim, packed=packed, compute_capability=compute_capability)
+        if reason:
+            fix = "model.attention=auto runs XLA's attention here" + (", or data.document_mask=false" if packed else "")
+            raise ConfigError(f"model.attention=cudnn: {reason}; {fix}")
     if requested != "auto":
         return requested, None
     if platform != "gpu":
         return "xla", None
-    cost = "XLA attention materialises [batch, heads, seq, seq] scores per layer"
+    instead = "attention runs XLA's kernel (model.attention=xla), which materialises [batch, heads, seq, seq] scores per layer"
     if jnp.dtype(dtype).itemsize != 2:
-        return "xla", f"attention: {jnp.dtype(dtype).name} compute, cuDNN flash attention needs bf16/fp16; {cost}"
+        return "xla", f"attention: {jnp.dtype(dtype).name} compute, cuDNN flash attention needs bf16/fp16; {instead}"
     if head_dim > 128 or head_dim % 8:
-        return "xla", f"attention: head_dim {head_dim} does not suit cuDNN (<= 128, multiple of 8); {cost}"
+        return "xla", f"attention: head_dim {head_dim} does not suit cuDNN (<= 128, multiple of 8); {instead}"
     if packed:
         cc = compute_capability
         if cc is None:
@@ -287,6 +317,7 @@ def choose_implementation(
         if tuple(int(x) for x in cc.split(".")) < (9, 0):
             return (
                 "xla",
-                f"attention: cuDNN sequence packing needs compute capability >= 9.0, got {cc}; {cost} (try model.attention=pallas)",
+                f"attention: cuDNN sequence packing (packed documents) needs compute capability >= 9.0, these GPUs are {cc}; "
+                f"{instead} (try model.attention=pallas)",
             )
     return "cudnn", None

@@ -198,7 +198,7 @@ def forward_block(state, query, key_block, scale: float):
             acc, m, denom = jax.lax.cond(seen, compute, lambda *c: c, acc, m, denom)
             return (acc, m, denom, computed + seen.astype(jnp.int32)), None
 
-        computed = jnp.zeros_like(seg_q[0, 0])
+        computed = jnp.zeros_like(seg_q[0, 0]) + jnp.zeros_like(key_block[2][0, 0, 0])  # the varying axes of both
         (acc, m, denom, computed), _ = jax.lax.scan(step, (acc, m, denom, computed), key_block)
         return acc, m, denom, computed
 

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxdist.inspect.collectives import collective_ops
-from jaxdist.inspect.hlo import NAME_RE, parse_hlo
+from jaxdist.inspect.hlo import NAME_RE, computation_multipliers, parse_hlo
 from jaxdist.models.attention import IMPLEMENTATIONS
 from jaxdist.parallel import blockwise
 from jaxdist.parallel.blockwise import BLOCK_SCOPE, TilePlan, pad_chunks, plan_tiles, unpad_chunks
@@ -90,6 +90,7 @@ class ContextAttention:
     kv_heads_axis: str | None = "tensor"  # the same axis, or None when kv_heads is not divisible by it
     block_q: int = DEFAULT_TILE  # tile lengths of the per-block kernel (at most; chunks are padded to a multiple)
     block_kv: int = DEFAULT_TILE
+    requested: str | None = None  # model.attention as the user set it (auto: the note names what auto picked)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -121,8 +122,13 @@ class ContextAttention:
             f"({tiles}, fp32 scores, fully masked tiles skipped)"
         )
         if self.implementation not in ("xla", "xla_fp32"):
+            asked = (
+                f"the {self.implementation} attention model.attention=auto picks on these devices"
+                if self.requested == "auto"
+                else f"model.attention={self.implementation}"
+            )
             note += (
-                f"; model.attention={self.implementation} is not used here: cuDNN's and Pallas's masks follow array indices,"
+                f"; {asked} is not used here: cuDNN's and Pallas's masks follow array indices,"
                 " while a split (load-balanced) sequence needs the mask from positions and segment ids"
             )
         return note
@@ -229,7 +235,10 @@ class ContextAttention:
             ring = Ring(CONTEXT_AXIS, self.context_size, plan.tiles)
             args = (q_local, padded(k), padded(v), seg_q, pos_q)
             if count:
-                return ring_forward(ring, *args)[2].reshape(1, 1)
+                computed = ring_forward(ring, *args)[2].reshape(1, 1)
+                # the ring's step boundaries tie each block to the (head-split) state: the count, equal over the heads
+                # axis, comes out varying over it too
+                return jax.lax.pmax(computed, self.heads_axis) if self.heads_axis else computed
             return unpad_chunks(ring_attention(ring, *args), chunks, plan.chunk)
         # gathered unpadded (no padding on the wire), then each of the whole sequence's chunks padded
         n = chunks * self.context_size
@@ -244,19 +253,24 @@ class ContextAttention:
 
 _COMPUTE_OPCODES = ("fusion", "dot", "convolution", "custom-call", "while", "conditional", "call")
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+_IS_SYNC_RE = re.compile(r'"is_sync":true')
 
 
 def ring_overlap_in_hlo(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> dict[str, int | None]:
     """Whether the ring's transfers can overlap its attention blocks, from a compiled program's
     (scheduled) HLO text: for each asynchronous ``collective-permute-start`` / ``-done`` pair, is
     some attention-block compute (an op whose metadata names the per-block kernel's scope)
-    scheduled between them? Returns ``collective_permutes`` (executions per step), ``over_context``
-    (those whose groups span only ``context``; None without ``mesh_shape``), ``async_pairs``,
-    ``overlapped_pairs`` and ``synchronous`` (permutes with no start/done split)."""
+    scheduled between them? Returns, all in executions per step (loop trip counts included),
+    ``collective_permutes``, ``over_context`` (those whose groups span only ``context``; None
+    without ``mesh_shape``), ``async_pairs``, ``overlapped_pairs`` and ``synchronous`` (permutes
+    with no start/done split, or a start XLA marked ``is_sync``: it found nothing to overlap and
+    runs it in line)."""
     module = parse_hlo(hlo_text)
     ops = [op for op in collective_ops(module, mesh_shape) if op.kind == "collective-permute"]
+    times = computation_multipliers(module)
     pairs = overlapped = synchronous = 0
-    for body in module.computations.values():
+    for computation, body in module.computations.items():
+        n = times.get(computation, 0)
         done_at = {}
         for index, instruction in enumerate(body):
             if instruction.opcode == "collective-permute-done" and instruction.operands:
@@ -264,12 +278,14 @@ def ring_overlap_in_hlo(hlo_text: str, mesh_shape: dict[str, int] | None = None)
                 if name:
                     done_at[name.group(1)] = index
         for index, instruction in enumerate(body):
-            if instruction.opcode == "collective-permute":
-                synchronous += 1
+            if instruction.opcode == "collective-permute" or (
+                instruction.opcode == "collective-permute-start" and _IS_SYNC_RE.search(instruction.attributes)
+            ):
+                synchronous += n
             elif instruction.opcode == "collective-permute-start" and instruction.name in done_at:
-                pairs += 1
+                pairs += n
                 between = body[index + 1 : done_at[instruction.name]]
-                overlapped += any(
+                overlapped += n * any(
                     i.opcode in _COMPUTE_OPCODES and BLOCK_SCOPE in " ".join(_OP_NAME_RE.findall(i.attributes)) for i in between
                 )
     over_context = None if mesh_shape is None else sum(op.executions for op in ops if op.axes == (CONTEXT_AXIS,))

@@ -28,6 +28,7 @@ def with_context_attention(task, config: Config, mesh: jax.sharding.Mesh):
         mesh=mesh,
         strategy=p.context_strategy,
         implementation=task.attention or "xla",
+        requested=config.model.attention,
         batch_axes=BATCH_AXES,
         heads_axis=heads_axis,
         kv_heads_axis=heads_axis,

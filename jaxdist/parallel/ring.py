@@ -1,15 +1,21 @@
 """Ring attention over one mesh axis, with its backward written out (``jax.custom_vjp``).
 
 Called inside ``shard_map`` on each device's share of the sequence. Keys, values, segment ids and
-positions travel around the ring by ``ppermute`` (device i sends to i+1); each step's transfer is
-issued before that step's block is computed, so XLA can overlap the two. The blocks merge into one
+positions travel around the ring by ``ppermute`` (device i sends to i+1); each block merges into one
 online softmax (``parallel.blockwise``: fp32, masked tiles skipped, rows that see nothing give 0).
+
+Double-buffered: each step's transfer of the next block is issued before the current block's compute
+and waited for after it, and an ``optimization_barrier`` at the end of every step (``Ring.step_boundary``)
+holds XLA to that order. Without it XLA sees transfers that depend only on each other and chains them
+back to back ahead of the blocks (an H100 program of context=4 had 18 of 23 permutes asynchronous and
+10 with a block inside; tests/test_context_gpu.py).
 
 The backward is explicit because autodiff through a merge built on a fused kernel's residual loses
 the log-sum-exp's cotangent (DESIGN.md): the forward saves the output and the LSE; the backward
 sends the keys around again, recomputes each block's probabilities from the LSE, accumulates dQ
-locally, and carries each block's dK/dV (fp32) along with it, with one last shift so that they land
-on the device that owns the block.
+locally, and carries each block's dK/dV (fp32) along with it. It takes the blocks in the order the
+ring brings them with the device's own block last, so each block's dK/dV end on their owner after
+context-1 shifts, none after the last compute.
 """
 
 from __future__ import annotations
@@ -36,6 +42,15 @@ class Ring:
             return tree
         return jax.lax.ppermute(tree, self.axis, perm=[(i, (i + 1) % self.size) for i in range(self.size)])
 
+    def step_boundary(self, computed, arriving):
+        """The end of a ring step: ``(computed, arriving)`` through one ``optimization_barrier``, so
+        the next step's transfers (which read ``arriving``) start only after this step's block
+        compute and XLA waits for this step's transfer only after that compute. Without it XLA's
+        scheduler is free to chain the transfers back to back ahead of the computes (each transfer
+        depends only on the previous one), and it did: in an H100 program of context=4 only 2 of
+        20 transfers had a block inside, 6 ran synchronously."""
+        return jax.lax.optimization_barrier((computed, arriving))
+
 
 def ring_forward(ring: Ring, q, k, v, segment_ids, positions):
     """(output [B,T,H,D], lse tiles, tile pairs computed) on this device; the count is what the
@@ -47,7 +62,9 @@ def ring_forward(ring: Ring, q, k, v, segment_ids, positions):
     for step in range(ring.size):
         arriving = ring.shift(block) if step < ring.size - 1 else None  # issued before this block's compute
         state, count = blockwise.forward_block(state, query, block, scale)
-        computed, block = computed + count, arriving
+        computed = computed + count
+        if arriving is not None:  # ... and waited for after it
+            state, block = ring.step_boundary(state, arriving)
     out, lse = blockwise.finish(state, q.dtype)
     return blockwise.from_query_tiles(out), lse, computed
 
@@ -70,15 +87,24 @@ def _ring_bwd(ring, residuals, dout):
     query = blockwise.queries(q, segment_ids, positions, tiles, kv_heads)
     dout_tiles = blockwise.query_tiles(dout, tiles.q, kv_heads)
     grads = (dout_tiles, lse, blockwise.output_terms(blockwise.query_tiles(out, tiles.q, kv_heads), dout_tiles))
-    block = blockwise.keys(k, v, segment_ids, positions, tiles)
-    dq = jnp.zeros_like(query[0], dtype=F32)
-    dkv = (jnp.zeros_like(block[0], dtype=F32), jnp.zeros_like(block[1], dtype=F32))  # travels with its block
+    own = blockwise.keys(k, v, segment_ids, positions, tiles)
+    # The blocks come in the order the ring brings them, this device's own block last: block j's dK/dV
+    # start on the device after j (its first holder), travel with it, and its last holder is j, so
+    # they end on their owner with no transfer after the last compute. The one transfer no block
+    # compute hides is the first, issued before the loop (it reads only the forward's residuals, so
+    # XLA may start it behind the layer's earlier backward work).
+    block = ring.shift(own)
+    dq, dkv = jnp.zeros_like(query[0], dtype=F32), None
     for step in range(ring.size):
-        arriving = ring.shift(block) if step < ring.size - 1 else None
+        # This step's transfers are issued before its block's compute and waited for after it: the
+        # next block's K/V, and the dK/dV accumulated so far for the block held now (they left the
+        # previous holder after that holder's compute).
+        arriving = ring.shift(block) if step < ring.size - 2 else own if step == ring.size - 2 else None
+        travelling = ring.shift(dkv) if dkv is not None else None
         dq, dk, dv = blockwise.backward_block(dq, query, grads, block, scale)
-        # The block held now belongs to the device `step` places back; after this shift its
-        # gradient sits with the next holder, and after the last step's shift with its owner.
-        dkv, block = ring.shift((dkv[0] + dk, dkv[1] + dv)), arriving
+        dkv = (dk, dv) if travelling is None else (travelling[0] + dk, travelling[1] + dv)
+        if arriving is not None:
+            (dq, dkv), block = ring.step_boundary((dq, dkv), arriving)
     dq = blockwise.from_query_tiles(dq).astype(q.dtype)
     return dq, blockwise.from_key_tiles(dkv[0]).astype(k.dtype), blockwise.from_key_tiles(dkv[1]).astype(v.dtype), None, None
 
