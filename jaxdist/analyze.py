@@ -37,21 +37,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(build_arg_parser(), argv)
         config = config_from_args(args)
-        if args.target is not None:  # before JAX starts: the compile-only route needs JAX_PLATFORMS=cpu
+        # Before JAX starts: the compile-only route needs JAX_PLATFORMS=cpu and the CUDA plugin;
+        # a run on this host's devices, fake CPU devices for the mesh (and no plugin).
+        if args.target is not None:
             from jaxdist.plan.gpu_target import prepare_target
 
             prepare_target()
-        from jaxdist.inspect.step_report import format_report
-        from jaxdist.layout.devices import prepare_devices
-        from jaxdist.training.compiled import analyze
-
-        if args.target is not None:
             report, hlo = _analyze_target(args, config)
         else:
             if args.gpus is not None:
                 raise JaxdistError("--gpus needs --target (without one the mesh runs on this host's devices)")
-            sizes = prepare_devices(config)  # before JAX starts: fake CPU devices for the mesh
+            from jaxdist.layout.devices import prepare_devices
+
+            sizes = prepare_devices(config)
+            from jaxdist.training.compiled import analyze
+
             report, hlo = analyze(config, sizes, with_hlo=True)
+        from jaxdist.inspect.step_report import format_report
+
         if args.hlo_out:
             _write(args.hlo_out, hlo)
     except JaxdistError as e:

@@ -41,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         args = build_arg_parser().parse_args(argv)
+        from jaxdist.layout.devices import run_on_cpu_unless_gpu
+
+        run_on_cpu_unless_gpu()  # before JAX starts: conversion runs on this host's devices
         if args.command == "from-hf":
             from_hf(args.hf_dir, args.out, progress=sys.stderr.isatty(), log=log)
         else:

@@ -143,3 +143,4 @@ def test_a_machine_with_the_plugin_and_no_gpu_trains_on_fake_cpu_devices(tmp_pat
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "the CUDA plugin is installed but found no GPU" in proc.stderr
     assert "using 2 fake CPU devices" in proc.stderr and "(2 cpu)" in proc.stderr
+    assert "cuda" not in proc.stderr.replace("the CUDA plugin", "").lower(), proc.stderr  # the plugin's driver probes stay quiet

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import re
 import sys
+import types
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
@@ -29,7 +30,7 @@ def prepare_devices(config: Config, num_processes: int = 1) -> MeshSizes | None:
     Resolve the vocab first (``jaxdist.data.sources.resolve_vocab``) for the tensor axis's
     check to see it.
     """
-    train_on_cpu_without_gpu()
+    run_on_cpu_unless_gpu()
     settle_remaining_axis(config, num_processes)
     sizes = parse_mesh(config.parallel.mesh)
     if has_remaining_axis(sizes):  # GPU: sized and checked once the backend has started
@@ -41,7 +42,8 @@ def prepare_devices(config: Config, num_processes: int = 1) -> MeshSizes | None:
         check_config_on_mesh(config, sizes)  # warnings are printed once, by build_trainer
     if gpu_plugin_installed():
         apply_gpu_defaults(config)
-    elif sizes is not None:
+        return sizes
+    if sizes is not None:
         if mesh_device_count(sizes) % num_processes:
             raise JaxdistError(
                 f"mesh {config.parallel.mesh} ({mesh_device_count(sizes)} devices) does not split over {num_processes} processes"
@@ -101,17 +103,29 @@ def cuda_device_count() -> int:
     return count.value
 
 
-def train_on_cpu_without_gpu() -> None:
-    """A CUDA plugin without a GPU: say so once and keep JAX on the CPU (its fake devices),
-    instead of letting the plugin fail to initialise. Before JAX starts."""
-    if os.environ.get("JAX_PLATFORMS") or not cuda_plugin_installed() or cuda_device_count() > 0:
+def run_on_cpu_unless_gpu() -> None:
+    """Before JAX starts: a process with no GPU to use (``JAX_PLATFORMS=cpu``, or a CUDA plugin
+    with no GPU to see) runs on CPU and leaves the plugin unloaded. ``import jax`` would
+    otherwise load the plugin's extensions and call its ``initialize()``, whose probes for a
+    driver print "Could not find cuda drivers" lines a CPU run has no use for: stand-ins take
+    the plugin's module names in this process. Without ``JAX_PLATFORMS`` set, one line says
+    that the plugin found no GPU. (``analyze --target``, which compiles for a GPU, never calls this.)"""
+    if not cuda_plugin_installed() or "jax" in sys.modules:
         return
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # the plugin's own "Could not find cuda drivers" info line
-    print("jaxdist: the CUDA plugin is installed but found no GPU (no driver or no visible device): training on CPU", file=sys.stderr)
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() != "cpu":
+        if os.environ.get("JAX_PLATFORMS") or cuda_device_count() > 0:
+            return  # a GPU run, or the user's own choice of platforms
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        print("jaxdist: the CUDA plugin is installed but found no GPU (no driver or no visible device): training on CPU", file=sys.stderr)
+    for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
+        stand_in = types.ModuleType(name, "jaxdist: the CUDA plugin, left unloaded in a process that runs on CPU")
+        stand_in.initialize = lambda: None
+        sys.modules.setdefault(name, stand_in)
 
 
 def _module_exists(name: str) -> bool:
+    if name in sys.modules:  # imported, or stood in for (run_on_cpu_unless_gpu)
+        return True
     try:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # parent package missing
@@ -131,6 +145,7 @@ def ensure_fake_cpu_devices(n: int, *, exact: bool = False) -> None:
     process 0's and the others would hold none of the batch. Alone, more devices do no harm.
     On a machine with a GPU plugin nothing changes: a GPU mesh must match real devices.
     """
+    run_on_cpu_unless_gpu()
     if gpu_plugin_installed() or "jax" in sys.modules and backend_started():
         return
     forced = forced_host_device_count()
