@@ -8,7 +8,8 @@ Kernels (``kernel_counts``): ``gemm`` (cuBLAS / cuBLASLt calls and Triton gemm f
 ``gemm_fp8`` (cuBLASLt's fp8 matmul, or a Triton gemm whose dot takes f8 operands: without
 a device there is no autotuner, so XLA may leave fp8 gemms to Triton), ``attention_cudnn_fwd``
 / ``attention_cudnn_bwd`` (cuDNN flash attention), ``grouped_gemm`` (a ragged/grouped
-matmul kernel), ``triton_fusion`` (other Triton kernels, Pallas included), ``other_fusion``
+matmul kernel: a ``ragged-dot`` XLA kept, or jaxdist's Pallas Triton grouped GEMM, a Triton
+call named ``jaxdist_grouped_gemm_*``), ``triton_fusion`` (other Triton kernels, Pallas included), ``other_fusion``
 (XLA's loop and reduction fusions), ``copy``, ``collective`` (a start, or a synchronous
 collective) and ``other`` (sorts, scatters, custom calls not named above).
 
@@ -26,7 +27,7 @@ import re
 from typing import Any
 
 from jaxdist.inspect.collectives import COLLECTIVE_KINDS, collective_kind, collective_ops
-from jaxdist.inspect.hlo import NAME_RE, STRING_RE, HloModule, Instruction, computation_multipliers, parse_hlo
+from jaxdist.inspect.hlo import ARRAY_RE, NAME_RE, STRING_RE, HloModule, Instruction, computation_multipliers, parse_hlo
 
 KERNEL_KINDS = (
     "gemm",
@@ -45,6 +46,8 @@ _FUSION_KIND_RE = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
 _CALLS_RE = re.compile(r"\bcalls=(%?[\w.\-]+)")
 _IS_SYNC_RE = re.compile(r'"is_sync":(true|false)')
 _F8_RE = re.compile(r"\bf8e\w+\[")
+_KERNEL_NAME_RE = re.compile(r'\bname = "([^"]*)"')  # a Triton call's kernel name (Pallas: pallas_call's name)
+GROUPED_GEMM_KERNEL = "jaxdist_grouped_gemm"  # models.grouped_gemm's kernels: _fwd, _dx, _dw
 # Not kernels: bookkeeping the runtime does without a launch (views, tuples, control flow).
 _NO_KERNEL = {
     "parameter",
@@ -77,8 +80,25 @@ def _custom_call_kind(target: str, instruction: Instruction) -> str:
     if "ragged" in target.lower() or "grouped" in target.lower():
         return "grouped_gemm"
     if "triton" in target.lower():
-        return "triton_fusion"
+        names = _KERNEL_NAME_RE.findall(instruction.attributes)  # the last: the backend config's, past its IR
+        return "grouped_gemm" if names and names[-1].startswith(GROUPED_GEMM_KERNEL) else "triton_fusion"
     return "other"
+
+
+def grouped_gemm_flops(result_shape: str, operand_shapes: list[str]) -> float:
+    """FLOPs of one of jaxdist's grouped GEMM calls (``models.grouped_gemm``), from its shapes:
+    2 x rows x each group's matrix. The rows are its row operand's (``x`` or ``dy`` [M, .]), the
+    matrix the [G, A, B] array among its operands and result (forward and input gradient: the
+    weights; weight gradient: the result), A x B. Rows past the groups (a static buffer's empty
+    rows) are skipped at run time: with expert parallelism's buffer this is an upper bound."""
+    arrays = [
+        [int(d.removeprefix("<=")) for d in ds.split(",") if d]
+        for shape in (*operand_shapes, result_shape)
+        for _, ds in ARRAY_RE.findall(shape)
+    ]
+    rows = next((a[0] for a in arrays if len(a) == 2), 0)
+    matrix = next((a[1] * a[2] for a in arrays if len(a) == 3), 0)
+    return 2.0 * rows * matrix
 
 
 def kernel_kind(instruction: Instruction, module: HloModule) -> str | None:

@@ -5,9 +5,13 @@ The computation every MoE path shares (``models.moe`` calls it directly on one d
 
 - dispatch: the tokens x k assignments are stable-sorted by expert, so each expert's rows
   are contiguous (token order breaks ties: with a capacity the earliest tokens are kept);
-- compute: one ``jax.lax.ragged_dot`` per projection over the groups (a SwiGLU per
-  expert); rows past the used groups are masked, never trusted (GPU leaves them
-  unspecified);
+- compute: one grouped matmul per projection over the groups (a SwiGLU per expert); rows
+  past the used groups are masked, never trusted. Which grouped matmul (``expert_compute``):
+  on a GPU jaxdist's Pallas Triton grouped GEMM (``models.grouped_gemm``: each routed row's
+  work once, forward and both gradients), since XLA:GPU (jaxlib 0.10.2) expands
+  ``jax.lax.ragged_dot`` densely; elsewhere ``jax.lax.ragged_dot`` (XLA:CPU's is dense too:
+  exact, E times the work; TPU has its own). ``JAXDIST_MOE_KERNEL=ragged_dot`` keeps
+  ``ragged_dot`` on a GPU (dense, said in one line);
 - combine: each assignment's row is gathered back to its (token, slot) by the inverse
   permutation and the k slots summed in float32 with their gates: no scatter-add, so the
   result does not depend on the order atomics land in.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 
 import jax
@@ -24,6 +29,7 @@ import jax.numpy as jnp
 
 from jaxdist.layout.capacity import capacity_rows, ceil_scaled  # noqa: F401 - the kernels' sizes, re-exported
 from jaxdist.models import fp8
+from jaxdist.models.grouped_gemm import grouped_matmul
 from jaxdist.models.layers import swiglu
 
 # What a buffer row nothing was written to holds. Tests set NaN: a row that is read without
@@ -32,6 +38,15 @@ UNWRITTEN = 0.0
 
 # (rows [r, d] grouped by expert, group sizes [G], w_gate_up, w_down) -> outputs [r, d] fp32, 0 past the groups
 ExpertCompute = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# (rows [r, K] grouped, weights [G, K, N], group sizes [G]) -> float32 [r, N]
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+KERNEL_ENV = "JAXDIST_MOE_KERNEL"  # grouped_gemm (a GPU's default) | ragged_dot
+
+
+def ragged_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot`` with a float32 result."""
+    return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,18 +73,55 @@ def dispatch(ids: jax.Array, n_experts: int, capacity: int | None) -> Dispatch:
     return Dispatch(order, expert, counts, kept, rank)
 
 
-def swiglu_groups(rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def swiglu_groups(
+    rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, matmul: GroupedMatmul = ragged_matmul
+) -> jax.Array:
     """Expert e's SwiGLU on its contiguous rows (``group_sizes[e]`` of them, in order);
-    rows past the groups come out 0. ``w_gate_up`` [G, d, 2, f], ``w_down`` [G, f, d]."""
+    rows past the groups come out 0. ``w_gate_up`` [G, d, 2, f], ``w_down`` [G, f, d];
+    ``matmul``: the grouped matmul (``ragged_matmul`` or ``grouped_gemm.grouped_matmul``)."""
     g, d, _, f = w_gate_up.shape
     used = jnp.arange(rows.shape[0]) < jnp.sum(group_sizes)
     rows = jnp.where(used[:, None], rows, 0)  # unused rows never reach a product (their weight gradient included)
-    # model.fp8: quantise-dequantise only (fp8 rounding, compute-dtype products: XLA has no fp8 grouped GEMM)
-    dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, preferred_element_type=jnp.float32)
+    # model.fp8: quantise-dequantise only (fp8 rounding, compute-dtype products: no fp8 grouped GEMM here)
+    dot = lambda x, w: matmul(x, w, group_sizes)  # noqa: E731
     gate_up = fp8.grouped_dot(dot, rows, w_gate_up.reshape(g, d, 2 * f)).reshape(rows.shape[0], 2, f)
     hidden = swiglu(gate_up[:, 0], gate_up[:, 1]).astype(rows.dtype)
     out = fp8.grouped_dot(dot, hidden, w_down)
     return jnp.where(used[:, None], out, 0.0)
+
+
+def kernel_choice(platform: str) -> str:
+    """The grouped matmul the experts use on ``platform`` (a device's ``platform``):
+    ``grouped_gemm`` on a GPU unless ``JAXDIST_MOE_KERNEL=ragged_dot``; ``ragged_dot`` elsewhere."""
+    wanted = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if wanted not in ("", "grouped_gemm", "ragged_dot"):
+        raise ValueError(f"{KERNEL_ENV}={wanted!r}: grouped_gemm or ragged_dot")
+    if platform in ("gpu", "cuda") and wanted != "ragged_dot":
+        return "grouped_gemm"
+    return "ragged_dot"
+
+
+def expert_compute(platform: str, interpret: bool = False) -> ExpertCompute:
+    """The experts' computation on ``platform`` (``kernel_choice``); ``interpret``: the Pallas
+    kernels through Pallas' interpreter, on any backend (tests)."""
+    if kernel_choice(platform) == "grouped_gemm" or interpret:
+        return functools.partial(swiglu_groups, matmul=lambda x, w, sizes: grouped_matmul(x, w, sizes, interpret))
+    return swiglu_groups
+
+
+def kernel_note(platform: str, local_experts: int) -> str | None:
+    """One line where the experts' grouped matmuls run densely on ``platform`` (None where they do not)."""
+    if platform == "cpu":
+        return (
+            "jaxdist: MoE on CPU: jax.lax.ragged_dot runs as a dense expansion (every local expert on every row, "
+            f"{local_experts}x the expert FLOPs); results are exact, timings are not a GPU's"
+        )
+    if platform in ("gpu", "cuda") and kernel_choice(platform) == "ragged_dot":
+        return (
+            f"jaxdist: MoE on GPU with {KERNEL_ENV}=ragged_dot: XLA:GPU expands jax.lax.ragged_dot densely (every local "
+            f"expert on every row, {local_experts}x the expert FLOPs, forward and backward); the default is jaxdist's grouped GEMM"
+        )
+    return None
 
 
 def combine(per_row: jax.Array, d: Dispatch, gates: jax.Array, dtype) -> jax.Array:
@@ -89,12 +141,13 @@ def local_experts(
     w_down: jax.Array,
     capacity: int | None,
     reduce_hidden: Callable[[jax.Array], jax.Array] = lambda y: y,
-    compute: ExpertCompute = swiglu_groups,
+    compute: ExpertCompute | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(outputs [n, d], assignments dropped) of tokens ``x`` [n, d] routed to ``ids`` [n, k]
     with ``gates`` [n, k] over all the experts held here. ``reduce_hidden``: the sum over a
     split expert width (tensor parallelism) of each row's partial output; ``compute``: the
-    experts (tests put the identity there)."""
+    experts (None: ``expert_compute`` of the default backend; tests put the identity there)."""
+    compute = compute or expert_compute(jax.default_backend())
     n_experts = w_gate_up.shape[0]
     d = dispatch(ids, n_experts, capacity)
     kept_counts = d.counts if capacity is None else jnp.minimum(d.counts, capacity)

@@ -30,7 +30,7 @@ from jaxdist.layout.sharding import constrain
 from jaxdist.models import fp8
 from jaxdist.models.experts import capacity_rows, local_experts
 from jaxdist.models.fp8 import Fp8Einsum
-from jaxdist.models.layers import swiglu
+from jaxdist.models.layers import matmul, swiglu
 from jaxdist.models.params import fan_in_init, param
 
 # The statistic holding the part of a loss sum that is a regularizer, not the data's loss
@@ -111,9 +111,10 @@ class MoE(nnx.Module):
         with fp8.grouped(cfg.fp8 != "off"):
             y, dropped = kernel(x, ids, gates, w(self.w_gate_up), w(self.w_down), cfg.moe_capacity_factor)
         if cfg.moe_shared_experts:
-            gate_up = constrain(self.shared_gate_up_dot("btd,dcf->btcf", x, w(self.shared_gate_up)), ("batch", "seq", None, "act_mlp"))
+            gate_up = matmul(self.shared_gate_up_dot, "btd,dcf->btcf", x, w(self.shared_gate_up))  # f32 weight gradients
+            gate_up = constrain(gate_up, ("batch", "seq", None, "act_mlp"))
             hidden = swiglu(gate_up[:, :, 0], gate_up[:, :, 1])
-            y = y + self.shared_down_dot("btf,fd->btd", hidden, w(self.shared_down))
+            y = y + matmul(self.shared_down_dot, "btf,fd->btd", hidden, w(self.shared_down))
         return y, stats(cfg, logits, ids, probs, dropped)
 
 

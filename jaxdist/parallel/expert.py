@@ -7,7 +7,8 @@ While a train or eval step is traced, MoE layers (``models.moe``) hand their rou
 1. sorts its own tokens x k assignments by expert (``models.experts.dispatch``) and packs them
    into a static send buffer of R rows per destination (the device holding the expert),
 2. exchanges the buffers over ``expert`` (``all_to_all``: rows, and their local expert ids),
-3. groups what it received by local expert and runs one grouped matmul per projection,
+3. groups what it received by local expert and runs one grouped matmul per projection
+   (``models.experts.expert_compute`` of the mesh's platform: a GPU's grouped GEMM),
 4. sends the results back by the reverse ``all_to_all`` and combines them in float32.
 
 Expert weights arrive split over ``expert`` (and their width over ``tensor``: the partial
@@ -33,7 +34,7 @@ from jax.sharding import PartitionSpec
 from jaxdist.layout.mesh import BATCH_AXES
 from jaxdist.layout.sharding import Rules, logical_to_spec
 from jaxdist.models import experts as experts_lib
-from jaxdist.models.experts import ExpertCompute, capacity_rows, ceil_scaled, combine, dispatch, local_experts, swiglu_groups
+from jaxdist.models.experts import ExpertCompute, capacity_rows, ceil_scaled, combine, dispatch, expert_compute, local_experts
 
 AXIS = "expert"
 GATE_UP_AXES = ("expert", "embed", None, "mlp")  # models.moe's parameter axes
@@ -56,11 +57,15 @@ class ExpertParallel:
     mesh: jax.sharding.Mesh
     rules: Rules
     buffer_factor: float = 0.0  # parallel.expert_buffer_factor
-    compute: ExpertCompute = swiglu_groups  # the experts' computation on grouped rows (tests: the identity)
+    compute: ExpertCompute | None = None  # the experts' computation on grouped rows (None: the platform's; tests: the identity)
 
     @property
     def ep(self) -> int:
         return self.mesh.shape[AXIS]
+
+    @property
+    def platform(self) -> str:
+        return self.mesh.devices.flat[0].platform
 
     def __call__(self, x, ids, gates, w_gate_up, w_down, capacity_factor: float):
         mesh = self.mesh
@@ -75,6 +80,7 @@ class ExpertParallel:
         experts, k = w_gate_up.shape[0], ids.shape[-1]
         capacity = capacity_rows(tokens, k, experts, capacity_factor)
         rows = buffer_rows(tokens, k, experts, self.ep, capacity, self.buffer_factor)
+        compute = self.compute or expert_compute(self.platform)
 
         def local(x, ids, gates, w_gate_up, w_down):
             w_gate_up = _gather_sharded(w_gate_up, gate_up_spec, (1,))
@@ -83,9 +89,9 @@ class ExpertParallel:
             lb, lt, dim = x.shape
             flat = (x.reshape(lb * lt, dim), ids.reshape(lb * lt, k), gates.reshape(lb * lt, k))
             if self.ep == 1:
-                y, dropped = local_experts(*flat, w_gate_up, w_down, capacity, reduce_hidden, self.compute)
+                y, dropped = local_experts(*flat, w_gate_up, w_down, capacity, reduce_hidden, compute)
             else:
-                y, dropped = _exchange(*flat, w_gate_up, w_down, capacity, rows, self.ep, reduce_hidden, self.compute)
+                y, dropped = _exchange(*flat, w_gate_up, w_down, capacity, rows, self.ep, reduce_hidden, compute)
             return y.reshape(lb, lt, dim), jax.lax.psum(dropped, (*BATCH_AXES, *context))
 
         run = jax.shard_map(

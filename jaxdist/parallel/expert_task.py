@@ -9,6 +9,7 @@ import jax
 from jaxdist.config import Config
 from jaxdist.layout.sharding import rules_for
 from jaxdist.layout.strategy import resolve_strategy
+from jaxdist.models.experts import kernel_note
 from jaxdist.models.moe import expert_kernel
 
 
@@ -24,9 +25,6 @@ def with_expert_parallelism(task, config: Config, mesh: jax.sharding.Mesh):
             return inner_loss(model, batch)
 
     notes = [f"jaxdist: {kernel.note(config.model.moe_experts)}"] if kernel.ep > 1 else []
-    if mesh.devices.flat[0].platform == "cpu":
-        notes.append(
-            "jaxdist: MoE on CPU: jax.lax.ragged_dot runs as a dense expansion (every local expert on every row, "
-            f"{config.model.moe_experts // kernel.ep}x the expert FLOPs); results are exact, timings are not a GPU's"
-        )
+    dense = kernel_note(kernel.platform, config.model.moe_experts // kernel.ep)  # where the grouped matmuls run densely
+    notes += [dense] if dense else []
     return dataclasses.replace(task, loss_fn=loss_fn, notes=(*task.notes, *notes))
