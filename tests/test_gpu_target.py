@@ -144,3 +144,18 @@ def test_a_machine_with_the_plugin_and_no_gpu_trains_on_fake_cpu_devices(tmp_pat
     assert "the CUDA plugin is installed but found no GPU" in proc.stderr
     assert "using 2 fake CPU devices" in proc.stderr and "(2 cpu)" in proc.stderr
     assert "cuda" not in proc.stderr.replace("the CUDA plugin", "").lower(), proc.stderr  # the plugin's driver probes stay quiet
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_stages_run_cudnn_attention(schedule):
+    """Inside a pipeline stage (a region manual over 'pipe' only) JAX 0.10's cuDNN partitioning rule
+    failed ('GSPMDSharding' object has no attribute 'spec'); the call now runs manual over the other
+    axes too. A stage executes M + S - 1 = 3 chunk steps (masked ones included), each a forward and a
+    backward of its 2 layers: 6 cuDNN calls each way, for either schedule."""
+    report, _ = _compile(("model.n_layers=4", f"parallel.schedule={schedule}"), mesh="data=2,pipe=2", gpus=4)
+    steps, layers_per_stage = 2 + 2 - 1, 4 // 2
+    assert report["pipeline"]["chunk_steps"] == steps
+    assert report["kernels"]["attention_cudnn_fwd"] == report["kernels"]["attention_cudnn_bwd"] == layers_per_stage * steps, report[
+        "kernels"
+    ]

@@ -207,3 +207,44 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Pin an activation's layout by logical names; a no-op outside ``activation_layout``."""
     layout = _ACTIVE.get()
     return x if layout is None else layout.constrain(x, axes)
+
+
+def _partly_manual() -> tuple[Any, Any, Layout] | None:
+    """(the traced mesh, its sizes with manual axes as 1, the active layout) inside a region manual
+    over some mesh axes (a pipeline stage), else None."""
+    traced = jax.sharding.get_abstract_mesh()
+    layout = _ACTIVE.get()
+    if traced.empty or not traced.manual_axes or layout is None:
+        return None
+    sizes = types.SimpleNamespace(shape={a: (1 if a in traced.manual_axes else n) for a, n in traced.shape.items()})
+    return traced, sizes, layout
+
+
+def region_spec(axes: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec | None:
+    """The spec of an activation of logical ``axes`` over the automatic axes of a partly manual
+    region (``manual_over_the_rest``'s in-spec), or None outside one."""
+    region = _partly_manual()
+    return None if region is None else logical_to_spec(axes, shape, region[2].param_rules, region[1])
+
+
+def manual_over_the_rest(fn, arg_axes: Sequence[Sequence[str | None] | None], out_axes: Sequence[str | None]):
+    """``fn`` made manual over every mesh axis a region leaves automatic, when traced inside a
+    region manual over some (a pipeline stage); else ``fn`` itself. For kernels whose own
+    partitioning rule cannot run in a partly manual region: JAX 0.10's cuDNN attention reads a
+    ``NamedSharding``'s spec and finds a ``GSPMDSharding`` there. ``arg_axes``: each argument's
+    logical axes (None: replicated); the specs come from the active layout's rules."""
+    region = _partly_manual()
+    if region is None:
+        return fn
+    traced, sizes, layout = region
+    rest = tuple(a for a in traced.axis_names if a not in traced.manual_axes)
+
+    def wrapped(*args):
+        specs = tuple(
+            PartitionSpec() if axes is None else logical_to_spec(axes, x.shape, layout.param_rules, sizes)
+            for x, axes in zip(args, arg_axes, strict=True)
+        )
+        out_spec = logical_to_spec(out_axes, args[0].shape[: len(out_axes)], layout.param_rules, sizes)
+        return jax.shard_map(fn, mesh=traced, in_specs=specs, out_specs=out_spec, axis_names=set(rest), check_vma=False)(*args)
+
+    return wrapped

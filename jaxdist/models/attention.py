@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.errors import ConfigError
+from jaxdist.layout.sharding import manual_over_the_rest, region_spec
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 
@@ -89,9 +90,7 @@ def _causal_attention(q, k, v, segment_ids, *, implementation: str, max_segments
     if implementation == "xla":
         return grouped_attention(q, k, v, segment_ids)
     if implementation == "cudnn":
-        if segment_ids is None:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-        return _cudnn_packed(q, k, v, segment_ids, default_max_segments(q.shape[1]) if max_segments is None else max_segments)
+        return _cudnn(q, k, v, segment_ids, default_max_segments(q.shape[1]) if max_segments is None else max_segments)
     if implementation == "pallas":
         return _pallas(q, k, v, segment_ids)
     raise ValueError(f"attention implementation must be xla, cudnn or pallas here, got {implementation!r}")
@@ -217,6 +216,24 @@ def packed_offsets(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array
     lengths = jnp.where(valid, first[:, 1:] - first[:, :-1], -1)
     offsets = jnp.concatenate([jnp.where(valid, first[:, :-1], -1), jnp.full((b, 1), -1, jnp.int32)], axis=1)
     return offsets, lengths
+
+
+def _cudnn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, max_segments: int) -> jax.Array:
+    """cuDNN's flash attention, packed or not. Inside a pipeline stage (a region manual over
+    'pipe' only) JAX's cuDNN partitioning rule fails, so there the call runs manual over the
+    remaining axes too (``sharding.manual_over_the_rest``): batch and heads split as the
+    activations are; kv heads the tensor axis cannot split are repeated to the query heads first."""
+    heads, kv_heads = ("batch", "seq", "act_heads", None), ("batch", "seq", "act_kv_heads", None)
+    q_spec, kv_spec = region_spec(heads, q.shape), region_spec(kv_heads, k.shape)
+    if q_spec is not None and q_spec[2] != kv_spec[2]:  # the heads split, the kv heads not: each device needs its groups'
+        repeat = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+        kv_heads = heads
+    if segment_ids is None:
+        call = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")  # noqa: E731
+        return manual_over_the_rest(call, (heads, kv_heads, kv_heads), heads)(q, k, v)
+    call = lambda q, k, v, ids: _cudnn_packed(q, k, v, ids, max_segments)  # noqa: E731
+    return manual_over_the_rest(call, (heads, kv_heads, kv_heads, ("batch", "seq")), heads)(q, k, v, segment_ids)
 
 
 def _cudnn_packed(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, max_segments: int) -> jax.Array:
