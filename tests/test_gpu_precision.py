@@ -175,3 +175,16 @@ def test_the_embedding_table_is_gathered_in_the_compute_dtype(program):
     tables = [c for c in prog.collectives if c.kind == "all-gather" and any(dims in shapes for _, dims in c.arrays)]
     assert tables, f"{name}: no all-gather of the embedding table"
     assert {dtype for c in tables for dtype, dims in c.arrays if dims in shapes} == {"bf16"}, [str(c) for c in tables]
+
+
+def test_expert_weight_gradients_cross_devices_in_fp32():
+    """The routed experts' weights are gathered over fsdp inside the expert-parallel region (a
+    shard_map): autodiff's transpose reduce-scattered their gradients in bf16, a custom gather
+    now reduce-scatters them in fp32, like every other gradient."""
+    config = load_config("moe-tiny", ["model.dtype=bfloat16"])
+    resolve_vocab(config)
+    sizes = parse_mesh("fsdp=4,expert=2")
+    trainer, compiled, _ = compile_for_target(config, sizes, target_hardware("h100"), 8, 8)
+    collectives = _collectives(parse_hlo(compiled.as_text()), dict(trainer.layout.mesh.shape))
+    scatters = [c for c in collectives if c.kind == "reduce-scatter"]
+    assert scatters and all({dtype for dtype, _ in c.arrays} == {"f32"} for c in scatters), [str(c) for c in scatters]

@@ -25,6 +25,7 @@ fit are dropped and counted (``moe_dropped_fraction``), never lost silently.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -115,8 +116,26 @@ def _gather_sharded(w: jax.Array, spec: PartitionSpec, dims: tuple[int, ...]) ->
     for dim in dims:
         entry = spec[dim] if dim < len(spec) else None
         for axis in reversed((entry,) if isinstance(entry, str) else (entry or ())):
-            w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+            w = _gather(w, axis, dim)
     return w
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather(w: jax.Array, axis: str, dim: int) -> jax.Array:
+    """An all-gather of (compute-dtype) weights whose backward reduce-scatters the gradient in
+    f32, as XLA's reductions of every other weight gradient do (autodiff's would be bf16)."""
+    return jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+
+
+def _gather_fwd(w, axis, dim):
+    return _gather(w, axis, dim), None
+
+
+def _gather_bwd(axis, dim, _, g):
+    return (jax.lax.psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=dim, tiled=True).astype(g.dtype),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 def _exchange(x, ids, gates, w_gate_up, w_down, capacity, rows: int, ep: int, reduce_hidden, compute: ExpertCompute):
