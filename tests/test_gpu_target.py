@@ -127,9 +127,9 @@ def test_analyze_target_bad_input_is_one_line(argv, expected, capsys):
 
 
 def test_without_the_plugin_analyze_target_says_how_to_install_it(monkeypatch, capsys):
-    import jaxdist.plan.gpu_target as gpu_target
+    import jaxdist.layout.devices as devices
 
-    monkeypatch.setattr(gpu_target, "cuda_plugin_installed", lambda: False)
+    monkeypatch.setattr(devices, "cuda_plugin_installed", lambda: False)
     assert analyze.main(["--target", "h100", *TINY]) == 2
     assert "needs JAX's CUDA plugin: pip install" in capsys.readouterr().err
 

@@ -34,6 +34,16 @@ TINY = [
 ]
 
 
+@pytest.fixture
+def cpu_compiles(monkeypatch):
+    """A GPU profile's plan as on a machine without JAX's CUDA plugin: each layout compiled against
+    fake CPU devices and priced for the GPU by rule (the planner says so in one line). The tests
+    that use it are about the search and the CLI, not about XLA:GPU's program (tests/test_plan_gpu.py)."""
+    import jaxdist.layout.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_plugin_installed", lambda: False)
+
+
 def _xla_flops(compiled) -> float:
     cost = compiled.cost_analysis()
     return float((cost[0] if isinstance(cost, list | tuple) else cost)["flops"])
@@ -165,7 +175,7 @@ def test_enumeration_respects_divisibility():
 
 
 @pytest.mark.heavy
-def test_the_cli_ranks_compiled_layouts_and_reuses_its_cache(tmp_path, monkeypatch, capsys):
+def test_the_cli_ranks_compiled_layouts_and_reuses_its_cache(tmp_path, cpu_compiles, monkeypatch, capsys):
     monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
     argv = ["--gpus", "4", "--hardware", "h100", "--max-compiles", "2", "--json", *TINY]
     assert plan_cli.main(argv) == 0
@@ -212,7 +222,7 @@ def test_bad_input_is_one_line(case, capsys):
     assert err[-1].startswith("jaxdist: error:") and message in err[-1], err[-1]
 
 
-def test_a_layout_that_does_not_compile_is_reported_and_skipped(tmp_path, monkeypatch, capsys):
+def test_a_layout_that_does_not_compile_is_reported_and_skipped(tmp_path, cpu_compiles, monkeypatch, capsys):
     import jaxdist.plan.search as search
 
     monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
@@ -362,7 +372,7 @@ def test_program_costs_survive_the_cache_whole():
 
 
 @pytest.mark.heavy
-def test_a_long_sequence_makes_the_planner_pick_a_context_axis(tmp_path, monkeypatch, capsys):
+def test_a_long_sequence_makes_the_planner_pick_a_context_axis(tmp_path, cpu_compiles, monkeypatch, capsys):
     """On a device with half the memory that XLA's compiled program of the leanest context-free
     layout of a 2,048-token sequence needs, the planner ranks a context layout first: the
     context-free layouts its screen lets through are compiled and found too big, and XLA's memory
@@ -450,7 +460,7 @@ def test_the_table_gives_small_step_times_in_significant_figures():
     assert "1.40 ms" in rows[1] and "12.3 s" in rows[2] and "0.000" not in table and " 0.0 " not in table, table
 
 
-def test_build_notes_are_said_once_and_cpu_backend_notes_not_for_a_gpu_plan(tmp_path, monkeypatch, capsys):
+def test_build_notes_are_said_once_and_cpu_backend_notes_not_for_a_gpu_plan(tmp_path, cpu_compiles, monkeypatch, capsys):
     """Each compiled layout's build prints its notes; the planner says each once, and leaves out of
     an H100 plan the one on how XLA:CPU runs ragged_dot (the plan prices a GPU's grouped GEMM). The
     notes are kept in the compile cache, so a cached rerun says the same."""

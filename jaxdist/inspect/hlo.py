@@ -200,25 +200,90 @@ def callees(instruction: Instruction) -> list[tuple[str, int]]:
     return edges
 
 
+def _operand_name(operand: str) -> str | None:
+    match = NAME_RE.match(operand.split()[-1]) if operand.strip() else None
+    return match.group(1) if match else None
+
+
+def attribute_computations(instruction: Instruction, key: str) -> list[str]:
+    """The computations an attribute names (``body=%b``, ``branch_computations={%x, %y}``)."""
+    found = re.search(rf"\b{key}=(\{{[^}}]*\}}|%?[\w.\-]+)", STRING_RE.sub('""', instruction.attributes))
+    return NAME_RE.findall(found.group(1)) if found else []
+
+
+_INDUCTION_RE = re.compile(r'"known_induction_variable"\s*:\s*\{\s*"tuple_index"\s*:\s*"(\d+)"')
+_DIRECTION_RE = re.compile(r"direction=(\w+)")
+_CONSTANT_RE = re.compile(r"^\s*(-?\d+)\s*$")
+_CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
+
+
+def _constant(name: str | None, body: dict[str, Instruction]) -> int | None:
+    """The integer constant ``name`` is, through copies and bitcasts (None if it is not one)."""
+    while name in body and body[name].opcode in ("copy", "bitcast", "convert"):
+        name = _operand_name(body[name].operands[0]) if body[name].operands else None
+    i = body.get(name) if name else None
+    found = _CONSTANT_RE.match(i.operands[0]) if i is not None and i.opcode == "constant" and i.operands else None
+    return int(found.group(1)) if found else None
+
+
+def loop_trips(instruction: Instruction, module: HloModule, caller: list[Instruction]) -> int:
+    """A while loop's trip count: XLA's ``known_trip_count``, or, where XLA:GPU leaves it out (a
+    loop it peeled, as gradient accumulation's), read from the loop: its condition compares the
+    induction variable with a constant (``i < N``), from the constant it starts at. 1 if neither."""
+    known = trip_count(instruction)
+    if known is not None:
+        return known
+    condition = [i for c in attribute_computations(instruction, "condition") for i in module.computations.get(c, [])]
+    root = condition[-1] if condition else None
+    if root is not None and root.opcode == "fusion":  # the compare fused, as XLA:GPU does
+        condition = [i for c in _CALLS_RE.findall(root.attributes) for i in module.computations.get(c, [])]
+        root = condition[-1] if condition else None
+    if root is None or root.opcode != "compare" or len(root.operands) != 2:
+        return 1
+    direction = _DIRECTION_RE.search(root.attributes)
+    bound = _constant(_operand_name(root.operands[1]), {i.name: i for i in condition})
+    induction = _INDUCTION_RE.search(instruction.attributes)
+    index = int(induction.group(1)) if induction else 0
+    scope = {i.name: i for i in caller}
+    init_tuple = scope.get(_operand_name(instruction.operands[0])) if instruction.operands else None
+    start = 0
+    if init_tuple is not None and init_tuple.opcode == "tuple" and index < len(init_tuple.operands):
+        start = _constant(_operand_name(init_tuple.operands[index]), scope) or 0
+    if bound is None or not direction or direction.group(1) not in ("LT", "LE"):
+        return 1
+    return max(bound - start + (direction.group(1) == "LE"), 1)
+
+
 def loops_without_trip_count(module: HloModule) -> int:
     return sum(1 for body in module.computations.values() for i in body if i.opcode == "while" and trip_count(i) is None)
 
 
 def computation_multipliers(module: HloModule) -> dict[str, int]:
     """How many times each computation reachable from ENTRY runs per execution of the
-    program: the sum over its call sites of the caller's count times the loop trip count."""
-    edges = {name: [edge for i in body for edge in callees(i)] for name, body in module.computations.items()}
+    program: the sum over its call sites of the caller's count times the loop trip count
+    (``loop_trips``: XLA's, or read from a loop XLA:GPU peeled and left without one)."""
+    edges: dict[str, list[tuple[str, int]]] = {}
+    for name, body in module.computations.items():
+        edges[name] = []
+        for i in body:
+            found = callees(i)
+            if i.opcode == "while" and trip_count(i) is None:
+                trips, bodies = loop_trips(i, module, body), set(attribute_computations(i, "body"))
+                found = [(callee, trips if callee in bodies else trips + 1) for callee, _ in found]
+            edges[name] += found
     order: list[str] = []  # post-order: every callee before its callers
     seen: set[str] = set()
-
-    def visit(name: str) -> None:
+    todo = [(module.entry, False)]
+    while todo:  # without recursion: deep call graphs
+        name, expanded = todo.pop()
+        if expanded:
+            order.append(name)
+            continue
+        if name in seen:
+            continue
         seen.add(name)
-        for callee, _ in edges.get(name, []):
-            if callee not in seen:
-                visit(callee)
-        order.append(name)
-
-    visit(module.entry)
+        todo.append((name, True))
+        todo += [(callee, False) for callee, _ in edges.get(name, []) if callee not in seen]
     counts = dict.fromkeys(order, 0)
     counts[module.entry] = 1
     for name in reversed(order):  # callers before callees (HLO call graphs are acyclic)

@@ -4,11 +4,14 @@
         [--global-batch B] [--top K] [--time-budget S] [--max-compiles K] [--json] [key=value ...]
 
 Every (data, fsdp, expert, context, tensor, pipe) x microbatches x remat (x context strategy)
-layout jaxdist accepts is screened (an expert axis only for an MoE model)
-(memory must fit with 10% headroom; a rough time orders them), then the best are compiled
-against N fake CPU devices, best first, until ``--time-budget`` seconds or
-``--max-compiles`` compiles; each compiled step is priced by ``jaxdist.plan.cost`` on the
-hardware profile (``--links PATH``: its links as ``python -m jaxdist.commbench --out PATH`` measured
+layout jaxdist accepts is screened (an expert axis only for an MoE model; a rough time orders
+them), then the best are compiled, best first, until ``--time-budget`` seconds or
+``--max-compiles`` compiles. For a GPU profile each is compiled by XLA:GPU for N compile-only
+devices of the target (``plan.gpu_target``; ``--gpus-per-node`` per host): the screen keeps the
+layouts whose estimated memory is within ``search.PREFILTER_MARGIN`` of what JAX may allocate,
+and XLA:GPU's peak memory decides what fits. For ``cpu-local`` they are compiled against N fake
+CPU devices, after a screen that must fit with 10% headroom. Each compiled step is priced by
+``jaxdist.plan.cost`` on the hardware profile (``--links PATH``: its links as ``python -m jaxdist.commbench --out PATH`` measured
 them, ``jaxdist.plan.links``). Compiles are cached, so a rerun is fast. ``--json`` prints
 ``{"candidates": [...]}`` best first, each with ``mesh``, ``microbatches``, ``remat``, ``context_strategy``,
 ``step_time_s``, ``tokens_per_sec_per_device``, ``mfu``, ``memory_per_device_bytes`` and
@@ -18,6 +21,7 @@ them, ``jaxdist.plan.links``). Compiles are cached, so a rerun is fast. ``--json
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -63,7 +67,14 @@ def plan(args, log=print) -> dict:
     from jaxdist.config import load_config
     from jaxdist.models.llama import count_params
     from jaxdist.plan.hardware import load_hardware
-    from jaxdist.plan.search import CONTEXT_STRATEGIES, HEADROOM, enumerate_candidates, estimated_memory, estimated_time
+    from jaxdist.plan.search import (
+        CONTEXT_STRATEGIES,
+        HEADROOM,
+        PREFILTER_MARGIN,
+        enumerate_candidates,
+        estimated_memory,
+        estimated_time,
+    )
 
     check_limits(args)
     overrides = list(args.overrides)
@@ -103,47 +114,100 @@ def plan(args, log=print) -> dict:
             f"({config.train.global_batch}), tensor the heads ({config.model.n_heads}/{config.model.n_kv_heads}) within a node "
             f"({per_node}), pipe the layers ({config.model.n_layers}), 2 x context the sequence ({config.train.seq_len})"
         )
-    budget = HEADROOM * hardware.memory_bytes
+    target = _gpu_target(hardware, args.gpus, per_node, log)
+    if target is not None:  # XLA:GPU's peak decides; the estimate only screens out the hopeless
+        from jaxdist.plan.gpu_target import allowed_memory
+
+        usable = allowed_memory(hardware)
+        budget, usable_text = PREFILTER_MARGIN * usable, f"{usable / GIB:.1f} GiB usable ({PREFILTER_MARGIN:g}x that for the estimate)"
+    else:
+        budget = HEADROOM * hardware.memory_bytes
+        usable_text = f"{budget / GIB:.1f} GiB usable"
     screened = [(c, estimated_memory(config, c, n_params, hardware.fused_attention)) for c in candidates]
     fitting = [(c, m) for c, m in screened if m <= budget]
     if not fitting:
         smallest, need = min(screened, key=lambda cm: cm[1])
         raise JaxdistError(
             f"{config.name} fits no layout on {args.gpus} x {hardware.name}: the smallest ({smallest.label()}) needs "
-            f"{need / GIB:.1f} GiB per device, {budget / GIB:.1f} GiB usable; use more GPUs or a smaller train.global_batch"
+            f"{need / GIB:.1f} GiB per device, {usable_text}; use more GPUs or a smaller train.global_batch"
         )
     fitting.sort(key=lambda cm: estimated_time(config, cm[0], n_params, hardware))
-    return _price(config, fitting, hardware, args, log)
+    result = _price(config, fitting, hardware, args, log, target)
+    result["layouts"]["valid"] = len(candidates)
+    return result
 
 
-def _price(config, fitting, hardware, args, log) -> dict:
+def _gpu_target(hardware, gpus: int, per_node: int, log):
+    """What a plan for ``hardware`` compiles for: XLA:GPU's program for ``gpus`` devices of the
+    target (None: XLA:CPU's, on fake CPU devices: ``cpu-local``, or, said in one line, a GPU
+    profile on a machine without JAX's CUDA plugin)."""
+    from jaxdist.layout.devices import cuda_plugin_installed
+    from jaxdist.plan.search import GpuTarget
+
+    if hardware.shared_host:
+        return None
+    if not cuda_plugin_installed():
+        log(
+            f"jaxdist: warning: JAX's CUDA plugin is not installed: each layout is compiled against fake CPU devices and "
+            f"priced for {hardware.name} by rule, not from XLA:GPU's program (pip install -e '.[dev]')"
+        )
+        return None
+    if gpus > per_node and gpus % per_node:
+        raise JaxdistError(f"--gpus {gpus} is not a whole number of nodes of {per_node} (--gpus-per-node)")
+    return GpuTarget(hardware, gpus, per_node)
+
+
+def _price(config, fitting, hardware, args, log, target=None) -> dict:
     from tqdm import tqdm
 
     from jaxdist.plan.cost import predict_summary
     from jaxdist.plan.hlo_cost import ProgramCost
     from jaxdist.plan.search import HEADROOM, compile_summary, configured, plan_notes, routed_expert_params, states_bytes
 
+    if target is not None:
+        from jaxdist.plan.gpu_target import allowed_memory
+
+        usable = allowed_memory(hardware)
+    else:
+        usable = HEADROOM * hardware.memory_bytes
+
     start, priced, skipped, failed, notes = time.monotonic(), [], 0, [], []
-    todo = fitting[: args.max_compiles]
-    bar = tqdm(todo, desc="compiling layouts", unit="layout", file=sys.stderr, disable=not sys.stderr.isatty())
-    for candidate, estimate in bar:
+    # A GPU plan learns from its compiles: per remat policy, the smallest XLA:GPU peak / estimate seen;
+    # a layout whose estimate times that exceeds the memory (5% slack) is left uncompiled
+    ratios: dict[str, float] = {}
+    tried = left_out = past = 0
+    bar = tqdm(total=min(args.max_compiles, len(fitting)), desc="compiling layouts", unit="layout", file=sys.stderr)
+    bar.disable = not sys.stderr.isatty()
+    for candidate, estimate in fitting:
+        if tried >= args.max_compiles:
+            past += 1
+            continue
         if time.monotonic() - start > args.time_budget:
             skipped += 1
             continue
+        if candidate.remat in ratios and estimate * ratios[candidate.remat] > 1.05 * usable:
+            left_out += 1
+            continue
+        tried += 1
+        bar.update(1)
         bar.set_postfix_str(candidate.label())
         try:
-            summary, cached = compile_summary(configured(config, candidate))
+            summary, cached = compile_summary(configured(config, candidate), target=target)
         except Exception as e:  # noqa: BLE001 - a layout XLA cannot compile is reported, and the search goes on
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             log(f"jaxdist: warning: {candidate.label()} does not compile ({reason}); left out of the ranking")
             failed.append({"layout": candidate.label(), "error": reason})
             continue
+        if target is not None and estimate > 0:
+            ratios[candidate.remat] = min(ratios.get(candidate.remat, math.inf), summary["memory"]["peak"] / estimate)
         program = ProgramCost.from_dict(summary["program"])
         p = predict_summary(program, hardware, summary)
         layout_notes = plan_notes(summary.get("notes", []), hardware.shared_host)
         notes += layout_notes
         states = summary["memory"]["arguments"]
-        if hardware.fused_attention:  # XLA:CPU's temp holds unfused attention scores: states + activation estimate
+        if target is not None:
+            memory, source = summary["memory"]["peak"], "XLA:GPU peak"
+        elif hardware.fused_attention:  # XLA:CPU's temp holds unfused attention scores: states + activation estimate
             memory, source = (
                 states + max(estimate - states_bytes(candidate, summary["params"], routed_expert_params(config)), 0.0),
                 "states compiled + activations estimated",
@@ -159,7 +223,7 @@ def _price(config, fitting, hardware, args, log) -> dict:
                 **p.to_dict(),
                 "memory_per_device_bytes": int(memory),
                 "memory_source": source,
-                "fits": memory <= HEADROOM * hardware.memory_bytes,
+                "fits": memory <= usable,
                 "cached": cached,
                 "notes": layout_notes,
             }
@@ -167,6 +231,13 @@ def _price(config, fitting, hardware, args, log) -> dict:
     bar.close()
     for note in plan_notes(notes, hardware.shared_host):  # each once, however many layouts compiled it
         log(note)
+    compiler = f"with XLA:GPU for {args.gpus} x {hardware.name}" if target is not None else f"against {args.gpus} fake CPU devices"
+    reused = sum(c["cached"] for c in priced)
+    log(
+        f"jaxdist: compiled {tried} of {len(fitting)} screened layouts {compiler} ({tried - reused} new, {reused} cached"
+        f"{f'; {left_out} left out: the compiled peaks say they do not fit' if left_out else ''}"
+        f"{f'; {skipped} past --time-budget' if skipped else ''}{f'; {past} past --max-compiles' if past else ''})"
+    )
     ranked = sorted((c for c in priced if c["fits"]), key=lambda c: c["step_time_s"])
     return {
         "config": config.name,
@@ -176,7 +247,14 @@ def _price(config, fitting, hardware, args, log) -> dict:
         "gpus_per_node": min(hardware.gpus_per_node, args.gpus),
         "global_batch": config.train.global_batch,
         "seq_len": config.train.seq_len,
-        "layouts": {"valid": None, "fitting_estimate": len(fitting), "compiled": len(priced), "over_budget": skipped},
+        "layouts": {
+            "valid": None,
+            "fitting_estimate": len(fitting),
+            "compiled": len(priced),
+            "over_budget": skipped,
+            "left_out_by_compiled_memory": left_out,
+        },
+        "compiler": "XLA:GPU" if target is not None else "XLA:CPU",
         "candidates": ranked,
         "did_not_fit": [c for c in priced if not c["fits"]],
         "failed_to_compile": failed,
@@ -236,13 +314,26 @@ def fake_cpu_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(n, 1)}".strip()
 
 
+def prepare_compiler(hardware: str, gpus: int) -> None:
+    """Before JAX starts: a GPU target's compile-only devices need a CPU backend and the CUDA
+    plugin (``plan.gpu_target.prepare_target``); cpu-local (or a GPU profile without the plugin,
+    which ``plan`` says) compiles against ``gpus`` fake CPU devices."""
+    from jaxdist.layout.devices import cuda_plugin_installed
+    from jaxdist.plan.gpu_target import TARGETS, prepare_target
+
+    if hardware in TARGETS and cuda_plugin_installed():
+        prepare_target()
+    else:
+        fake_cpu_devices(gpus)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from jaxdist.cli import parse_args
 
     try:
         args = parse_args(build_arg_parser(), argv)
         check_limits(args)  # before JAX starts
-        fake_cpu_devices(args.gpus)
+        prepare_compiler(args.hardware, args.gpus)
         result = plan(args, log=lambda m: print(m, file=sys.stderr))
     except JaxdistError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)

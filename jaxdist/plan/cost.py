@@ -22,10 +22,30 @@
                  (XLA's loop pipeliner moves them into the backward loop)
     step       = compute + exposed
 
+XLA:GPU's program (a GPU plan compiles each layout for the target, ``plan.gpu_target``) is
+priced kernel by kernel instead, by replaying its schedule (``gpu_cost.gpu_schedule``) on two
+streams, compute and collectives:
+
+    kernel     = max(FLOPs / rate, bytes / (HBM x memory_efficiency)); rate: a GEMM's the
+                 sustained matmul rate (an fp8 GEMM's ``fp8_flops_per_s``), cuDNN attention's a
+                 share of it (``attention_fwd_share`` / ``_bwd_share``); a memory-bound fusion, a
+                 copy and the rest by their bytes
+    collective = as above, on its link (an all-reduce's latency the shorter of a ring's and a
+                 tree's, as NCCL picks); an async one starts when the collective stream is free
+                 and its start is reached, and the compute stream waits for it only at its done;
+                 a synchronous one waits for both
+    loop       = trip count x one iteration in steady state (a collective started at the end of
+                 one iteration and done in the next overlaps the next one)
+    conditional = the mean of its branches
+    step       = ENTRY's time; compute = the kernels' busy time; exposed = step - compute
+
+so what overlaps is what XLA:GPU's latency-hiding scheduler put between a collective's start and
+done, with the kernels' own times.
+
 A pipeline's bubble is already in the compiled program (every stage runs every tick); its
-share of the step is the schedule's bubble fraction. ``shared_host`` profiles (cpu-local)
-run all devices on one host's cores, so their compute adds up. Ring steps: all-reduce
-2(n-1), all-gather / reduce-scatter / all-to-all n-1, a permute 1.
+share of the step is the schedule's bubble fraction. ``shared_host`` profiles (cpu-local) run
+all devices on one host's cores, so their compute adds up. Ring steps: all-reduce 2(n-1),
+all-gather / reduce-scatter / all-to-all n-1, a permute 1.
 """
 
 from __future__ import annotations
@@ -34,10 +54,10 @@ import dataclasses
 import math
 
 from jaxdist.inspect.collectives import CollectiveOp
+from jaxdist.plan.gpu_cost import CAUSAL_SKIP, MATMUL_KINDS
 from jaxdist.plan.hardware import Hardware, Link
 from jaxdist.plan.hlo_cost import ProgramCost
 
-CAUSAL_SKIP = 0.5  # share of attention work a causal kernel skips (whole blocks above the diagonal; 0.5 - 1/(2 x tiles))
 CRITICAL_AXES = ("tensor", "pipe")  # their collectives feed the next op: nothing to hide them behind
 
 
@@ -74,6 +94,7 @@ class Prediction:
     bound: str  # compute | communication | bubble
     mfu: float
     tokens_per_sec_per_device: float
+    kernel_s: dict[str, float] | None = None  # XLA:GPU's program: busy seconds per step by kernel kind
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -88,6 +109,8 @@ def predict(
     tokens_per_step: float,
     bubble: float = 0.0,
 ) -> Prediction:
+    if cost.schedule:  # XLA:GPU's program: its kernels and collectives in schedule order
+        return _predict_schedule(cost, hardware, mesh_shape, model_flops_per_step, tokens_per_step, bubble)
     devices = math.prod(mesh_shape.values())
     share = devices if hardware.shared_host else 1
     flops = cost.matmul_flops
@@ -186,7 +209,114 @@ def _gpu_bytes_factor(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -
     return factor
 
 
-def _op_time(op: CollectiveOp, hardware: Hardware, nodes_per_axis: dict[str, int]) -> float:
+def _op_time(op: CollectiveOp, hardware: Hardware, nodes_per_axis: dict[str, int], nccl: bool = False) -> float:
+    """One execution of ``op`` on the link its groups cross; ``nccl``: an all-reduce's latency as
+    the shorter of a ring's 2(n-1) steps and a tree's 2 log2(n) (NCCL's double binary trees take
+    the small, latency-bound ones, such as fp8 scaling's amax reductions)."""
     across = any(nodes_per_axis.get(axis, 1) > 1 for axis in op.axes or ())
     link = hardware.inter_node if across else hardware.intra_node
-    return collective_time(op.kind, op.wire_bytes or 0, op.group_size or 1, link)
+    n = op.group_size or 1
+    if nccl and op.kind == "all-reduce" and n > 2:
+        steps = min(ring_steps(op.kind, n), 2 * math.ceil(math.log2(n)))
+        return steps * link.latency + (op.wire_bytes or 0) / (link.bandwidth * link.efficiency)
+    return collective_time(op.kind, op.wire_bytes or 0, n, link)
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA:GPU's program: its schedule replayed
+
+
+def kernel_time(hardware: Hardware, kind: str, flops: float, nbytes: float) -> float:
+    """One kernel's seconds: its FLOPs at its kind's rate or its bytes at HBM speed, whichever is longer."""
+    rate = hardware.matmul_flops_per_s
+    if kind == "gemm_fp8":
+        rate = hardware.fp8_flops_per_s
+    elif kind == "attention_cudnn_fwd":
+        rate *= hardware.attention_fwd_share
+    elif kind == "attention_cudnn_bwd":
+        rate *= hardware.attention_bwd_share
+    return max(flops / rate, nbytes / (hardware.memory_bandwidth * hardware.memory_efficiency))
+
+
+@dataclasses.dataclass
+class _Run:
+    elapsed: float = 0.0
+    busy: float = 0.0
+    kinds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class _Replay:
+    """A scheduled program on one compute and one collective stream (``predict``'s GPU path)."""
+
+    def __init__(self, cost: ProgramCost, hardware: Hardware, op_seconds: list[float]):
+        self.events = dict(cost.schedule)
+        self.hardware, self.op_seconds = hardware, op_seconds
+        self.done: dict[str, _Run] = {}
+
+    def run(self, name: str, loop: bool = True) -> _Run:
+        """One execution of computation ``name`` (a loop body's in steady state)."""
+        if name not in self.done:
+            self.done[name] = _Run()  # a (malformed) recursive schedule counts as free
+            events = self.events.get(name, ())
+            first, net, pending = self._pass(events, 0.0, {})
+            if pending and loop:  # collectives in flight at the end: a pipelined loop's, done in the next iteration
+                second, _, _ = self._pass(events, net - first.elapsed, {k: t - first.elapsed for k, t in pending.items()})
+                first.elapsed = second.elapsed
+            elif pending:
+                first.elapsed = max(first.elapsed, *pending.values())
+            self.done[name] = first
+        return self.done[name]
+
+    def _pass(self, events: tuple[tuple, ...], net: float, pending: dict[int, float]) -> tuple[_Run, float, dict[int, float]]:
+        run, t = _Run(), 0.0
+        for event in events:
+            tag = event[0]
+            if tag == "k":
+                seconds = kernel_time(self.hardware, event[1], event[2], event[3])
+                t += seconds
+                run.busy += seconds
+                run.kinds[event[1]] = run.kinds.get(event[1], 0.0) + seconds
+            elif tag == "s":  # starts once it is reached and the collective stream is free
+                net = max(t, net) + self.op_seconds[event[1]]
+                pending[event[1]] = net
+            elif tag == "d":
+                t = max(t, pending.pop(event[1], t))
+            elif tag == "c":
+                t = net = max(t, net) + self.op_seconds[event[1]]
+            else:  # a loop ("l", body, trips) or a conditional's branches ("b", names): their mean
+                parts = [(self.run(event[1]), event[2])] if tag == "l" else [(self.run(b), 1 / len(event[1])) for b in event[1]]
+                for part, times in parts:
+                    t += times * part.elapsed
+                    run.busy += times * part.busy
+                    for kind, seconds in part.kinds.items():
+                        run.kinds[kind] = run.kinds.get(kind, 0.0) + times * seconds
+        run.elapsed = t
+        return run, net, pending
+
+
+def _predict_schedule(
+    cost: ProgramCost, hardware: Hardware, mesh_shape: dict[str, int], model_flops_per_step: float, tokens_per_step: float, bubble: float
+) -> Prediction:
+    devices = math.prod(mesh_shape.values())
+    crossing = node_split(mesh_shape, hardware.gpus_per_node)
+    op_seconds = [_op_time(op, hardware, crossing, nccl=True) for op in cost.collectives]
+    replay = _Replay(cost, hardware, op_seconds)
+    run = replay.run(cost.entry, loop=False)
+    step, compute = run.elapsed, run.busy
+    exposed = max(0.0, step - compute)
+    matmul_s = sum(s for kind, s in run.kinds.items() if kind in MATMUL_KINDS)
+    bubble_s = compute * bubble
+    parts = {"compute": compute - bubble_s, "communication": exposed, "bubble": bubble_s}
+    return Prediction(
+        step_time_s=step,
+        compute_s=compute,
+        matmul_s=matmul_s,
+        memory_s=compute - matmul_s,
+        comm_s=sum(op.executions * t for op, t in zip(cost.collectives, op_seconds, strict=True)),
+        comm_exposed_s=exposed,
+        bubble_s=bubble_s,
+        bound=max(parts, key=parts.get),
+        mfu=model_flops_per_step / (step * devices * hardware.peak_flops) if step else 0.0,
+        tokens_per_sec_per_device=tokens_per_step / (step * devices) if step else 0.0,
+        kernel_s=dict(sorted(run.kinds.items())),
+    )

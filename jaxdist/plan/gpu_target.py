@@ -24,7 +24,7 @@ from typing import Any
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.layout.devices import cuda_plugin_installed
+from jaxdist.layout import devices
 from jaxdist.layout.mesh import MeshSizes
 from jaxdist.layout.xla_flags import gpu_flags
 from jaxdist.plan.hardware import Hardware, load_hardware
@@ -37,7 +37,7 @@ INSTALL_HINT = (
 
 def prepare_target() -> None:
     """Before JAX starts: the compile-only route needs the plugin and a CPU backend."""
-    if not cuda_plugin_installed():
+    if not devices.cuda_plugin_installed():
         raise JaxdistError(INSTALL_HINT)
     if os.environ.get("JAX_PLATFORMS", "cpu").strip().lower() != "cpu":
         raise JaxdistError(f"compiling for a GPU target needs JAX_PLATFORMS=cpu, got {os.environ['JAX_PLATFORMS']!r}")
@@ -75,12 +75,25 @@ def target_config_text(hardware: Hardware) -> str:
         "registers_per_block_limit": d["registers_per_block"],
     }
     lines = ["gpu_device_info {", *(f"  {k}: {v}" for k, v in info.items())]
-    lines += [f"  cuda_compute_capability {{ major: {major} minor: {minor} }}", "}", 'platform_name: "CUDA"']
+    lines.append(f"  cuda_compute_capability {{ major: {major} minor: {minor} }}")
+    # Without it XLA takes the target for CUDA < 12 and keeps fp8 dots off cuBLASLt's fp8 GEMM
+    lines += [f'  runtime_version: "{_cuda_runtime_version()}"', "}", 'platform_name: "CUDA"']
     cudnn = _cudnn_version()
     if cudnn:
         lines.append(f"dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} patch: {cudnn[2]} }}")
     lines.append(f'device_description_str: "{d["description"]}"')
     return "\n".join(lines) + "\n"
+
+
+def _cuda_runtime_version() -> str:
+    """The CUDA runtime the installed plugin was built against ("12.9.0"): what it would load on a GPU."""
+    try:
+        from jax._src.lib import cuda_versions  # noqa: PLC0415 - the plugin's own version queries
+
+        version = cuda_versions.cuda_runtime_build_version()
+    except Exception:  # noqa: BLE001 - no plugin versions: CUDA 12's first release
+        version = 12000
+    return f"{version // 1000}.{version % 1000 // 10}.{version % 10}"
 
 
 def _cudnn_version() -> tuple[int, int, int] | None:
@@ -171,6 +184,11 @@ def memory_fraction() -> float:
         return 0.75
 
 
+def allowed_memory(hardware: Hardware) -> float:
+    """Bytes a program may peak at on one device of ``hardware`` (what JAX's allocator may take): the fit rule."""
+    return memory_fraction() * hardware.memory_bytes
+
+
 def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict[str, Any], gpus_per_node: int) -> dict[str, Any]:
     """``analyze --target``'s JSON: the CPU report's keys for the GPU program, plus ``target``,
     ``memory_per_device_bytes.peak``, ``fits`` (and ``fits_note``), ``kernels``, each
@@ -183,7 +201,7 @@ def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict
     module = parse_hlo(compiled.as_text())
     peak = int(compiled.memory_analysis().peak_memory_in_bytes)
     report["memory_per_device_bytes"]["peak"] = peak
-    allowed = memory_fraction() * hardware.memory_bytes
+    allowed = allowed_memory(hardware)
     report["target"] = {
         "name": hardware.key,
         "description": hardware.device["description"],

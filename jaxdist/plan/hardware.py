@@ -6,6 +6,13 @@ attention, how much of a loop's compute can hide its collectives). The GPU profi
 vendors' datasheet figures with the efficiency factors their files explain; ``cpu-local``
 is this host, measured on the spot (``jaxdist.plan.measure``): its "devices" are fake CPU
 devices or processes that share the host's cores.
+
+Kernel rates the GPU pricing of a compiled XLA:GPU program needs (``plan.cost``), defaults here,
+overridable per profile: fp8 GEMMs at twice the bf16 peak from compute capability 8.9 on (the H100
+datasheet's 1,979 dense FP8 TFLOP/s; none before: an A100 has no fp8 tensor cores) at the same
+sustained share; cuDNN flash attention at a share of the sustained matmul rate (FlashAttention-3,
+Shah et al. 2024, figs. 5-6: cuDNN on an H100 SXM5 at head dim 128 and 2K-16K tokens sustains
+about 600 TFLOP/s forward and 500 backward beside about 740 for large bf16 GEMMs).
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ class Hardware:
     op_overhead_s: float = 0.0  # per executed op (XLA:CPU's dispatch); GPUs: launches hide behind the queue
     matmul_curve: tuple[tuple[float, float], ...] = ()  # (FLOPs per call, FLOP/s): small matmuls run slower
     device: dict | None = None  # GPUs: the device facts a compile-only target is described by (plan.gpu_target)
+    fp8_peak_flops: float = 0.0  # dense fp8 peak; 0: twice peak_flops from compute capability 8.9 on, else no fp8
+    attention_fwd_share: float = 0.80  # cuDNN flash attention's forward FLOP/s / the sustained matmul rate
+    attention_bwd_share: float = 0.67  # and its backward's
 
     def matmul_rate(self, flops_per_call: float) -> float:
         """Sustained FLOP/s of one matmul of this size (log-log interpolation of the curve)."""
@@ -65,6 +75,17 @@ class Hardware:
     @property
     def matmul_flops_per_s(self) -> float:
         return self.peak_flops * self.matmul_efficiency
+
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        major, _, minor = str((self.device or {}).get("compute_capability", "0.0")).partition(".")
+        return int(major), int(minor or 0)
+
+    @property
+    def fp8_flops_per_s(self) -> float:
+        """Sustained fp8 GEMM FLOP/s; the bf16 rate where the device has no fp8 tensor cores."""
+        peak = self.fp8_peak_flops or (2 * self.peak_flops if self.compute_capability >= (8, 9) else 0.0)
+        return peak * self.matmul_efficiency if peak else self.matmul_flops_per_s
 
 
 def default_hardware(platform: str, device_kind: str) -> str | None:

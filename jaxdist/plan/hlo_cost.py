@@ -36,6 +36,10 @@ a GPU runs them as GEMMs): its time is the matmul's, and it adds no memory traff
   XLA:CPU multiplies too: the expansion includes the buffer's padding). With one expert per device there is no expansion, and XLA drops the
   names of the weight gradients' dots, so ``grouped_flops`` then misses them (nothing to price).
   The dispatch's sorts, scatters and masks stay in ``memory_bytes`` as compiled.
+
+XLA:GPU's program (compiled for a target by ``plan.gpu_target``) is read kernel by kernel in
+schedule order by ``plan.gpu_cost`` into the same ``ProgramCost`` (its ``schedule``), with the
+byte counting above.
 """
 
 from __future__ import annotations
@@ -91,6 +95,11 @@ class ProgramCost:
     skippable_bytes: float = 0.0  # the part of score_bytes inside them
     grouped_flops: float = 0.0  # the part of matmul_flops in the experts' grouped matmuls, as compiled
     grouped_expansion: float = 1.0  # times the compiled program does the grouped work (XLA:CPU: the local experts)
+    # XLA:GPU's program only: per computation on the compute stream, its events in schedule order
+    # (``gpu_program_cost``); empty for XLA:CPU's
+    schedule: tuple[tuple[str, tuple[tuple, ...]], ...] = ()
+    entry: str = ""  # the computation a step runs (ENTRY)
+    fp8_flops: float = 0.0  # the part of matmul_flops in fp8 GEMMs
 
     @property
     def tiled_attention(self) -> bool:
@@ -122,6 +131,9 @@ class ProgramCost:
             "skippable_bytes": self.skippable_bytes,
             "grouped_flops": self.grouped_flops,
             "grouped_expansion": self.grouped_expansion,
+            "schedule": [[name, [list(e) for e in events]] for name, events in self.schedule],
+            "entry": self.entry,
+            "fp8_flops": self.fp8_flops,
         }
 
     @classmethod
@@ -143,7 +155,15 @@ class ProgramCost:
             float(data.get("skippable_bytes", 0.0)),
             float(data.get("grouped_flops", 0.0)),
             float(data.get("grouped_expansion", 1.0)),
+            tuple((name, tuple(_event(e) for e in events)) for name, events in data.get("schedule", ())),
+            data.get("entry", ""),
+            float(data.get("fp8_flops", 0.0)),
         )
+
+
+def _event(e: list) -> tuple:
+    """A schedule event back from JSON (a conditional's branches as a tuple)."""
+    return tuple(tuple(x) if isinstance(x, list) else x for x in e)
 
 
 def dims(shape: str) -> list[list[int]]:
@@ -301,7 +321,7 @@ def conditional_computations(module: HloModule) -> set[str]:
 
 
 def program_cost(
-    hlo_text: str,
+    hlo_text: str | HloModule,
     mesh_shape: dict[str, int] | None = None,
     seq_len: int = 0,
     heads_per_device: int = 1,
@@ -311,8 +331,9 @@ def program_cost(
     """``local_experts``: an MoE model's experts per device (experts / the expert axis), the
     factor XLA:CPU's dense lowering of ``ragged_dot`` multiplies the grouped matmuls by;
     ``buffer_padding``: the rows the experts receive (parallel.expert's static buffer) over the
-    rows routed to them, which XLA:CPU computes too (a GPU's grouped GEMM skips rows past the groups)."""
-    module = parse_hlo(hlo_text)
+    rows routed to them, which XLA:CPU computes too (a GPU's grouped GEMM skips rows past the groups).
+    XLA:GPU's program is read by ``plan.gpu_cost.gpu_program_cost``."""
+    module = parse_hlo(hlo_text) if isinstance(hlo_text, str) else hlo_text
     counts = computation_multipliers(module)
     fused, reducers = set(), set()
     for body in module.computations.values():

@@ -10,9 +10,10 @@ tensor, pipe, and the experts' weights over expert too) plus activations (Korthi
 2022's per-layer counts, for the device's share of the sequence, plus an MoE layer's dispatched
 rows) must fit the device, and a rough time (6 x active params x tokens plus causal attention,
 remat's recompute, the pipeline's executed chunk steps (its bubble) and 1F1B's recompute or kept activations, the K/V traffic of a context axis, the experts'
-all-to-alls) orders them. Then they are compiled best-first against fake CPU devices until the time budget runs
-out; each compile is cached on disk (``~/.cache/jaxdist/plan``), keyed by the resolved config
-and the JAX version, so a rerun is fast.
+all-to-alls) orders them. Then they are compiled best-first until the time budget runs out: for a
+GPU (``GpuTarget``) by XLA:GPU for compile-only devices of the target (``plan.gpu_target``), for
+``cpu-local`` against fake CPU devices; each compile is cached on disk (``~/.cache/jaxdist/plan``),
+keyed by the resolved config, the JAX version and the target, so a rerun is fast.
 """
 
 from __future__ import annotations
@@ -36,11 +37,17 @@ from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.layout.mesh import format_mesh, parse_mesh
 from jaxdist.parallel.schedule import executed_over_ideal, pipeline_spec
+from jaxdist.plan.hardware import Hardware
 
 REMATS = ("none", "save_matmuls", "full")
 RECOMPUTE = {"none": 1.0, "save_matmuls": 1.1, "full": 4 / 3}  # training FLOPs with remat / without
 STATE_BYTES_PER_PARAM = 16  # fp32 params, grads, Adam's two moments
 HEADROOM = 0.9  # plan to use at most this share of device memory
+# A GPU plan's screen keeps a layout whose estimate is within this factor of the memory JAX may
+# allocate, and XLA:GPU's peak decides. XLA:GPU's peak / the estimate, llama3-8b on 8 H100: 0.92-0.97
+# without remat, 1.12 with 2 microbatches, 0.92 with full remat, 0.62-0.74 with save_matmuls (the
+# estimate keeps half of each layer; XLA:GPU's program keeps little more than with full remat)
+PREFILTER_MARGIN = 1.6
 CONTEXT_STRATEGIES = ("all_gather", "ring")
 KERNEL_TILE = 512  # tokens per tile of the context kernel (parallel.context's DEFAULT_TILE): bounds its fp32 scores
 LAYOUT_AXES = ("data", "fsdp", "expert", "context", "tensor", "pipe")
@@ -213,7 +220,7 @@ def context_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
     - all_gather: each forward (the recomputed one too, under remat) gathers (N-1)/N of K/V and
       ids; the backward reduce-scatters (N-1)/N of dK/dV (in the compute dtype).
     - ring: K/V and ids travel N-1 shifts forward and again backward (XLA merges the backward's
-      with a recomputed forward's), (N-1)/N of them each time; dK/dV (fp32) travel N shifts.
+      with a recomputed forward's), (N-1)/N of them each time; dK/dV (fp32) travel N-1 shifts.
     """
     sizes, m = candidate.sizes, config.model
     n = sizes["context"]
@@ -227,7 +234,7 @@ def context_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
     if candidate.context_strategy == "all_gather":
         forwards = 1 + (candidate.remat != "none")
         return layers * (forwards * share * (kv + ids) + share * kv), layers * mb * (4 * forwards + 2)
-    return layers * (2 * share * (kv + ids) + 4 * kv_elements), layers * mb * (2 * 4 * (n - 1) + 2 * n)
+    return layers * (2 * share * (kv + ids) + share * 4 * kv_elements), layers * mb * (2 * 4 * (n - 1) + 2 * (n - 1))
 
 
 def expert_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
@@ -356,24 +363,43 @@ def cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "jaxdist") / "plan"
 
 
-def cache_key(config: Config) -> str:
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """What a GPU plan compiles for: ``gpus`` compile-only devices of ``hardware``, ``gpus_per_node`` per host."""
+
+    hardware: Hardware
+    gpus: int
+    gpus_per_node: int
+
+    def describe(self, config: Config) -> dict[str, Any]:
+        """What the compiled program depends on besides the config (the compile cache's key)."""
+        from jaxdist.plan.gpu_target import compiler_options, target_config_text
+
+        options = {name: str(value) for name, value in sorted(compiler_options(config).items())}
+        return {"target": target_config_text(self.hardware), "gpus": self.gpus, "per_node": self.gpus_per_node, "options": options}
+
+
+def cache_key(config: Config, target: GpuTarget | None = None) -> str:
     import jax
 
-    payload = json.dumps({"config": config.to_dict(), "jax": jax.__version__, "format": 9}, sort_keys=True)  # 9: notes
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+    payload = {"config": config.to_dict(), "jax": jax.__version__, "format": 9}  # 9: notes
+    if target is not None:
+        payload["gpu"] = target.describe(config) | {"format": 2}  # 2: loops XLA:GPU left without a trip count
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def compile_summary(config: Config, *, cache: Path | None = None) -> tuple[dict[str, Any], bool]:
+def compile_summary(config: Config, *, cache: Path | None = None, target: GpuTarget | None = None) -> tuple[dict[str, Any], bool]:
     """(what the cost model needs from ``config``'s compiled train step, whether it came
-    from the cache). Needs as many JAX devices as the config's mesh."""
+    from the cache). ``target``: compiled by XLA:GPU for it (``plan.gpu_target``); without
+    one, against as many fake CPU devices as the config's mesh (JAX must have them)."""
     cache = cache_dir() if cache is None else cache
-    path = cache / f"{cache_key(config)}.json"
+    path = cache / f"{cache_key(config, target)}.json"
     if path.is_file():
         try:
             return json.loads(path.read_text()), True
         except (OSError, ValueError):
             pass  # a damaged entry is compiled again
-    summary = _compile(config)
+    summary = _compile(config) if target is None else _compile_target(config, target)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -384,10 +410,37 @@ def compile_summary(config: Config, *, cache: Path | None = None) -> tuple[dict[
     return summary, False
 
 
+def _built_quietly(build):
+    """``build()`` with the trainer's notes captured (kept with the summary, said once by the
+    planner); anything not jaxdist's (JAX's own warnings) passed on as it came."""
+    with contextlib.redirect_stderr(io.StringIO()) as printed:
+        built = build()
+    notes = [line for line in printed.getvalue().splitlines() if line.startswith("jaxdist: ")]
+    for line in printed.getvalue().splitlines():
+        if line and not line.startswith("jaxdist: "):
+            print(line, file=sys.stderr)
+    return built, notes
+
+
+def _summary(config: Config, trainer, compiled, cost, notes: list[str]) -> dict[str, Any]:
+    from jaxdist.inspect.step_report import memory, pipeline_of
+
+    spec = pipeline_of(trainer)
+    return {
+        "program": cost.to_dict(),
+        "memory": memory(compiled),
+        "params": int(trainer.n_params),
+        "model_flops_per_step": float(trainer.task.flops_per_example * config.train.global_batch),
+        "tokens_per_step": float(trainer.task.tokens_per_example * config.train.global_batch),
+        "bubble": float(spec.bubble) if spec is not None else 0.0,
+        "mesh": {a: int(n) for a, n in trainer.layout.mesh.shape.items()},
+        "notes": notes,
+    }
+
+
 def _compile(config: Config) -> dict[str, Any]:
     import jax
 
-    from jaxdist.inspect.step_report import memory, pipeline_of
     from jaxdist.plan.hlo_cost import program_cost
     from jaxdist.training.compiled import compile_train_step
 
@@ -397,27 +450,33 @@ def _compile(config: Config) -> dict[str, Any]:
         raise JaxdistError(
             f"compiling for {devices} devices needs XLA_FLAGS=--xla_force_host_platform_device_count={devices} before JAX starts"
         )
-    with contextlib.redirect_stderr(io.StringIO()) as printed:  # the build's notes: kept with the summary, said once by the planner
-        trainer, compiled = compile_train_step(config, sizes, jax.devices("cpu")[:devices])  # CPU even on a GPU machine
-    notes = [line for line in printed.getvalue().splitlines() if line.startswith("jaxdist: ")]
-    for line in printed.getvalue().splitlines():
-        if line and not line.startswith("jaxdist: "):  # not jaxdist's (JAX's own warnings): passed on as they came
-            print(line, file=sys.stderr)
+    (trainer, compiled), notes = _built_quietly(
+        lambda: compile_train_step(config, sizes, jax.devices("cpu")[:devices])
+    )  # CPU even on a GPU machine
     mesh_shape = {a: int(n) for a, n in trainer.layout.mesh.shape.items()}
     heads = max(config.model.n_heads // mesh_shape.get("tensor", 1), 1)
     local_experts = config.model.moe_experts // mesh_shape.get("expert", 1) if config.model.kind == "llama" else 0
     cost = program_cost(compiled.as_text(), mesh_shape, config.train.seq_len, heads, local_experts, buffer_padding(config, mesh_shape))
-    spec = pipeline_of(trainer)
-    return {
-        "program": cost.to_dict(),
-        "memory": memory(compiled),
-        "params": int(trainer.n_params),
-        "model_flops_per_step": float(trainer.task.flops_per_example * config.train.global_batch),
-        "tokens_per_step": float(trainer.task.tokens_per_example * config.train.global_batch),
-        "bubble": float(spec.bubble) if spec is not None else 0.0,
-        "mesh": mesh_shape,
-        "notes": notes,
-    }
+    return _summary(config, trainer, compiled, cost, notes)
+
+
+def _compile_target(config: Config, target: GpuTarget) -> dict[str, Any]:
+    """``_compile``'s summary of XLA:GPU's program for ``target``, plus its ``memory.peak`` (XLA:GPU's
+    peak memory per device), ``kernels`` (per kind, per step) and ``target``."""
+    from jaxdist.inspect.hlo import parse_hlo
+    from jaxdist.plan.gpu_cost import gpu_program_cost, schedule_kernel_counts
+    from jaxdist.plan.gpu_target import compile_for_target
+
+    sizes = parse_mesh(config.parallel.mesh)
+    (trainer, compiled, _), notes = _built_quietly(
+        lambda: compile_for_target(config, sizes, target.hardware, target.gpus, target.gpus_per_node)
+    )
+    cost = gpu_program_cost(parse_hlo(compiled.as_text()), {a: int(n) for a, n in trainer.layout.mesh.shape.items()})
+    summary = _summary(config, trainer, compiled, cost, notes)
+    summary["memory"]["peak"] = int(compiled.memory_analysis().peak_memory_in_bytes)
+    summary["kernels"] = {kind: round(n) for kind, n in schedule_kernel_counts(cost).items()}
+    summary["target"] = {"name": target.hardware.key, "gpus": target.gpus, "gpus_per_node": target.gpus_per_node}
+    return summary
 
 
 # The compile runs on fake CPU devices: a note on how XLA:CPU runs the program (ragged_dot's dense
