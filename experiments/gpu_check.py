@@ -1,6 +1,7 @@
 """The GPU acceptance check: one command, one GPU, at most ~8 minutes, one table.
 
-    python experiments/gpu_check.py [--steps 30] [--budget-s 470] [--json PATH]
+    python experiments/gpu_check.py [--steps 30] [--budget-s 470] [--json PATH] [key=value ...]
+    python experiments/gpu_check.py --compile-only [--target h100] [key=value ...]   # no GPU needed
 
 What it measures on the GPU it finds (each row says how):
 
@@ -20,7 +21,16 @@ What it measures on the GPU it finds (each row says how):
 
 Rows past the time budget are printed as skipped. Without a GPU it prints one line and exits 0.
 Trainings run as ``python -m jaxdist.train`` subprocesses (their metrics.jsonl is the source);
-compile-only checks run in this process.
+compile-only checks run in this process. ``key=value`` words override every row's config (last).
+
+``--compile-only`` runs every structural check on this host, no GPU needed: each row's program
+is compiled by XLA:GPU for ``--target`` (``jaxdist.plan.gpu_target``: compile-only devices, the
+flags a GPU run sets) and read: the kernels (cuDNN attention forward and backward, gemms), the
+fp8 GEMMs, planned and peak memory, the chunked loss's memory, the planner's prediction, the MoE
+grouped matmul's lowering and the context ring's overlap. What needs a device to measure (step
+time, tokens/s, MFU, losses, joules, the traced profile, measured step times) is skipped with
+one line each. Differences from a real GPU: no autotuning (matmuls keep XLA's default kernels,
+so an fp8 GEMM may be a Triton kernel rather than cuBLASLt's) and cuDNN graphs are not built.
 """
 
 from __future__ import annotations
@@ -51,6 +61,8 @@ ONE_B = (  # ~1.0B parameters with the byte-level vocab of the stdlib corpus
 )
 PLANNER_HARDWARE = {"H200": "h200", "H100": "h100", "A100": "a100"}
 FP8_GEMM = "__cublas$lt$matmul$f8"
+RING = ("parallel.context_strategy=ring", "model.dtype=bfloat16", "train.seq_len=4096", "train.global_batch=2")
+DEVICE_ONLY = "needs a device to measure"
 
 
 def gpu_devices():
@@ -96,6 +108,21 @@ def steady(metrics: list[dict], key: str, skip: int = 3):
     return statistics.median(values) if values else None
 
 
+def target_program(hardware, overrides: tuple[str, ...], config: str | None = None, mesh: dict | None = None):
+    """(``analyze --target``'s report, optimized HLO) of a row's step compiled for ``hardware``
+    on this host: compile-only devices, one per mesh position (``--compile-only``)."""
+    from jaxdist.config import load_config
+    from jaxdist.data.sources import resolve_vocab
+    from jaxdist.layout.mesh import MESH_AXES, mesh_device_count
+    from jaxdist.plan.gpu_target import compile_for_target, target_report
+
+    cfg = load_config(config, list(overrides))
+    resolve_vocab(cfg)
+    sizes = {a: (mesh or {}).get(a, 1) for a in MESH_AXES}
+    trainer, compiled, options = compile_for_target(cfg, sizes, hardware, mesh_device_count(sizes), 8)
+    return target_report(trainer, compiled, hardware, options, 8), compiled.as_text()
+
+
 def planned_memory_gib(overrides: tuple[str, ...], config: str | None = None) -> float:
     """XLA's planned memory per device (arguments + outputs + temporaries) of the compiled step."""
     from jaxdist.config import load_config
@@ -120,13 +147,15 @@ def compiled_hlo(overrides: tuple[str, ...], config: str | None = None, mesh: di
     return compile_train_step(cfg, sizes)[1].as_text()
 
 
-def attention_path(overrides: tuple[str, ...]) -> str:
+def attention_path(overrides: tuple[str, ...], compute_capability: str | None) -> str:
+    """The attention kernel ``model.attention`` chooses on GPUs of ``compute_capability`` (packed
+    documents need it: cuDNN packs sequences from Hopper on)."""
     from jaxdist.config import load_config
     from jaxdist.models import build_task
 
     cfg = load_config(None, list(overrides))
     cfg.model.vocab_size = cfg.model.vocab_size or 384
-    return build_task(cfg, "gpu").attention or "?"
+    return build_task(cfg, "gpu", compute_capability).attention or "?"
 
 
 def grouped_matmul_lowering(hlo: str) -> str:
@@ -156,12 +185,144 @@ def fmt(value, spec: str = ".3g", unit: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{unit}"
 
 
+def compile_only(args) -> int:
+    """Every structural check against programs compiled for ``args.target`` here (no device)."""
+    from jaxdist.errors import JaxdistError
+    from jaxdist.plan.gpu_target import prepare_target, target_hardware
+
+    try:
+        prepare_target()  # before JAX starts: compile-only devices need the plugin and a CPU backend
+        hardware = target_hardware(args.target)
+    except JaxdistError as e:
+        print(f"gpu_check --compile-only: {e}")
+        return 2
+    import jax
+
+    print(
+        f"gpu_check --compile-only: {hardware.name} ({hardware.key}) programs compiled on this host, no device; "
+        f"jax {jax.__version__}, {time.strftime('%Y-%m-%d')}",
+        flush=True,
+    )
+    rows = []
+
+    def row(check: str, value: str, how: str) -> None:
+        rows.append({"check": check, "value": value, "how": how})
+        print(f"  {check:<44} {value:<34} {how}", flush=True)
+
+    def failed(check: str, e: Exception) -> None:
+        row(check, "failed", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}")
+
+    extra = tuple(args.overrides)
+    packed = (*ONE_B, "data.source=stdlib", *extra)
+    synthetic = (*ONE_B, "data.source=synthetic", *extra)
+    programs: dict[str, dict] = {}
+    for name, overrides in (
+        ("bf16 packed", packed),
+        ("bf16 synthetic", synthetic),
+        ("fp8 current", (*packed, "model.fp8=current")),
+        ("fp8 delayed", (*packed, "model.fp8=delayed")),
+    ):
+        row(name, "skipped", f"{DEVICE_ONLY}: step time, tokens/s, MFU, the loss, joules/token")
+        try:
+            report, hlo = target_program(hardware, overrides)
+        except Exception as e:  # one row per failed check; the others still run
+            failed(f"  {name}: compiled program", e)
+            continue
+        programs[name] = report
+        k = report["kernels"]
+        row(
+            f"  {name}: kernels per step",
+            f"{k['gemm']} gemm, {k['gemm_fp8']} fp8 gemm, {k['attention_cudnn_fwd']}/{k['attention_cudnn_bwd']} cuDNN attn",
+            "the target program's kernels (cuDNN attention forward / backward)",
+        )
+        if "fp8" in name:
+            row(
+                f"  {name}: fp8 GEMMs in the step",
+                f"{k['gemm_fp8']} ({hlo.count(FP8_GEMM)} cuBLASLt)",
+                f"fp8 gemm kernels in the target program (3 per fp8 matmul); in brackets the '{FP8_GEMM}' calls",
+            )
+        peak = report["memory_per_device_bytes"]["peak"]
+        row(f"  {name}: peak memory", f"{peak / 2**30:.2f} GiB ({'fits' if report['fits'] else 'does not fit'})", report["fits_note"])
+    for name, overrides in (("bf16 packed", packed), ("bf16 synthetic", synthetic)):
+        try:
+            capability = str(hardware.device["compute_capability"])
+            row(
+                f"attention path ({name})",
+                attention_path(overrides, capability),
+                f"models.attention.choose_implementation on gpu {capability}",
+            )
+        except Exception as e:
+            failed(f"attention path ({name})", e)
+    row("profile report bound (bf16 packed)", "skipped", f"{DEVICE_ONLY}: a traced window of the run")
+    memory = [
+        programs.get(name, {}).get("memory_per_device_bytes", {}).get("total") for name in ("bf16 synthetic", "fp8 current", "fp8 delayed")
+    ]
+    row(
+        "planned memory: bf16 / fp8 current / fp8 delayed",
+        " / ".join("-" if m is None else f"{m / 2**30:.2f}" for m in memory) + " GiB",
+        "XLA's memory analysis of the target programs (bf16 on synthetic tokens, fp8 on packed)",
+    )
+    try:
+        chunk_set = any(word.startswith("model.loss_chunk=") for word in extra)
+        whole = programs.get("bf16 synthetic") if not chunk_set else None  # loss_chunk's default (0) is the whole loss
+        if whole is None:
+            whole = target_program(hardware, (*synthetic, "model.loss_chunk=0"))[0]
+        chunked = target_program(hardware, (*synthetic, "model.loss_chunk=512"))[0]
+        whole, chunked = (r["memory_per_device_bytes"]["total"] for r in (whole, chunked))
+        row(
+            "planned memory: whole loss / loss_chunk=512",
+            f"{whole / 2**30:.2f} / {chunked / 2**30:.2f} GiB ({whole / chunked:.2f}x)",
+            "XLA's memory analysis of the target programs",
+        )
+    except Exception as e:
+        failed("planned memory: whole loss / loss_chunk=512", e)
+    predicted = planner_step_s(hardware.key, synthetic)
+    row(
+        "planner step time vs measured (bf16 synthetic)",
+        f"{fmt(predicted, '.3g', ' s')} predicted",
+        f"python -m jaxdist.plan --hardware {hardware.key}; measured: {DEVICE_ONLY}",
+    )
+    try:
+        moe = ("model.dtype=bfloat16", *extra)
+        row(
+            "MoE grouped matmul lowering (moe-tiny)",
+            grouped_matmul_lowering(target_program(hardware, moe, "moe-tiny")[1]),
+            f"the target program's HLO; step time with the Pallas/Triton lowering off and on: {DEVICE_ONLY}",
+        )
+    except Exception as e:
+        failed("MoE grouped matmul lowering (moe-tiny)", e)
+    try:
+        from jaxdist.parallel.context import ring_overlap_in_hlo
+
+        report, hlo = target_program(hardware, (*RING, *extra), None, {"context": 2})
+        found = ring_overlap_in_hlo(hlo, report["mesh"])
+        row(
+            "context ring overlap (context=2, ring)",
+            f"{found['overlapped_pairs']}/{found['async_pairs']} pairs overlapped",
+            "collective-permute start/done around attention blocks, 2 target GPUs",
+        )
+    except Exception as e:
+        failed("context ring overlap (context=2, ring)", e)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": f"{hardware.name} (compile-only)", "gpus": 0, "rows": rows}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="training steps per run")
     parser.add_argument("--budget-s", type=float, default=470.0, help="stop starting new rows after this many seconds")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="no GPU: compile every row for --target on this host and run the structural checks (what needs a device is skipped)",
+    )
+    parser.add_argument("--target", default="h100", help="--compile-only: h100 | h200 | a100 | h100-hbm2e")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every row (applied last)")
     args = parser.parse_args(argv)
+    if args.compile_only:
+        return compile_only(args)
     gpus = gpu_devices()
     if not gpus:
         print("gpu_check: no GPU visible to JAX (nothing to check here); run it where a GPU is lent")
@@ -180,8 +341,9 @@ def main(argv=None) -> int:
     def skipped(check: str) -> None:
         row(check, "skipped", f"time budget ({args.budget_s:.0f} s) spent")
 
-    packed = (*ONE_B, "data.source=stdlib")
-    synthetic = (*ONE_B, "data.source=synthetic")
+    extra = tuple(args.overrides)
+    packed = (*ONE_B, "data.source=stdlib", *extra)
+    synthetic = (*ONE_B, "data.source=synthetic", *extra)
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         work = Path(tmp)
         runs: dict[str, dict] = {}
@@ -191,11 +353,11 @@ def main(argv=None) -> int:
             ("fp8 current", (*packed, "model.fp8=current"), ()),
             ("fp8 delayed", (*packed, "model.fp8=delayed"), ()),
         ]
-        for name, overrides, extra in plan:
+        for name, overrides, flags in plan:
             if budget.left() < 90:
                 skipped(name)
                 continue
-            r = runs[name] = train(name.replace(" ", "_"), overrides, args.steps, work, dump_hlo=True, extra=extra)
+            r = runs[name] = train(name.replace(" ", "_"), overrides, args.steps, work, dump_hlo=True, extra=flags)
             if r["rc"]:
                 row(name, f"failed (exit {r['rc']})", r["stderr"].strip().splitlines()[-1][:120] if r["stderr"].strip() else "")
                 continue
@@ -220,7 +382,11 @@ def main(argv=None) -> int:
             row(f"  {name}: fp8 GEMMs in the step", str(fp8_calls), f"'{FP8_GEMM}' custom calls in the optimized HLO (3 per fp8 matmul)")
             row(f"  {name}: joules/token", fmt(steady(m, "joules_per_token"), ".3g", " J"), "NVML board energy, eval and saves left out")
         for name, overrides in (("bf16 packed", packed), ("bf16 synthetic", synthetic)):
-            row(f"attention path ({name})", attention_path(overrides), "models.attention.choose_implementation on gpu")
+            row(
+                f"attention path ({name})",
+                attention_path(overrides, getattr(gpus[0], "compute_capability", None)),
+                "models.attention.choose_implementation on gpu",
+            )
         if "bf16 packed" in runs and runs["bf16 packed"]["rc"] == 0:
             profile = subprocess.run(
                 [sys.executable, "-m", "jaxdist.profile", "--json", str(runs["bf16 packed"]["run_dir"])],
@@ -258,7 +424,7 @@ def main(argv=None) -> int:
                         f"python -m jaxdist.plan --hardware {hardware}",
                     )
                 elif fn == "moe":
-                    moe = ("model.dtype=bfloat16",)
+                    moe = ("model.dtype=bfloat16", *extra)
                     lowering = grouped_matmul_lowering(compiled_hlo(moe, "moe-tiny"))
                     times = []
                     for triton in ("false", "true"):
@@ -274,7 +440,7 @@ def main(argv=None) -> int:
                         continue
                     from jaxdist.parallel.context import ring_overlap_in_hlo
 
-                    ring = ("parallel.context_strategy=ring", "model.dtype=bfloat16", "train.seq_len=4096", "train.global_batch=2")
+                    ring = (*RING, *extra)
                     found = ring_overlap_in_hlo(compiled_hlo(ring, None, {"context": 2}), {"context": 2})
                     row(
                         check,
