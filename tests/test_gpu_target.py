@@ -110,6 +110,10 @@ def test_analyze_target_cli_prints_the_report_and_writes_the_hlo(tmp_path, capsy
     report = json.loads(capsys.readouterr().out)
     assert report["target"]["name"] == "h100" and report["devices"] == 2 and set(report["kernels"]) >= {"gemm", "gemm_fp8", "grouped_gemm"}
     assert hlo.read_text().startswith("HloModule") and "__cudnn$fmha" in hlo.read_text()
+    assert analyze.main(argv[: argv.index("--json")]) == 0  # the table says the same
+    table = capsys.readouterr().out
+    assert "NVIDIA H100 80GB HBM3 (compute capability 9.0), 1 host(s) of 2" in table
+    assert f"attention_cudnn_fwd {report['kernels']['attention_cudnn_fwd']}" in table and "fits            yes" in table
 
 
 @pytest.mark.parametrize(

@@ -214,5 +214,20 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_human_bytes(d['outer_cross_replica_wire_bytes'])} ({d['outer_reduce']}) across it every {d['inner_steps']} steps "
             f"= {_human_bytes(d['cross_replica_wire_bytes_per_step'])} per step",
         ]
+    if "target" in report:  # analyze --target: XLA:GPU's program
+        t = report["target"]
+        kernels = ", ".join(f"{kind} {n:,}" for kind, n in report["kernels"].items() if n)
+        overlap = ", ".join(
+            f"{kind} {s['async']}/{s['count']} async, {s['overlapped_fraction']:.0%} overlapped"
+            for kind, s in report["collectives"].items()
+            if s["count"] and s.get("overlapped_fraction") is not None
+        )
+        lines += [
+            "",
+            f"target          {t['description']} (compute capability {t['compute_capability']}), {t['hosts']} host(s) of {t['gpus_per_node']}",
+            f"fits            {'yes' if report['fits'] else 'NO'}: {report['fits_note']}",
+            f"kernels/step    {kernels}",
+            f"overlap         {overlap or 'no collectives'}",
+        ]
     lines += ["", *(f"note: {n}" for n in report["notes"])]
     return "\n".join(lines)

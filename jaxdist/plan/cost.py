@@ -177,8 +177,8 @@ def predict_summary(cost: ProgramCost, hardware: Hardware, summary: dict) -> Pre
 def _hideable(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -> bool:
     """Whether compute can hide ``op``: the layer loop's collectives off the critical path
     (FSDP's gathers and reduce-scatters), and on a GPU every gradient reduction over the
-    batch axes, which XLA's loop pipeliner (``xla_gpu_enable_pipelined_all_reduce`` /
-    ``_reduce_scatter``, set by ``jaxdist.layout.xla_flags``) moves into the backward loop."""
+    batch axes, which XLA's loop pipeliner (``xla_gpu_enable_pipelined_all_reduce``, set by
+    ``jaxdist.layout.xla_flags``; it pipelines FSDP's reduce-scatters too) moves into the backward loop."""
     axes = set(op.axes or ())
     if axes & set(CRITICAL_AXES) or op.kind in ("all-to-all", "ragged-all-to-all"):
         return False  # all-to-all: the experts' dispatch and return, between the router and the next layer

@@ -207,7 +207,7 @@ def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict
         "description": hardware.device["description"],
         "compute_capability": str(hardware.device["compute_capability"]),
         "memory_bytes": int(hardware.memory_bytes),
-        "gpus_per_node": gpus_per_node,
+        "gpus_per_node": min(gpus_per_node, report["devices"]),
         "hosts": max(1, report["devices"] // gpus_per_node),
     }
     report["fits"] = peak <= allowed
