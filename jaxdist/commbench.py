@@ -46,6 +46,9 @@ def build_arg_parser():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from jaxdist.layout.devices import run_on_cpu_unless_gpu
+
+    run_on_cpu_unless_gpu()  # before JAX is imported: without a GPU, the CUDA plugin stays unloaded
     from jaxdist.cluster.distributed import process_group_from
     from jaxdist.plan.commbench import Sweep, commbench, format_report, parse_sizes
 

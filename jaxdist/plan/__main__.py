@@ -318,12 +318,13 @@ def prepare_compiler(hardware: str, gpus: int) -> None:
     """Before JAX starts: a GPU target's compile-only devices need a CPU backend and the CUDA
     plugin (``plan.gpu_target.prepare_target``); cpu-local (or a GPU profile without the plugin,
     which ``plan`` says) compiles against ``gpus`` fake CPU devices."""
-    from jaxdist.layout.devices import cuda_plugin_installed
+    from jaxdist.layout.devices import cuda_plugin_installed, run_on_cpu_unless_gpu
     from jaxdist.plan.gpu_target import TARGETS, prepare_target
 
     if hardware in TARGETS and cuda_plugin_installed():
         prepare_target()
     else:
+        run_on_cpu_unless_gpu()  # no GPU: the CUDA plugin stays unloaded
         fake_cpu_devices(gpus)
 
 
