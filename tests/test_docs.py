@@ -1,5 +1,7 @@
-"""What the documentation promises a newcomer, checked against the code: the README's
-``--mesh`` table names every mesh axis, and ``--help`` names every form ``--resume`` takes."""
+"""What the documentation promises a newcomer, checked against the code: the parallelism
+page's ``--mesh`` table names every mesh axis, ``--help`` names every form ``--resume`` takes,
+every link between the pages resolves, and the README stays a short front page whose feature
+table, commands, exit codes and run-directory contract match the code."""
 
 import re
 from pathlib import Path
@@ -7,11 +9,16 @@ from pathlib import Path
 from jaxdist.layout.mesh import MESH_AXES
 from jaxdist.train import build_arg_parser
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PARALLEL = ROOT / "jaxdist" / "parallel" / "README.md"
+# The pages beside the code, one per concern, each linked from the README's feature table.
+PAGES = [ROOT / "jaxdist" / concern / "README.md" for concern in ("parallel", "training", "data", "cluster", "inspect", "plan", "hf")]
+DOCS = [README, ROOT / "configs" / "README.md", ROOT / "experiments" / "README.md", ROOT / "tests" / "README.md", *PAGES]
 
 
 def test_the_mesh_table_names_every_axis():
-    table = [line for line in README.read_text().splitlines() if line.startswith("| `data=2,fsdp=2,tensor=2` |")]
+    table = [line for line in PARALLEL.read_text().splitlines() if line.startswith("| `data=2,fsdp=2,tensor=2` |")]
     assert len(table) == 1
     named = set(re.findall(r"`(\w+)`", table[0].split("|")[2]))
     assert set(MESH_AXES) <= named, set(MESH_AXES) - named
@@ -75,3 +82,143 @@ def test_every_config_key_is_documented_and_configs_readme_is_current():
     assert written == readme_markdown(), "configs/README.md is stale: python tests/config_reference.py > configs/README.md"
     for key in keys():
         assert f"| `{key}` |" in written, key
+
+
+# -- links and the README's shape ----------------------------------------------------------
+
+
+def _prose(text: str) -> list[str]:
+    """The lines of a markdown file outside fenced code blocks, inline code spans removed."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append(re.sub(r"`[^`]*`", "", line))
+    return lines
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors for a file's headings: lower case, punctuation dropped, spaces to
+    hyphens, a repeated heading numbered -1, -2, ..."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    fenced = False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced or not re.match(r"#{1,6} ", line):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def _links(path: Path) -> list[str]:
+    """Every relative link target of a markdown file (web addresses left out)."""
+    targets = []
+    for line in _prose(path.read_text()):
+        targets += [t for t in re.findall(r"\]\(([^)\s]+)\)", line) if not re.match(r"[a-z]+:", t)]
+    return targets
+
+
+def _broken(path: Path, target: str) -> str | None:
+    file, _, anchor = target.partition("#")
+    resolved = (path.parent / file).resolve() if file else path
+    if not resolved.exists():
+        return f"{path.relative_to(ROOT)}: {target} (no such file)"
+    if anchor and (resolved.is_dir() or resolved.suffix != ".md" or anchor not in _anchors(resolved)):
+        return f"{path.relative_to(ROOT)}: {target} (no heading #{anchor})"
+    return None
+
+
+def test_every_relative_link_in_the_documentation_resolves():
+    """Each page's links to files and to sections (``page.md#heading``) land somewhere."""
+    assert all(page.exists() for page in DOCS), [str(p) for p in DOCS if not p.exists()]
+    broken = [b for page in DOCS for target in _links(page) if (b := _broken(page, target))]
+    assert not broken, broken
+
+
+def test_the_anchor_rule_is_githubs():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        page = Path(tmp) / "p.md"
+        page.write_text("# Experts (MoE)\n## `scaling.py` — strategies x devices\n```\n# not a heading\n```\n## Tests\n## Tests\n")
+        assert _anchors(page) == {"experts-moe", "scalingpy--strategies-x-devices", "tests", "tests-1"}
+
+
+def test_the_readme_is_a_short_front_page():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 260, f"README.md has {len(lines)} lines: move the detail to a page beside its code"
+
+
+def _section(text: str, heading: str) -> str:
+    """A '## heading' section of a markdown file, up to the next '## '."""
+    after = text.split(f"\n## {heading}\n", 1)[1]
+    return after.split("\n## ", 1)[0]
+
+
+def test_the_feature_table_links_a_page_for_every_concern():
+    rows = [line for line in _section(README.read_text(), "Features").splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows, "README.md has no feature table"
+    linked = set()
+    for row in rows:
+        targets = re.findall(r"\]\(([^)\s]+)\)", row)
+        assert targets, f"a feature without its page: {row}"
+        for target in targets:
+            assert _broken(README, target) is None, _broken(README, target)
+            linked.add((ROOT / target.partition("#")[0]).resolve())
+    missing = [str(page.relative_to(ROOT)) for page in PAGES if page.resolve() not in linked]
+    assert not missing, missing
+
+
+def test_the_quick_start_keeps_its_two_commands():
+    """The contract: one command sets up and runs the main job, one sets up and runs the tests."""
+    text = README.read_text()
+    assert "\n```bash\npython -m pip install -e . && python -m jaxdist.train\n```\n" in text
+    assert '\n```bash\npython -m pip install -e ".[dev]" && bash .ci/run\n```\n' in text
+
+
+def test_the_readme_lists_every_command_both_ways():
+    from jaxdist.__main__ import COMMANDS
+
+    section = _section(README.read_text(), "Commands")
+    for name, (module, _) in COMMANDS.items():
+        row = [line for line in section.splitlines() if line.startswith(f"| `jaxdist {name}`")]
+        assert len(row) == 1, name
+        assert f"`python -m {module.removesuffix('.__main__')}`" in row[0], row[0]
+        assert re.search(r"\]\((jaxdist/\w+/README\.md)(#[\w-]+)?\)", row[0]), f"{name}: no page"
+
+
+def test_the_readme_states_every_exit_code():
+    from jaxdist import errors
+
+    section = _section(README.read_text(), "Exit codes")
+    stated = {int(code) for code in re.findall(r"^\| `(\d+)` \|", section, re.M)}
+    codes = {value for name, value in vars(errors).items() if name.startswith("EXIT_") and isinstance(value, int)}
+    assert codes <= stated, codes - stated
+
+
+def test_the_readme_states_the_run_directory_contract():
+    section = _section(README.read_text(), "The run directory")
+    for name in ("config.yaml", "metrics.jsonl", "checkpoints/", "tensorboard/"):
+        assert f"`{name}" in section, name
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "data_wait_s", "mfu", "eval_loss"):
+        assert f"`{key}`" in section, key
+    for key in ("moe_aux_loss", "moe_load_max", "moe_dropped_fraction", "joules_per_token", "power_w"):
+        assert f"`{key}`" in section, key
+
+
+def test_the_user_documentation_carries_no_development_history():
+    """Pages say what is; what an earlier version did belongs to the commit history."""
+    pattern = re.compile(r"\bwave \d|\bissue \d+|\bused to\b|\bno longer\b|\bthe old spelling\b|\bearlier template\b", re.I)
+    found = [
+        f"{page.relative_to(ROOT)}: {line.strip()}"
+        for page in [README, ROOT / "tests" / "README.md", *PAGES]
+        for line in _prose(page.read_text())
+        if pattern.search(line)
+    ]
+    assert not found, found
