@@ -1,6 +1,22 @@
-"""Errors that reach the user as one line on stderr and exit code 2."""
+"""Errors that reach the user as one line on stderr, and the exit codes.
+
+``JaxdistError`` (bad input) exits 2; a ``RunStopped`` (a non-finite loss, a save that
+failed, a preemption) says why in one line and exits with its own code. ``command`` wraps
+every CLI's ``main`` so that each of these is said once, the same way.
+"""
+
+from __future__ import annotations
 
 import argparse
+import functools
+import logging
+from collections.abc import Callable
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_NONFINITE = 3  # the loss went NaN/inf and the run stopped
+EXIT_CHECKPOINT = 4  # a checkpoint could not be written (the last committed one is intact)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again"; the state was saved
 
 
 class JaxdistError(Exception):
@@ -15,15 +31,36 @@ class MeshError(JaxdistError):
     """A mesh spec is malformed or does not fit the devices or the model."""
 
 
-class NonFiniteLoss(Exception):
-    """The loss became NaN or inf; the run stops (exit code ``EXIT_NONFINITE``)."""
+class RunStopped(Exception):  # noqa: N818 - a stop the user acts on, not a programming error
+    """A run that stopped for a reason the user acts on: one line, and ``exit_code``."""
 
-    exit_code = 3
+    exit_code = 1
 
 
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2
-EXIT_NONFINITE = 3  # the loss went NaN/inf and the run stopped
+class NonFiniteLoss(RunStopped):
+    """The loss became NaN or inf; the run stops (the last checkpoint is intact)."""
+
+    exit_code = EXIT_NONFINITE
+
+
+def command(main: Callable[..., int]) -> Callable[..., int]:
+    """A CLI's ``main``: bad input is one ``jaxdist: error:`` line and exit 2, a stopped run
+    its line and its exit code (a preemption, whose state was saved, is not an error); never
+    a traceback for either."""
+
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs) -> int:
+        log = logging.getLogger("jaxdist")
+        try:
+            return main(*args, **kwargs)
+        except JaxdistError as e:
+            log.error(str(e))
+            return getattr(e, "exit_code", EXIT_BAD_INPUT)
+        except RunStopped as e:
+            (log.info if e.exit_code == EXIT_PREEMPTED else log.error)(str(e))
+            return e.exit_code
+
+    return wrapped
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -1,4 +1,4 @@
-"""``python -m jaxdist.train``: the command line over ``jaxdist.training.process``.
+"""``python -m jaxdist.train`` (``jaxdist train``): the command line over ``jaxdist.training.run``.
 
     python -m jaxdist.train [--config NAME_OR_PATH] [--mesh SPEC] [--steps N]
                             [--run-dir DIR] [--log-every N] [--seed S]
@@ -18,23 +18,22 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+import jaxdist
 from jaxdist.cli import parse_args, resolved_config_yaml, train_arg_parser
-from jaxdist.errors import EXIT_BAD_INPUT, JaxdistError
+from jaxdist.errors import EXIT_OK, command
 
 build_arg_parser = train_arg_parser
 
 
+@command
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = parse_args(build_arg_parser(), argv)
-        if args.print_config:
-            print(resolved_config_yaml(args), end="")
-            return 0
-    except JaxdistError as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    from jaxdist.training.process import train_process
+    args = parse_args(build_arg_parser(), argv)
+    jaxdist.set_level(args.log_level)
+    if args.print_config:
+        print(resolved_config_yaml(args), end="")
+        return EXIT_OK
+    from jaxdist.training.run import train_process  # after the arguments: JAX must not start on bad input
 
     return train_process(args, argv)
 

@@ -75,7 +75,7 @@ def metered(tmp_path_factory):
     adds LUMP_J and takes LUMP_S."""
     from jaxdist.training import loop
     from jaxdist.training.checkpoint import Checkpointer
-    from jaxdist.training.trainer import Trainer
+    from jaxdist.training.step import Trainer
 
     meter = FakeMeter()
     fetch_metrics, evaluate = Trainer.fetch_metrics, loop.evaluate

@@ -17,6 +17,7 @@ from flax import nnx
 from jaxdist.config import ModelConfig, load_config
 from jaxdist.layout.mesh import build_mesh, mesh_device_count, parse_mesh
 from jaxdist.layout.sharding import rules_for
+from jaxdist.layout.step_context import StepContext, installed
 from jaxdist.layout.strategy import resolve_strategy
 from jaxdist.models import experts as experts_lib
 from jaxdist.models.moe import MoE, one_device_kernel, route
@@ -112,9 +113,7 @@ def test_the_moe_layer_and_its_router_gradient_match_on_one_device_and_split_ove
         return jnp.sum((y + (jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]) @ layer.shared_down[...]) * cotangent)
 
     def ours(params, x, kernel):
-        from jaxdist.models.moe import expert_kernel
-
-        with expert_kernel(kernel):
+        with installed(StepContext(expert_kernel=kernel)):
             y, _ = nnx.merge(graphdef, params)(x)
         return jnp.sum(y * cotangent)
 

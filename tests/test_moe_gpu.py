@@ -97,7 +97,7 @@ def test_the_kernel_choice_and_the_one_line_where_experts_run_densely(monkeypatc
     monkeypatch.delenv(experts_lib.KERNEL_ENV, raising=False)
     assert experts_lib.kernel_choice("gpu") == "grouped_gemm" and experts_lib.kernel_note("gpu", 4) is None
     assert experts_lib.kernel_choice("cpu") == "ragged_dot" and experts_lib.kernel_choice("tpu") == "ragged_dot"
-    assert experts_lib.kernel_note("cpu", 4).startswith("jaxdist: MoE on CPU: jax.lax.ragged_dot runs as a dense expansion")
+    assert experts_lib.kernel_note("cpu", 4).startswith("MoE on CPU: jax.lax.ragged_dot runs as a dense expansion")
     assert experts_lib.expert_compute("cpu") is experts_lib.swiglu_groups
     monkeypatch.setenv(experts_lib.KERNEL_ENV, "ragged_dot")
     note = experts_lib.kernel_note("gpu", 4)

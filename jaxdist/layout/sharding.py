@@ -7,17 +7,16 @@ below, never in model code.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.layout import step_context
 from jaxdist.layout.mesh import BATCH_AXES, INNER_BATCH_AXES
 from jaxdist.layout.strategy import Strategy
 
@@ -137,7 +136,7 @@ def tree_shardings(tree: Any, rules: Rules, mesh: Mesh, *, replicated: dict[tupl
             for name, dim, axis, size in skipped if replicated is not None else ():
                 replicated.setdefault(
                     (name, dim, axis),
-                    f"jaxdist: warning: {jax.tree_util.keystr(path)}: its {name!r} dimension ({dim}) does not divide over mesh axis "
+                    f"{jax.tree_util.keystr(path)}: its {name!r} dimension ({dim}) does not divide over mesh axis "
                     f"{axis!r} ({size}); replicated over {axis!r}",
                 )
             return leaf.replace(NamedSharding(mesh, spec))
@@ -182,30 +181,17 @@ class Layout:
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jaxdist_layout", default=None)
-
-
-@contextlib.contextmanager
-def activation_layout(layout: Layout | None) -> Iterator[None]:
-    """Within this context (while tracing), ``constrain`` pins activations to the layout."""
-    token = _ACTIVE.set(layout)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
 def active_layout() -> Layout:
-    """The layout being traced under (pipelining needs its mesh)."""
-    layout = _ACTIVE.get()
+    """The layout the current step is traced under (pipelining needs its mesh)."""
+    layout = step_context.current().layout
     if layout is None:
-        raise RuntimeError("pipeline parallelism runs inside jaxdist's train/eval step (no active layout)")
+        raise RuntimeError("pipeline parallelism runs inside jaxdist's train/eval step (no layout installed)")
     return layout
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """Pin an activation's layout by logical names; a no-op outside ``activation_layout``."""
-    layout = _ACTIVE.get()
+    """Pin an activation's layout by logical names; a no-op outside a step (no layout installed)."""
+    layout = step_context.current().layout
     return x if layout is None else layout.constrain(x, axes)
 
 
@@ -213,7 +199,7 @@ def _partly_manual() -> tuple[Any, Any, Layout] | None:
     """(the traced mesh, its sizes with manual axes as 1, the active layout) inside a region manual
     over some mesh axes (a pipeline stage), else None."""
     traced = jax.sharding.get_abstract_mesh()
-    layout = _ACTIVE.get()
+    layout = step_context.current().layout
     if traced.empty or not traced.manual_axes or layout is None:
         return None
     sizes = types.SimpleNamespace(shape={a: (1 if a in traced.manual_axes else n) for a, n in traced.shape.items()})

@@ -8,6 +8,7 @@ that add over microbatches and devices: MoE's balancing), and its FLOPs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,8 @@ from flax import nnx
 from jaxdist.config import Config
 from jaxdist.errors import ConfigError
 from jaxdist.models.fp8 import FP8_MIN_CAPABILITY, fp8_capable
+
+log = logging.getLogger(__name__)
 
 Batch = dict[str, jax.Array]
 Stats = dict[str, jax.Array]
@@ -33,10 +36,12 @@ class Task:
     tokens_per_example: int  # what "tokens/s" counts per batch row
     n_params: int
     batch_spec: Callable[[int], dict[str, jax.ShapeDtypeStruct]]  # global batch size -> shapes
-    notes: tuple[str, ...] = ()  # weaker paths the model takes (one line each, printed once)
     attention: str | None = None  # the attention implementation chosen (decoders): xla | xla_fp32 | cudnn | pallas
     metrics_from: Callable[[Stats, jax.Array], dict[str, jax.Array]] | None = None  # statistics, weight -> metrics
     after_update: Callable[[Any, Stats], Any] | None = None  # params, statistics -> params (state moved outside the optimizer)
+    # set from outside by parallel.parallelize, installed in each step's context (layout.step_context)
+    sequence_kernel: Callable | None = None  # context parallelism's attention
+    expert_kernel: Callable | None = None  # expert parallelism's dispatch
 
 
 def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array, Stats]:
@@ -122,6 +127,9 @@ def build_task(config: Config, platform: str = "cpu", compute_capability: str | 
             packed=packed,
             compute_capability=compute_capability,
         )
+        for line in (note, fp8_note(cfg), microbatch_balancing_note(config)):  # the weaker paths this model takes
+            if line:
+                log.info(line)
         return Task(
             make_model=lambda rngs: Llama(cfg, dtype=dtype, attention=attention, rngs=rngs),
             loss_fn=lm_loss,
@@ -129,7 +137,6 @@ def build_task(config: Config, platform: str = "cpu", compute_capability: str | 
             tokens_per_example=seq,
             n_params=count_params(cfg),
             batch_spec=lambda b: {k: jax.ShapeDtypeStruct((b, seq), jnp.float32 if k == "loss_mask" else jnp.int32) for k in keys},
-            notes=tuple(f"jaxdist: {line}" for line in (note, fp8_note(cfg), microbatch_balancing_note(config)) if line),
             attention=attention,
             **(moe_hooks(cfg) if cfg.moe_experts else {}),
         )

@@ -17,16 +17,14 @@ of its own document.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.errors import ConfigError
+from jaxdist.layout import step_context
 from jaxdist.layout.sharding import manual_over_the_rest, region_spec
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
@@ -40,30 +38,13 @@ _PALLAS_MIN_DIM = 16
 SCOPE = "attention"  # the name scope of the score computation in HLO metadata (jaxdist.plan prices it)
 
 
-# Attention over a sequence split across devices is supplied from outside the model
-# (jaxdist.parallel.context): (q, k, v, segment_ids, positions) -> output, set while the
-# loss is traced. The model stays ignorant of the mesh.
-SequenceKernel = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array], jax.Array]
-_SEQUENCE_KERNEL: contextvars.ContextVar[SequenceKernel | None] = contextvars.ContextVar("jaxdist_sequence_kernel", default=None)
-
-
-@contextlib.contextmanager
-def sequence_kernel(kernel: SequenceKernel | None) -> Iterator[None]:
-    """Within this context (while tracing), ``model_attention`` calls ``kernel``."""
-    token = _SEQUENCE_KERNEL.set(kernel)
-    try:
-        yield
-    finally:
-        _SEQUENCE_KERNEL.reset(token)
-
-
 def model_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, positions: jax.Array, *, implementation: str
 ) -> jax.Array:
-    """What a model calls: the active sequence kernel when one is set (context
-    parallelism; it needs the positions, as the tokens may be reordered), else
-    ``causal_attention`` on the whole sequence."""
-    kernel = _SEQUENCE_KERNEL.get()
+    """What a model calls: the step's sequence kernel when one is installed (context
+    parallelism, ``layout.step_context``; it needs the positions, as the tokens may be
+    reordered), else ``causal_attention`` on the whole sequence."""
+    kernel = step_context.current().sequence_kernel
     if kernel is not None:
         with jax.named_scope(SCOPE):
             return kernel(q, k, v, segment_ids, positions)

@@ -113,12 +113,12 @@ def kernel_note(platform: str, local_experts: int) -> str | None:
     """One line where the experts' grouped matmuls run densely on ``platform`` (None where they do not)."""
     if platform == "cpu":
         return (
-            "jaxdist: MoE on CPU: jax.lax.ragged_dot runs as a dense expansion (every local expert on every row, "
+            "MoE on CPU: jax.lax.ragged_dot runs as a dense expansion (every local expert on every row, "
             f"{local_experts}x the expert FLOPs); results are exact, timings are not a GPU's"
         )
     if platform in ("gpu", "cuda") and kernel_choice(platform) == "ragged_dot":
         return (
-            f"jaxdist: MoE on GPU with {KERNEL_ENV}=ragged_dot: XLA:GPU expands jax.lax.ragged_dot densely (every local "
+            f"MoE on GPU with {KERNEL_ENV}=ragged_dot: XLA:GPU expands jax.lax.ragged_dot densely (every local "
             f"expert on every row, {local_experts}x the expert FLOPs, forward and backward); the default is jaxdist's grouped GEMM"
         )
     return None

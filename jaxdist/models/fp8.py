@@ -30,16 +30,19 @@ scale arithmetic.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.linen import fp8_ops
+
+from jaxdist.layout import step_context
+
+log = logging.getLogger(__name__)
 
 MODES = ("off", "current", "delayed")
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -192,40 +195,24 @@ qdq_gradient.defvjp(lambda y: (y, None), lambda _, g: (qdq(g, E5M2, scale_for(am
 
 # -- in the model ------------------------------------------------------------------------
 
-_DISABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_fp8_disabled", default=False)
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Within this context (while tracing), fp8 matmuls run in the compute dtype
+def disabled():
+    """Within this block (while tracing), fp8 matmuls run in the compute dtype
     (``model.fp8_keep_ends``' first and last layers)."""
-    token = _DISABLED.set(True)
-    try:
-        yield
-    finally:
-        _DISABLED.reset(token)
+    return step_context.changed(fp8_off=True)
 
 
 def active() -> bool:
-    return not _DISABLED.get()
+    return not step_context.current().fp8_off
 
 
-_GROUPED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_fp8_grouped", default=False)
-
-
-@contextlib.contextmanager
-def grouped(enabled: bool) -> Iterator[None]:
-    """Within this context (while tracing), the routed experts' grouped matmuls
+def grouped(enabled: bool):
+    """Within this block (while tracing), the routed experts' grouped matmuls
     (``models.experts.swiglu_groups``) quantise-dequantise their operands when ``enabled``."""
-    token = _GROUPED.set(enabled and active())
-    try:
-        yield
-    finally:
-        _GROUPED.reset(token)
+    return step_context.changed(fp8_grouped=enabled and active())
 
 
 def grouped_active() -> bool:
-    return _GROUPED.get()
+    return step_context.current().fp8_grouped
 
 
 def grouped_dot(dot: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array, w: jax.Array) -> jax.Array:
@@ -333,7 +320,14 @@ def fp8_gemm_note(cfg, gemm_fp8: int, microbatches: int = 1) -> str | None:
     if gemm_fp8 >= expected:
         return None
     return (
-        f"jaxdist: warning: model.fp8={cfg.fp8}: the compiled step runs {gemm_fp8} fp8 GEMMs per step, expected {expected} "
+        f"model.fp8={cfg.fp8}: the compiled step runs {gemm_fp8} fp8 GEMMs per step, expected {expected} "
         f"({GEMMS_PER_MATMUL} per fp8 matmul and microbatch); XLA computes the others in bf16/f16 "
         f"(fp8 GEMMs need compute capability {FP8_MIN_CAPABILITY}+ and CUDA 12)"
     )
+
+
+def say_fp8_gemms(cfg, gemm_fp8: int, microbatches: int = 1) -> None:
+    """``fp8_gemm_note`` as a warning line, when there is one."""
+    note = fp8_gemm_note(cfg, gemm_fp8, microbatches)
+    if note:
+        log.warning(note)

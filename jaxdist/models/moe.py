@@ -17,15 +17,14 @@ so their values are the same on every mesh.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.config import ModelConfig
+from jaxdist.layout import step_context
 from jaxdist.layout.sharding import constrain
 from jaxdist.models import fp8
 from jaxdist.models.experts import capacity_rows, local_experts
@@ -44,17 +43,6 @@ class RouterBias(nnx.Variable):
 
 # (x [b, t, d], ids [b, t, k], gates [b, t, k], w_gate_up, w_down, capacity factor) -> (y [b, t, d], dropped)
 ExpertKernel = Callable[..., tuple[jax.Array, jax.Array]]
-_EXPERT_KERNEL: contextvars.ContextVar[ExpertKernel | None] = contextvars.ContextVar("jaxdist_expert_kernel", default=None)
-
-
-@contextlib.contextmanager
-def expert_kernel(kernel: ExpertKernel | None) -> Iterator[None]:
-    """Within this context (while tracing), MoE layers send their routed tokens to ``kernel``."""
-    token = _EXPERT_KERNEL.set(kernel)
-    try:
-        yield
-    finally:
-        _EXPERT_KERNEL.reset(token)
 
 
 def one_device_kernel(x, ids, gates, w_gate_up, w_down, capacity_factor: float):
@@ -106,7 +94,7 @@ class MoE(nnx.Module):
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
         bias = self.bias[...] if cfg.moe_bias_rate > 0 else None
         ids, gates, probs = route(cfg, logits, bias)
-        kernel = _EXPERT_KERNEL.get() or one_device_kernel
+        kernel = step_context.current().expert_kernel or one_device_kernel
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
         with fp8.grouped(cfg.fp8 != "off"):
             y, dropped = kernel(x, ids, gates, w(self.w_gate_up), w(self.w_down), cfg.moe_capacity_factor)

@@ -11,12 +11,14 @@ token count and the gradients over the batch axes and ``context`` as for any glo
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
 from jaxdist.config import Config
 from jaxdist.layout.mesh import BATCH_AXES
-from jaxdist.models.attention import sequence_kernel
+
+log = logging.getLogger(__name__)
 
 
 def with_context_attention(task, config: Config, mesh: jax.sharding.Mesh):
@@ -33,11 +35,7 @@ def with_context_attention(task, config: Config, mesh: jax.sharding.Mesh):
         heads_axis=heads_axis,
         kv_heads_axis=heads_axis,
     )
-    inner_loss, inner_spec = task.loss_fn, task.batch_spec
-
-    def loss_fn(model, batch):
-        with sequence_kernel(kernel):
-            return inner_loss(model, batch)
+    inner_spec = task.batch_spec
 
     def batch_spec(global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
         spec = dict(inner_spec(global_batch))
@@ -45,5 +43,5 @@ def with_context_attention(task, config: Config, mesh: jax.sharding.Mesh):
         return spec
 
     order = "load-balanced (shard r holds chunks r and 2N-1-r)" if p.context_load_balance else "in order (no load balancing)"
-    note = f"jaxdist: {kernel.kernel_note(config.train.seq_len)}; sequence {order}"
-    return dataclasses.replace(task, loss_fn=loss_fn, batch_spec=batch_spec, notes=(*task.notes, note))
+    log.info(f"{kernel.kernel_note(config.train.seq_len)}; sequence {order}")
+    return dataclasses.replace(task, sequence_kernel=kernel, batch_spec=batch_spec)

@@ -11,11 +11,17 @@ Every H steps a separate program (the outer step) averages the pseudo-gradient
 reduction of ``grad_reduce``), applies it to the outer parameters with Nesterov SGD
 (DiLoCo's outer optimizer), and resets every replica's inner parameters to the result.
 Inner optimizer states are kept across rounds, as in the paper.
+
+The trainer takes its replicas from ``replicas_for``: ``DiLoCo``, or ``OneModel`` (no replica
+axis), which answer the same questions (how a step maps over replicas, what a fresh state
+is, what the loop calls after compiling, whose metrics and parameters are the model's), so
+the step itself has no DiLoCo branch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +35,7 @@ from jaxdist.layout.mesh import INNER_BATCH_AXES
 from jaxdist.parallel import grad_reduce, slow_link
 
 AXIS = "replica"
+log = logging.getLogger(__name__)
 
 
 @jax.tree_util.register_dataclass
@@ -116,3 +123,98 @@ class DiLoCoStep:
             if self.link_delay_s:
                 slow_link.wait_for_link(state, self.link_delay_s)
         return state, metrics
+
+
+# -- the trainer's replicas: one model, or DiLoCo's ---------------------------------------
+
+
+class OneModel:
+    """No replica axis: every step is synchronous and the state is the model's."""
+
+    count = 0
+    outer_tx = None
+    link_axis = "data"  # a simulated slow link (experiments) crosses the data axis
+
+    def per_replica(self, step: Callable, mesh, state_axes) -> Callable:
+        return step
+
+    def fresh(self, params, opt_state) -> tuple[Any, Any, Any]:
+        """(params, optimizer state, outer state) of a fresh start."""
+        return params, opt_state, None
+
+    def host_step(self, compiled, state, mesh, start_step: int, link: slow_link.SlowLink | None, state_layout=None) -> Callable:
+        if link is None:
+            return compiled
+        delay, count, sent = link.delay_s(compiled, mesh)
+        log.info(f"simulated link on the data axis: {count} collectives, {sent / 2**20:.2f} MiB per device per step -> +{delay * 1e3:.1f} ms per step")
+        return slow_link.LinkedStep(compiled, delay)
+
+    def fetch_metrics(self, pending: list) -> list:
+        return jax.device_get(pending)
+
+    def model_params(self, state):
+        return state.params
+
+
+class DiLoCo(OneModel):
+    """``parallel.diloco_inner_steps`` = H local steps per replica, then the outer step."""
+
+    link_axis = AXIS
+
+    def __init__(self, parallel_cfg, mesh):
+        self.parallel_cfg, self.inner_steps, self.count = parallel_cfg, parallel_cfg.diloco_inner_steps, mesh.shape[AXIS]
+        self.outer_tx = outer_optimizer(parallel_cfg)
+
+    def per_replica(self, step: Callable, mesh, state_axes) -> Callable:
+        """Every replica takes one ordinary step on its slice of the batch; nothing crosses the
+        replica axis (vmap with ``spmd_axis_name`` keeps each replica on its devices).
+        ``state_axes``: the state's mapped axes (``training.state.PER_REPLICA``)."""
+        mapped = jax.vmap(step, in_axes=(state_axes, 0), out_axes=(state_axes, 0), spmd_axis_name=AXIS)
+
+        def inner(state, batch):
+            new, metrics = mapped(dataclasses.replace(state, outer=None), split_batch(batch, self.count, mesh))
+            return dataclasses.replace(new, outer=state.outer), metrics
+
+        return inner
+
+    def fresh(self, params, opt_state) -> tuple[Any, Any, Any]:
+        """Every replica starts from the same parameters; the outer ones are those too."""
+        return stack(params, self.count), stack(opt_state, self.count), OuterState(params, self.outer_tx.init(params))
+
+    def outer_program(self, state_layout) -> Callable:
+        """The outer step, jitted: the replicas' averaged delta applied to the outer parameters,
+        every replica restarted from them."""
+        param_shardings, mesh = state_layout.param_shardings, state_layout.layout.mesh
+
+        def outer(state):
+            params, new_outer, _ = outer_update(state.params, state.outer, self.outer_tx, self.parallel_cfg, param_shardings, mesh)
+            return dataclasses.replace(state, params=params, outer=new_outer)
+
+        shardings = state_layout.shardings
+        return jax.jit(outer, in_shardings=(shardings,), out_shardings=shardings, donate_argnums=0)
+
+    def host_step(self, compiled, state, mesh, start_step: int, link: slow_link.SlowLink | None, state_layout=None) -> Callable:
+        outer = self.outer_program(state_layout).lower(state).compile()
+        delay = 0.0
+        if link is not None:
+            delay, count, sent = link.delay_s(outer, mesh)
+            log.info(
+                f"simulated replica link: {count} collectives, {sent / 2**20:.2f} MiB per device per outer step -> "
+                f"+{delay * 1e3:.1f} ms every {self.inner_steps} steps"
+            )
+        return DiLoCoStep(compiled, outer, self.inner_steps, start_step, delay)
+
+    def fetch_metrics(self, pending: list) -> list:
+        """Per-replica metrics, gathered (at log points only) and averaged."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            pending = multihost_utils.process_allgather(pending, tiled=True)
+        return [average_metrics(m) for m in jax.device_get(pending)]
+
+    def model_params(self, state):
+        return state.outer.params
+
+
+def replicas_for(parallel_cfg, mesh) -> OneModel:
+    return DiLoCo(parallel_cfg, mesh) if parallel_cfg.diloco_inner_steps else OneModel()

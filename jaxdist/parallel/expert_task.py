@@ -1,8 +1,9 @@
-"""A task whose MoE layers dispatch their tokens with ``parallel.expert`` while its loss is traced."""
+"""A task whose MoE layers dispatch their tokens with ``parallel.expert`` (the step installs its kernel)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
@@ -10,7 +11,8 @@ from jaxdist.config import Config
 from jaxdist.layout.sharding import rules_for
 from jaxdist.layout.strategy import resolve_strategy
 from jaxdist.models.experts import kernel_note
-from jaxdist.models.moe import expert_kernel
+
+log = logging.getLogger(__name__)
 
 
 def with_expert_parallelism(task, config: Config, mesh: jax.sharding.Mesh):
@@ -18,13 +20,9 @@ def with_expert_parallelism(task, config: Config, mesh: jax.sharding.Mesh):
 
     rules = rules_for(resolve_strategy(config.parallel.strategy, dict(mesh.shape)))
     kernel = ExpertParallel(mesh=mesh, rules=rules, buffer_factor=config.parallel.expert_buffer_factor)
-    inner_loss = task.loss_fn
-
-    def loss_fn(model, batch):
-        with expert_kernel(kernel):
-            return inner_loss(model, batch)
-
-    notes = [f"jaxdist: {kernel.note(config.model.moe_experts)}"] if kernel.ep > 1 else []
+    if kernel.ep > 1:
+        log.info(kernel.note(config.model.moe_experts))
     dense = kernel_note(kernel.platform, config.model.moe_experts // kernel.ep)  # where the grouped matmuls run densely
-    notes += [dense] if dense else []
-    return dataclasses.replace(task, loss_fn=loss_fn, notes=(*task.notes, *notes))
+    if dense:
+        log.info(dense)
+    return dataclasses.replace(task, expert_kernel=kernel)

@@ -1,6 +1,6 @@
 """Gradient reduction across the batch axes in bfloat16, int8 or top-k, with error feedback.
 
-``parallel.grad_reduce=float32`` is GSPMD's own reduction (``jaxdist.training.trainer``). The
+``parallel.grad_reduce=float32`` is GSPMD's own reduction (``jaxdist.training.step``). The
 other modes need to choose what crosses the wire, so here each device first computes
 its own, unreduced gradient (``per_device_gradients``: a ``shard_map`` over the batch
 axes whose outputs gain a leading device axis), then ``reduce_gradients`` reduces them
@@ -28,6 +28,7 @@ host, the compressed reduction of that shard across hosts, fp32 all-gather insid
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -37,8 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist.config import Config
+from jaxdist.errors import MeshError
 from jaxdist.layout.mesh import INNER_BATCH_AXES
-from jaxdist.parallel.microbatch import accumulate
+from jaxdist.parallel.microbatch import accumulate, split_for_accumulation
+
+log = logging.getLogger(__name__)
 
 BLOCK = 256  # int8: values per fp32 scale (1.6% overhead)
 TOPK_BLOCK = 4096  # topk: entries are chosen per block of this many values (indices fit 16 bits)
@@ -277,3 +282,80 @@ def reduce_gradients(grads: Any, residual: Any, plan: ReducePlan, param_sharding
             local, mesh=mesh, in_specs=(device_specs, device_specs), out_specs=(summed_specs, device_specs), check_vma=False
         )(grads, residual)
     return jax.lax.with_sharding_constraint(totals, param_shardings), residual
+
+
+# -- the step's reduction ---------------------------------------------------------------------
+
+
+class CompressedReduction:
+    """The step's reduction (``training.step``) under ``parallel.grad_reduce``'s codec: each
+    device's own gradients, then ``reduce_gradients``."""
+
+    def __init__(self, plan: ReducePlan, microbatches: int, mesh, param_shardings: Any):
+        self.plan, self.microbatches, self.mesh, self.param_shardings = plan, microbatches, mesh, param_shardings
+
+    def __call__(self, grad_fn: Callable, params: Any, batch: Any, residual: Any, scale: jax.Array | None):
+        microbatched = self.microbatches > 1
+        rows = split_for_accumulation(batch, self.microbatches, self.mesh) if microbatched else batch
+        loss_sum, weight, stats, local = per_device_gradients(grad_fn, params, rows, self.mesh, microbatched)
+        # Residuals are kept unscaled (gradient units of the loss sum): under fp16 the scale
+        # moves between steps, and a residual carried in the old scale's units would count
+        # twice after an overflow halves it (half after growth).
+        if scale is not None and residual is not None:
+            residual = jax.tree.map(lambda r: r * scale, residual)
+        grads, residual = reduce_gradients(local, residual, self.plan, self.param_shardings, self.mesh)
+        if scale is not None and residual is not None:
+            residual = jax.tree.map(lambda r: r / scale, residual)
+        return loss_sum, weight, stats, grads, residual
+
+
+def reduce_plan(config: Config, mesh) -> ReducePlan | None:
+    """The compressed gradient reduction ``parallel.grad_reduce`` asks for (None: GSPMD's fp32),
+    saying in one line when it reduces less than asked."""
+    p = config.parallel
+    if p.grad_reduce == "float32":
+        return None
+    hosts = _hosts_along_axes(mesh) if jax.process_count() > 1 else None
+    try:
+        plan = plan_reduction(p, dict(mesh.shape), hosts)
+    except ValueError as e:
+        raise MeshError(str(e)) from None
+    if p.compress_axes == "dcn" and not plan.compressed_axes:
+        where = "one process" if hosts is None else "no batch axis crosses processes"
+        log.info(
+            f"parallel.compress_axes=dcn on {where}: no gradient crosses hosts, so nothing is compressed "
+            f"(parallel.grad_reduce={p.grad_reduce} has no effect); gradients reduce in float32"
+        )
+        return None
+    return plan
+
+
+def say_what_reduces(config: Config, layout, plan: ReducePlan | None, replicas: int) -> None:
+    """One line for each weaker path the reduction takes."""
+    if replicas and config.train.microbatches > 1 and layout.strategy.zero in ("dp", "zero1"):
+        log.info(
+            "DiLoCo with train.microbatches > 1: gradients are reduced inside each replica once per microbatch, "
+            "not once per step (the per-device accumulation cannot run under the replica vmap)"
+        )
+    if plan is None:
+        return
+    if layout.strategy.zero == "fsdp":
+        log.info(
+            f"parallel.grad_reduce={plan.mode} with fsdp: parameters are gathered once per step and gradients all-reduced "
+            "(ZeRO-2-like memory during the step), not FSDP's per-layer gather and reduce-scatter"
+        )
+    if config.parallel.compress_axes == "dcn" and plan.full_axes:
+        log.info(
+            f"gradients reduce in float32 over {','.join(plan.full_axes)} (inside hosts) and in {plan.mode} over "
+            f"{','.join(plan.compressed_axes) or 'nothing'} (across hosts)"
+        )
+
+
+def _hosts_along_axes(mesh) -> dict[str, int]:
+    """For each mesh axis, how many processes the devices along it belong to."""
+    devices = mesh.devices
+    out = {}
+    for i, axis in enumerate(mesh.axis_names):
+        line = devices[tuple(slice(None) if j == i else 0 for j in range(devices.ndim))]
+        out[axis] = len({d.process_index for d in line})
+    return out

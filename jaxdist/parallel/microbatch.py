@@ -7,7 +7,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist.layout.mesh import INNER_BATCH_AXES
 from jaxdist.models.fp8 import add_gradients
 
 
@@ -15,6 +17,18 @@ def split_microbatches(x: jax.Array, m: int) -> jax.Array:
     """[B, ...] -> [M, B/M, ...] taking every M-th row, so each device keeps its own rows
     (a contiguous split would move rows between the devices of the batch axes)."""
     return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
+def split_for_accumulation(batch: Any, microbatches: int, mesh) -> Any:
+    """A batch's every array [B, ...] -> [M, B/M, ...] (``split_microbatches``), each device's rows
+    kept on it (the microbatch axis unsharded, the rows over the batch axes)."""
+
+    def split(x: jax.Array) -> jax.Array:
+        x = split_microbatches(x, microbatches)
+        spec = PartitionSpec(None, INNER_BATCH_AXES, *([None] * (x.ndim - 2)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(split, batch)
 
 
 def merge_microbatches(x: jax.Array) -> jax.Array:

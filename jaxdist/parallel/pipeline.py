@@ -26,8 +26,6 @@ cotangent), instead of every stage computing the whole head.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -36,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxdist.layout import step_context
 from jaxdist.layout.sharding import active_layout
 from jaxdist.parallel.microbatch import merge_microbatches, split_microbatches
 from jaxdist.parallel.pipeline_1f1b import one_f_one_b_loss
@@ -126,25 +125,6 @@ def pipeline_loss(
     return run_head(promote(head_params, mesh), y_mb, targets_mb)  # replicated over pipe and data, like x above
 
 
-# -- the loss scale 1F1B's in-forward backward needs ----------------------------------------
-
-# The cotangent the loss sum's gradient is taken with while a loss is traced (fp16 loss
-# scaling: the objective is loss x scale). 1F1B computes its backward inside the forward
-# pass, before autodiff hands it that cotangent, so the scale has to reach it this way:
-# otherwise its fp16 cotangents would run unscaled and underflow.
-_COTANGENT = contextvars.ContextVar("jaxdist_loss_cotangent", default=None)
-
-
-@contextlib.contextmanager
-def loss_cotangent(scale: jax.Array | None):
-    """Trace a loss whose gradient will be taken of ``loss sum x scale`` (None: 1)."""
-    token = _COTANGENT.set(scale)
-    try:
-        yield
-    finally:
-        _COTANGENT.reset(token)
-
-
 # -- applying a schedule to a model from outside ------------------------------------------
 
 
@@ -176,7 +156,7 @@ def pipelined_loss(spec: PipelineSpec) -> Callable[[StagedModel, dict[str, jax.A
         targets, weight = model.loss_targets(batch)
         mesh = active_layout().mesh
         if spec.schedule == "1f1b":
-            seed = _COTANGENT.get()
+            seed = step_context.current().loss_cotangent  # 1F1B runs its backward inside the forward: it needs fp16's scale now
             seed = jnp.ones((), jnp.float32) if seed is None else jnp.asarray(seed, jnp.float32)
             return one_f_one_b_loss(stage, model.head_loss, spec, mesh)(stacked, model.head_params(), x, aux, targets, seed), weight, {}
         # dense layers only (validate: no MoE here)

@@ -18,20 +18,21 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import sys
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from jaxdist.errors import JaxdistError
+from jaxdist.errors import EXIT_CHECKPOINT, JaxdistError, RunStopped
 
+log = logging.getLogger(__name__)
 PARAMS_DIR = "params"  # RUN_DIR/params/STEP: the weights-only checkpoints beside RUN_DIR/checkpoints/STEP
 
 
-class CheckpointError(Exception):
+class CheckpointError(RunStopped):
     """A checkpoint could not be written (the last committed one is intact)."""
 
-    exit_code = 4
+    exit_code = EXIT_CHECKPOINT
 
 
 class _IteratorState:
@@ -368,7 +369,7 @@ class Checkpointer:
     def _restore_data(self, step: int) -> tuple[dict | None, str | None]:
         return read_data_state(self.directory / str(step))
 
-    def restore_latest(self, abstract_state: Any, *, warn=print, drop=None) -> Restored | None:
+    def restore_latest(self, abstract_state: Any, *, drop=None) -> Restored | None:
         """The newest checkpoint that reads back, or None when there is none.
 
         A damaged one is reported and the previous one tried (nothing is deleted; the
@@ -385,7 +386,7 @@ class Checkpointer:
                 return restored
             except DamagedCheckpoint as e:
                 damaged.append(step)
-                warn(f"jaxdist: warning: checkpoint step {step} is damaged ({e}); trying the previous one (nothing is deleted)")
+                log.warning(f"checkpoint step {step} is damaged ({e}); trying the previous one (nothing is deleted)")
         if not steps:
             return None
         raise JaxdistError(
@@ -455,7 +456,3 @@ def parse_resume(resume: str, checkpoints: Path) -> tuple[str, Path, int | None]
     if checkpoint_steps(path):
         return "latest", path, None
     raise JaxdistError(f"--resume {resume!r}: not auto, never, a step, or a checkpoint directory")
-
-
-def warn(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

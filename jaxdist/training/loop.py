@@ -23,7 +23,7 @@ from jaxdist.training.preemption import Preempted
 from jaxdist.training.state import TrainState
 
 if TYPE_CHECKING:
-    from jaxdist.training.trainer import Trainer
+    from jaxdist.training.step import Trainer
 
 # metrics.jsonl's MoE fields (models.moe.metrics_from_sums), logged when the step returns them
 MOE_METRICS = {"moe_aux_loss", "moe_load_max", "moe_dropped_fraction"}

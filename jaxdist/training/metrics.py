@@ -5,8 +5,10 @@ Only process 0 writes or prints.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import math
 import sys
 import time
@@ -80,11 +82,10 @@ def fp8_peak_flops_per_device(devices: list) -> float:
 
 class MetricsLogger:
     """Writes one JSON object per logged step to metrics.jsonl, scalars to TensorBoard,
-    and keeps a progress bar with loss and tokens/s. A no-op on processes other than 0;
-    without a run directory nothing is written, but messages are still printed."""
+    and keeps a progress bar with loss and tokens/s. A no-op on processes other than 0 and
+    without a run directory (messages are the ``jaxdist`` logger's)."""
 
     def __init__(self, run_dir: Path | None, total_steps: int, *, enabled: bool = True, progress: bool = True, print_lines: bool = False):
-        self.speaks = enabled  # messages (warnings, notes) reach stderr on process 0, run directory or not
         self.enabled = enabled and run_dir is not None
         self.print_lines = print_lines
         self._jsonl = None
@@ -123,13 +124,13 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.update(steps)
 
-    def message(self, text: str) -> None:
-        if not self.speaks:
-            return
-        if self._bar is not None:
-            self._bar.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr, flush=True)
+    def messages_above_the_bar(self):
+        """Within this block, jaxdist's log lines print above the progress bar (when there is one)."""
+        if self._bar is None:
+            return contextlib.nullcontext()
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        return logging_redirect_tqdm(loggers=[logging.getLogger("jaxdist")])
 
     def close(self) -> None:
         if self._bar is not None:

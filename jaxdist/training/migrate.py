@@ -9,6 +9,7 @@ Residuals saved on another device count keep what all devices still owed the mod
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxdist.models import fp8
 from jaxdist.parallel import grad_reduce
 from jaxdist.training.state import StateLayout, TrainState, residual_shapes
+
+log = logging.getLogger(__name__)
 
 
 def restore_target(state_layout: StateLayout, saved_tree: Any) -> TrainState:
@@ -46,7 +49,7 @@ def restore_target(state_layout: StateLayout, saved_tree: Any) -> TrainState:
     return dataclasses.replace(target, residual=residual)
 
 
-def adapt_restored(state_layout: StateLayout, state: TrainState, fresh_extras: Callable[[], TrainState], log) -> TrainState:
+def adapt_restored(state_layout: StateLayout, state: TrainState, fresh_extras: Callable[[], TrainState]) -> TrainState:
     """``state`` as this run needs it: residuals and loss scale kept, re-spread, started
     fresh (``fresh_extras()``, only when the checkpoint lacks them: zeros cost a
     gradient's memory) or dropped, saying so."""
@@ -57,24 +60,23 @@ def adapt_restored(state_layout: StateLayout, state: TrainState, fresh_extras: C
             lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), histories),
             out_shardings=fp8.split(state_layout.shardings.params)[0],
         )()
-        log(
-            "jaxdist: the checkpoint has no fp8 amax histories (saved without model.fp8=delayed): they start empty (the next step quantises with scale 1 and fills them)"
+        log.info("the checkpoint has no fp8 amax histories (saved without model.fp8=delayed): they start empty (the next step quantises with scale 1 and fills them)"
         )
         state = dataclasses.replace(state, params=fp8.merge(empty, state.params))
     if (state.residual is None and wants_residual) or (state.loss_scale is None and wants_scale):
         fresh = fresh_extras()
     if state.residual is not None and not wants_residual:
-        log("jaxdist: warning: the checkpoint's error-feedback residuals are not used by this run (no compression); dropped")
+        log.warning("the checkpoint's error-feedback residuals are not used by this run (no compression); dropped")
         state = dataclasses.replace(state, residual=None)
     if state.loss_scale is not None and not wants_scale:
-        log("jaxdist: the checkpoint's loss scale is not used by this run (not float16)")
+        log.info("the checkpoint's loss scale is not used by this run (not float16)")
         state = dataclasses.replace(state, loss_scale=None)
     if state.residual is None and wants_residual:
-        log("jaxdist: the checkpoint has no error-feedback residuals (saved without compression); they start at zero")
+        log.info("the checkpoint has no error-feedback residuals (saved without compression); they start at zero")
         state = dataclasses.replace(state, residual=fresh.residual)
     if state.loss_scale is None and wants_scale:
         start = float(np.max(jax.device_get(fresh.loss_scale.scale)))
-        log(f"jaxdist: the checkpoint has no loss scale (saved without float16); it starts at {start:g}")
+        log.info(f"the checkpoint has no loss scale (saved without float16); it starts at {start:g}")
         state = dataclasses.replace(state, loss_scale=fresh.loss_scale)
     if state.residual is None:
         return state
@@ -85,7 +87,7 @@ def adapt_restored(state_layout: StateLayout, state: TrainState, fresh_extras: C
         lambda r: jax.tree.map(lambda x: jnp.broadcast_to(jnp.sum(x, 0) / n, (n, *x.shape[1:])), r),
         out_shardings=state_layout.shardings.residual,
     )
-    log(f"jaxdist: error-feedback residuals were saved on {saved} devices; their sum is spread evenly over this run's {n}")
+    log.info(f"error-feedback residuals were saved on {saved} devices; their sum is spread evenly over this run's {n}")
     return dataclasses.replace(state, residual=respread(state.residual))
 
 

@@ -59,7 +59,7 @@ def _decay_mask(params):
 def without_histories(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """``tx`` on the parameters without fp8's amax histories (``models.fp8``): its state,
     clipping and weight decay never see them, and their update is zero (the step writes
-    their observed values over them, ``training.update``)."""
+    their observed values over them, ``training.step``)."""
 
     def init(params):
         return tx.init(fp8.without_histories(params))

@@ -13,17 +13,17 @@ import signal
 import sys
 from types import FrameType
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again"; state was saved
+from jaxdist.errors import EXIT_PREEMPTED, RunStopped
 
 
-class Preempted(Exception):
+class Preempted(RunStopped):
     """Raised by the loop once the state at ``step`` is saved and committed (``saved``
     False: a run without a run directory stopped there with nothing to save)."""
 
     exit_code = EXIT_PREEMPTED
 
     def __init__(self, step: int, reason: str, saved: bool = True):
-        where = f"state saved at step {step}" if saved else f"stopped after step {step}; nothing saved (no run directory)"
+        where = f"state saved at step {step}; run the same command to resume" if saved else f"stopped after step {step}; nothing saved (no run directory)"
         super().__init__(f"preempted by {reason}; {where}")
         self.step, self.saved = step, saved
 
@@ -54,6 +54,7 @@ class PreemptionWatcher:
         if self.reason is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         self.reason = name
+        # a signal handler prints rather than logs: it may interrupt the logging machinery itself
         print(f"jaxdist: {name} received; finishing this step, saving, then exiting", file=sys.stderr, flush=True)
 
     def _handle_interrupt_as_term(self, signum: int, frame: FrameType | None) -> None:

@@ -6,12 +6,14 @@ what happens on another mesh or process count -- live in one small module.
 
 from __future__ import annotations
 
-import sys
+import logging
 from pathlib import Path
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.layout.mesh import parse_mesh
+
+log = logging.getLogger(__name__)
 
 
 def adapt_microbatches_for_resume(config: Config, run_dir: Path | None, resume: str) -> None:
@@ -27,15 +29,14 @@ def adapt_microbatches_for_resume(config: Config, run_dir: Path | None, resume: 
     fitting = fitting_microbatches(config, sizes)
     if fitting is None or fitting == t.microbatches:
         return  # fits as configured, or nothing fits (check_config_on_mesh says why)
-    print(
-        f"jaxdist: resuming on replica x data x fsdp x expert = {batch_shards(sizes)}: train.microbatches {t.microbatches} -> {fitting} "
-        f"keeps the global batch {t.global_batch}",
-        file=sys.stderr,
+    log.info(
+        f"resuming on replica x data x fsdp x expert = {batch_shards(sizes)}: train.microbatches {t.microbatches} -> {fitting} "
+        f"keeps the global batch {t.global_batch}"
     )
     t.microbatches = fitting
 
 
-def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, checkpointer, log, weights_dir: Path | None = None):
+def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, checkpointer, weights_dir: Path | None = None):
     """The restored checkpoint for ``--resume``, or None to start fresh (only when there
     is no checkpoint of either kind). A checkpoint that does not fit this run's state is
     an error, as is a damaged one asked for by step, or every checkpoint being damaged.
@@ -43,10 +44,10 @@ def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, chec
     from jaxdist.training.checkpoint import Checkpointer, DamagedCheckpoint, IncompatibleCheckpoint, parse_resume
 
     if weights_dir is not None:
-        restored = restore_weights(trainer, config, weights_dir, log)
+        restored = restore_weights(trainer, config, weights_dir)
         if checkpointer is not None:  # None: a library run without a run directory
             own = checkpointer.params_dir is not None and weights_dir.parent.absolute() == checkpointer.params_dir.absolute()
-            _set_aside_other_branches(checkpointer, restored, own, log, weights_only=True)
+            _set_aside_other_branches(checkpointer, restored, own, weights_only=True)
         return restored
     mode, directory, step = parse_resume(resume, run_dir / "checkpoints")
     if mode == "never":
@@ -66,15 +67,15 @@ def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, chec
         if mode == "step":
             restored = source.restore(step, trainer.restore_target, drop=drop)
         else:
-            restored = source.restore_latest(trainer.restore_target, warn=log, drop=drop)
+            restored = source.restore_latest(trainer.restore_target, drop=drop)
         if restored is not None:
             if restored.dropped:
-                log(
-                    f"jaxdist: checkpoint step {restored.step} holds {len(restored.dropped)} fp8 amax histories (model.fp8=delayed) that this run "
+                log.info(
+                    f"checkpoint step {restored.step} holds {len(restored.dropped)} fp8 amax histories (model.fp8=delayed) that this run "
                     f"(model.fp8={config.model.fp8}) does not use; dropped"
                 )
-            restored.state = trainer.adapt_restored(restored.state, log)
-            _set_aside_other_branches(checkpointer, restored, own, log)
+            restored.state = trainer.adapt_restored(restored.state)
+            _set_aside_other_branches(checkpointer, restored, own)
         return restored
     except DamagedCheckpoint as e:  # asked for by step: no fallback
         raise JaxdistError(f"--resume {resume}: checkpoint step {step} is damaged ({e}); nothing was deleted") from None
@@ -87,7 +88,7 @@ def restore_checkpoint(trainer, config: Config, run_dir: Path, resume: str, chec
             source.close()
 
 
-def _set_aside_other_branches(checkpointer, restored, own: bool, log, *, weights_only: bool = False) -> None:
+def _set_aside_other_branches(checkpointer, restored, own: bool, *, weights_only: bool = False) -> None:
     """The run continues from ``restored``: its own checkpoints of either kind that are not
     on this branch (newer steps, or every step when it resumes from another run's) and the
     damaged ones it fell back from are moved aside, so the new branch's saves happen and
@@ -108,7 +109,7 @@ def _set_aside_other_branches(checkpointer, restored, own: bool, log, *, weights
         aside = move_aside(directory, steps, kind)
         if aside is not None:
             what = "weights-only checkpoint" if directory == checkpointer.params_dir else "checkpoint"
-            log(f"jaxdist: {what} step(s) {', '.join(map(str, steps))} moved to {aside} ({reason}; nothing was deleted)")
+            log.info(f"{what} step(s) {', '.join(map(str, steps))} moved to {aside} ({reason}; nothing was deleted)")
     if damaged or other or light:
         checkpointer.reload()
 
@@ -178,7 +179,7 @@ def schedule_change(restored, config: Config) -> str | None:
 PARAMS_RESUME = "params:"  # --resume params:STEP: this run's weights-only checkpoint STEP
 
 
-def weights_resume(resume: str, init_from: str | None, log, run_dir: Path | None = None) -> tuple[str, str | None, Path | None]:
+def weights_resume(resume: str, init_from: str | None, run_dir: Path | None = None) -> tuple[str, str | None, Path | None]:
     """``--resume`` naming a weights-only checkpoint: ``params:STEP`` (this run's
     ``RUN_DIR/params/STEP``) or a PATH that holds weights only. One at step 0 (a converted
     model) starts from its weights as ``--init-from PATH`` would; one at a later step (a
@@ -204,12 +205,12 @@ def weights_resume(resume: str, init_from: str | None, log, run_dir: Path | None
     if init_from:
         raise JaxdistError(f"--resume {resume} holds weights only; give it as --init-from, not with another --init-from {init_from}")
     if int(step_dir.name) == 0:
-        log(f"jaxdist: --resume {resume} holds weights only: starting from them at step 0 with a fresh optimizer (as --init-from)")
+        log.info(f"--resume {resume} holds weights only: starting from them at step 0 with a fresh optimizer (as --init-from)")
         return "auto", resume, None
     return resume, None, step_dir
 
 
-def restore_weights(trainer, config: Config, step_dir: Path, log):
+def restore_weights(trainer, config: Config, step_dir: Path):
     """A run continued from a weights-only checkpoint: its parameters, step and data
     position, with a fresh optimizer (zero moments, its learning-rate schedule from the
     start) and fresh loss scale / residuals; said in one line."""
@@ -223,30 +224,30 @@ def restore_weights(trainer, config: Config, step_dir: Path, log):
     state = trainer.init_state(config.train.seed, restore_params(step_dir, trainer.abstract_params()))
     state.step = jax.jit(lambda: jnp.asarray(step, jnp.int32), out_shardings=trainer.state_shardings.step)()
     data_state, data_problem = read_data_state(step_dir)
-    log(
-        f"jaxdist: {step_dir} holds weights only: continuing from its weights at step {step}; the optimizer state starts fresh "
+    log.info(
+        f"{step_dir} holds weights only: continuing from its weights at step {step}; the optimizer state starts fresh "
         "(zero moments, its learning-rate schedule from the start)"
     )
     return Restored(step, state, data_state, saved_config(step_dir) or {}, step_dir, data_problem)
 
 
-def initial_weights(trainer, init_from: str, log):
+def initial_weights(trainer, init_from: str):
     """The parameters ``--init-from`` names, read into this run's shardings."""
     from jaxdist.training.weights import find_checkpoint, restore_params
 
     step_dir = find_checkpoint(init_from)
     params = restore_params(step_dir, trainer.abstract_params())
-    log(f"jaxdist: weights from {step_dir}; optimizer state fresh, starting at step 0")
+    log.info(f"weights from {step_dir}; optimizer state fresh, starting at step 0")
     return params
 
 
-def continue_data(batches, restored, config: Config, layout, log):
+def continue_data(batches, restored, config: Config, layout):
     """Put the data stream where the checkpoint left it: from the data state saved by
     this process layout, else -- saying so -- by step (batch k is a function of k alone)."""
     saved_batch = restored.config.get("train", {}).get("global_batch")
     if saved_batch not in (None, config.train.global_batch):
-        log(
-            f"jaxdist: warning: train.global_batch changed {saved_batch} -> {config.train.global_batch}; the data stream restarts its order at step {restored.step}"
+        log.warning(
+            f"train.global_batch changed {saved_batch} -> {config.train.global_batch}; the data stream restarts its order at step {restored.step}"
         )
     problem = restored.data_problem or "none saved"
     if restored.data_state is not None:
@@ -257,6 +258,7 @@ def continue_data(batches, restored, config: Config, layout, log):
             problem = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
     from jaxdist.data.pipeline import make_iterator
 
-    log(f"jaxdist: warning: data state of checkpoint step {restored.step} not restored ({problem}); data resumed by step {restored.step}")
+    log.warning(
+            f"data state of checkpoint step {restored.step} not restored ({problem}); data resumed by step {restored.step}")
     batches.close()
     return make_iterator(config, layout, start_step=restored.step)

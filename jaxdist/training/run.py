@@ -1,50 +1,121 @@
-"""One training run as a library: the trainer, the data, the resume, the loop.
+"""One training run, from its command line (``train_process``) or as a library (``run``).
 
-``jaxdist.training.process`` (``python -m jaxdist.train``) calls ``run``; the analysis,
-the planner, the tools and the experiments build their trainer with ``build_trainer``.
+``python -m jaxdist.train`` calls ``train_process``: supervise the run (``--max-restarts``),
+join the process group, size the mesh to the devices, adapt a resume to it, then ``run``:
+the Trainer (``training.step``), the data, the start (fresh, ``--init-from``, ``--resume``),
+the loop. The analysis, the planner and the tools build a Trainer with ``build_trainer``.
+
+The order matters before JAX starts its backend: the mesh and the config are checked and
+the platform chosen (fake CPU devices, or the GPU flags) first, so errors cost no backend
+start-up; on a GPU a ``-1`` axis can only be sized once ``jax.distributed`` has joined the
+processes. This module is imported before that, so it imports JAX inside its functions.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
+import logging
+import os
 import sys
 import time
 from pathlib import Path
 
+from jaxdist.cli import config_from_args
 from jaxdist.config import Config
-from jaxdist.data.sources import resolve_vocab
-from jaxdist.errors import JaxdistError
+from jaxdist.errors import EXIT_OK, JaxdistError
 from jaxdist.layout.mesh import MeshSizes, parse_mesh
 from jaxdist.layout.validate import check_config_on_mesh
-from jaxdist.training.compile_cache import compile_cache_dir, enable_compile_cache
+
+log = logging.getLogger(__name__)
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def train_process(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the training ``args`` describe (``argv``: the same, as given, for a supervisor that
+    restarts them); the exit code (``jaxdist.train``'s table). Errors are raised (the CLI's
+    ``errors.command`` says them in one line)."""
+    from jaxdist.cluster.heartbeat import install_stack_dump
+    from jaxdist.cluster.supervise import SUPERVISED_ENV
+
+    install_stack_dump()  # under jaxdist.launch: SIGUSR1 prints the Python stacks of a stalled process
+    if args.profile_steps is not None:
+        args.overrides.append(f"train.profile_steps={args.profile_steps}")
+    config = config_from_args(args)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
+    if args.max_restarts > 0 and not os.environ.get(SUPERVISED_ENV):
+        from jaxdist.cluster.supervise import supervise
+
+        return supervise(argv, run_dir, args.max_restarts, args.restart_delay)
+    config, sizes = _join(args, config, run_dir)
+    interactive = sys.stderr.isatty()
+    result = run(config, sizes, run_dir, resume=args.resume, progress=interactive, print_lines=not interactive, init_from=args.init_from)
+    if result.losses:
+        t = config.train
+        end = t.stop_after_step if 0 < t.stop_after_step < t.steps else t.steps
+        log.info(f"done at step {end}; loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    return EXIT_OK
+
+
+def _join(args: argparse.Namespace, config: Config, run_dir: Path) -> tuple[Config, MeshSizes | None]:
+    """Join the process group and size the mesh to its devices (a ``-1`` axis; the
+    microbatches a resume on another mesh needs): (the config, the mesh sizes)."""
+    from jaxdist.cluster.distributed import hide_gloo_lines, initialize, process_group_from
+    from jaxdist.data.sources import resolve_vocab
+    from jaxdist.layout.devices import prepare_devices, settle_remaining_axis
+    from jaxdist.layout.mesh import has_remaining_axis
+    from jaxdist.training.resume import adapt_microbatches_for_resume
+
+    group = process_group_from(args)
+    hide_gloo_lines(args.log_level, group)  # before initialize: gloo prints at the first collectives
+    num_processes = group.num_processes if group and group.num_processes else 1
+    quiet = bool(group and group.process_id)  # only process 0 says what a -1 axis became
+    settle_remaining_axis(config, num_processes, quiet=quiet)
+    adapt_microbatches_for_resume(config, run_dir, args.resume)
+    if parse_mesh(config.parallel.mesh) is not None:
+        resolve_vocab(config)  # the tensor axis's check sees the vocab before JAX starts
+    sizes = prepare_devices(config, num_processes)
+    initialize(group)
+    if has_remaining_axis(sizes):  # GPU: the device count is known now
+        import jax
+
+        settle_remaining_axis(config, num_processes, jax.device_count(), quiet=jax.process_index() != 0)
+        adapt_microbatches_for_resume(config, run_dir, args.resume)
+        sizes = parse_mesh(config.parallel.mesh)
+        check_config_on_mesh(config, sizes)
+    return config, sizes
+
+
+# -- the run -----------------------------------------------------------------------------------
 
 
 def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
-    """Task, mesh and Trainer for ``config``; nothing is allocated yet (shapes only)."""
+    """The Trainer for ``config`` on a mesh of ``devices`` (default: JAX's); nothing is
+    allocated yet (shapes only)."""
     import jax
 
+    from jaxdist.data.sources import resolve_vocab
     from jaxdist.layout.mesh import auto_mesh, build_mesh
     from jaxdist.layout.sharding import Layout
     from jaxdist.layout.strategy import resolve_strategy
     from jaxdist.models import build_task
     from jaxdist.parallel import parallelize
-    from jaxdist.training.trainer import Trainer
+    from jaxdist.training.step import Trainer
 
     devices = list(jax.devices() if devices is None else devices)
     resolve_vocab(config)
     task = build_task(config, devices[0].platform, getattr(devices[0], "compute_capability", None))
     if mesh_sizes is None:
         mesh_sizes = auto_mesh(len(devices), task.n_params)
-    warnings = check_config_on_mesh(config, mesh_sizes)  # raises before anything is built
+    for line in check_config_on_mesh(config, mesh_sizes):  # raises before anything is built
+        log.warning(line)
     dcn = parse_mesh(config.parallel.dcn_mesh) if config.parallel.dcn_mesh else None
     mesh = build_mesh(mesh_sizes, devices, dcn)
     layout = Layout(mesh, resolve_strategy(config.parallel.strategy, mesh_sizes), context_load_balance=config.parallel.context_load_balance)
-    task = parallelize(task, config, mesh)
-    for line in (*task.notes, *warnings):
-        if jax.process_index() == 0:
-            print(line, file=sys.stderr)
-    return Trainer(task, config, layout)
+    return Trainer(parallelize(task, config, mesh), config, layout)
 
 
 def run(
@@ -70,15 +141,16 @@ def run(
 
     from jaxdist.data.pipeline import eval_batches, make_iterator
     from jaxdist.layout.mesh import format_mesh
-    from jaxdist.training.checkpoint import Checkpointer, checkpoint_steps, params_directory, parse_resume, warn
+    from jaxdist.training.checkpoint import Checkpointer, checkpoint_steps, params_directory, parse_resume
+    from jaxdist.training.compile_cache import compile_cache_dir, enable_compile_cache
     from jaxdist.training.energy import IntervalEnergy, agree_on_meter, open_meter
-    from jaxdist.training.loop import LoopHooks, train_loop
+    from jaxdist.training.loop import LoopHooks, LoopResult, train_loop
     from jaxdist.training.metrics import MetricsLogger, fp8_peak_flops_per_device, peak_flops_per_device
     from jaxdist.training.optim import schedule_length
     from jaxdist.training.preemption import PreemptionWatcher
     from jaxdist.training.resume import continue_data, initial_weights, restore_checkpoint, schedule_change, weights_resume
 
-    resume, init_from, weights_dir = weights_resume(resume, init_from, warn, run_dir)
+    resume, init_from, weights_dir = weights_resume(resume, init_from, run_dir)
     compile_cache_dir(config, run_dir)  # refused before anything is written
     config.train.schedule_steps = schedule_length(config.train)  # config.yaml and checkpoints record what the run uses
     trainer = build_trainer(config, mesh_sizes, devices)
@@ -104,70 +176,65 @@ def run(
     t = config.train
     logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress, print_lines=print_lines)
     try:
-        restored = (
-            restore_checkpoint(trainer, config, run_dir, resume, checkpointer, warn, weights_dir) if checkpointer or weights_dir else None
-        )
-        if restored is not None and restored.step >= min(t.steps, t.stop_after_step or t.steps):  # a finished run, rerun
-            from jaxdist.training.loop import LoopResult
-
-            why = f"train.stop_after_step={t.stop_after_step}" if 0 < t.stop_after_step < t.steps else f"train.steps={t.steps}"
-            logger.advance(restored.step)
-            logger.message(f"jaxdist: already at step {restored.step} ({why}): nothing to train")
-            return LoopResult(restored.state, [], {})  # no losses: the caller says nothing more
-        if run_dir is not None and is_main:  # after the resume check: a rejected config does not overwrite the saved one
-            write_config(run_dir, config)
-        if restored is None:
-            state = trainer.init_state(t.seed, initial_weights(trainer, init_from, logger.message) if init_from else None)
-        else:
-            if init_from:
-                logger.message(
-                    f"jaxdist: --init-from {init_from} is not used: the run resumes from its own checkpoint step {restored.step}"
-                )
-            state = restored.state
-            batches = continue_data(batches, restored, config, layout, warn)
-            saved_mesh = restored.config.get("parallel", {}).get("mesh", "?")
-            logger.message(f"jaxdist: resumed from step {restored.step} ({restored.path}; saved on mesh {saved_mesh})")
-            change = schedule_change(restored, config)
-            if change:
-                logger.message(change)
-            logger.advance(restored.step)
-        logger.message(
-            f"jaxdist: {config.name} | {trainer.n_params / 1e6:.2f}M params | mesh {format_mesh(dict(mesh.shape))} "
-            f"({mesh.size} {devices[0].platform}) | strategy {layout.strategy} | run dir {run_dir}"
-        )
-        first = next(batches)
-        compile_start = time.perf_counter()
-        step_fn = trainer.compile_step(state, first, logger)
-        logger.message(f"jaxdist: train step compiled in {time.perf_counter() - compile_start:.1f}s")
-        meter, no_meter = agree_on_meter(*open_meter(devices))
-        if meter is None:
-            logger.message(f"jaxdist: energy is not measured ({no_meter}): joules_per_token and power_w are null")
-        hooks = LoopHooks(
-            eval_batches=lambda: eval_batches(config, layout),
-            checkpointer=checkpointer,
-            data_state=batches.get_state,
-            config_dict=config.to_dict(),
-            tracer=profile_window(trainer, step_fn, run_dir, int(jax.device_get(state.step)), logger),
-            energy=IntervalEnergy(meter),
-        )
-        with PreemptionWatcher(multi_process=jax.process_count() > 1) as hooks.preemption, contextlib.closing(hooks.tracer):
-            result = train_loop(
-                trainer,
-                state,
-                itertools.chain([first], batches),
-                step_fn=step_fn,
-                steps=t.steps,
-                logger=logger,
-                flops_per_step=task.flops_per_example * t.global_batch,
-                peak_flops=peak_flops_per_device(devices, t.peak_flops),
-                tokens_per_step=task.tokens_per_example * t.global_batch,
-                hooks=hooks,
-                fp8_peak_flops=fp8_peak_flops_per_device(devices) if getattr(config.model, "fp8", "off") != "off" else None,
+        with logger.messages_above_the_bar():
+            restored = restore_checkpoint(trainer, config, run_dir, resume, checkpointer, weights_dir) if checkpointer or weights_dir else None
+            if restored is not None and restored.step >= min(t.steps, t.stop_after_step or t.steps):  # a finished run, rerun
+                why = f"train.stop_after_step={t.stop_after_step}" if 0 < t.stop_after_step < t.steps else f"train.steps={t.steps}"
+                logger.advance(restored.step)
+                log.info(f"already at step {restored.step} ({why}): nothing to train")
+                return LoopResult(restored.state, [], {})  # no losses: the caller says nothing more
+            if run_dir is not None and is_main:  # after the resume check: a rejected config does not overwrite the saved one
+                write_config(run_dir, config)
+            if restored is None:
+                state = trainer.init_state(t.seed, initial_weights(trainer, init_from) if init_from else None)
+            else:
+                if init_from:
+                    log.info(f"--init-from {init_from} is not used: the run resumes from its own checkpoint step {restored.step}")
+                state = restored.state
+                batches = continue_data(batches, restored, config, layout)
+                saved_mesh = restored.config.get("parallel", {}).get("mesh", "?")
+                log.info(f"resumed from step {restored.step} ({restored.path}; saved on mesh {saved_mesh})")
+                change = schedule_change(restored, config)
+                if change:
+                    log.info(change)
+                logger.advance(restored.step)
+            log.info(
+                f"{config.name} | {trainer.n_params / 1e6:.2f}M params | mesh {format_mesh(dict(mesh.shape))} "
+                f"({mesh.size} {devices[0].platform}) | strategy {layout.strategy} | run dir {run_dir}"
             )
-        if 0 < t.stop_after_step < t.steps:
-            saved = "; saved, run again without train.stop_after_step to continue" if checkpointer else ""
-            logger.message(f"jaxdist: stopped after step {t.stop_after_step} of {t.steps} (train.stop_after_step){saved}")
-        return result
+            first = next(batches)
+            compile_start = time.perf_counter()
+            step_fn = trainer.compile_step(state, first)
+            log.info(f"train step compiled in {time.perf_counter() - compile_start:.1f}s")
+            meter, no_meter = agree_on_meter(*open_meter(devices))
+            if meter is None:
+                log.info(f"energy is not measured ({no_meter}): joules_per_token and power_w are null")
+            hooks = LoopHooks(
+                eval_batches=lambda: eval_batches(config, layout),
+                checkpointer=checkpointer,
+                data_state=batches.get_state,
+                config_dict=config.to_dict(),
+                tracer=profile_window(trainer, step_fn, run_dir, int(jax.device_get(state.step))),
+                energy=IntervalEnergy(meter),
+            )
+            with PreemptionWatcher(multi_process=jax.process_count() > 1) as hooks.preemption, contextlib.closing(hooks.tracer):
+                result = train_loop(
+                    trainer,
+                    state,
+                    itertools.chain([first], batches),
+                    step_fn=step_fn,
+                    steps=t.steps,
+                    logger=logger,
+                    flops_per_step=task.flops_per_example * t.global_batch,
+                    peak_flops=peak_flops_per_device(devices, t.peak_flops),
+                    tokens_per_step=task.tokens_per_example * t.global_batch,
+                    hooks=hooks,
+                    fp8_peak_flops=fp8_peak_flops_per_device(devices) if config.model.fp8 != "off" else None,
+                )
+            if 0 < t.stop_after_step < t.steps:
+                saved = "; saved, run again without train.stop_after_step to continue" if checkpointer else ""
+                log.info(f"stopped after step {t.stop_after_step} of {t.steps} (train.stop_after_step){saved}")
+            return result
     finally:
         batches.close()
         if checkpointer is not None:
@@ -176,7 +243,7 @@ def run(
         logger.close()
 
 
-def profile_window(trainer, compiled_step, run_dir: Path | None, start_step: int, logger):
+def profile_window(trainer, compiled_step, run_dir: Path | None, start_step: int):
     """The tracer for ``train.profile_steps`` (a no-op without one); process 0 writes the
     compiled step's analysis now and the bottleneck report when the window closes."""
     import json
@@ -191,10 +258,10 @@ def profile_window(trainer, compiled_step, run_dir: Path | None, start_step: int
         return StepTracer()
     first, last = parse_window(config.train.profile_steps)
     if start_step >= last:
-        logger.message(f"jaxdist: warning: resumed at step {start_step}, past the profile window {first}:{last}; not tracing")
+        log.warning(f"resumed at step {start_step}, past the profile window {first}:{last}; not tracing")
         return StepTracer()
     if start_step >= first:
-        logger.message(f"jaxdist: resumed inside the profile window: tracing steps {start_step + 1}:{last}")
+        log.info(f"resumed inside the profile window: tracing steps {start_step + 1}:{last}")
         first = start_step + 1
     out_dir = run_dir / "profile"
     is_main = jax.process_index() == 0
@@ -215,10 +282,10 @@ def profile_window(trainer, compiled_step, run_dir: Path | None, start_step: int
         try:
             report = summarize(run_dir)  # writes profile/summary.json and breakdown.png
         except JaxdistError as e:  # a report that cannot be made must not stop the training
-            logger.message(f"jaxdist: warning: no profile report ({e}); the trace is in {out_dir}")
+            log.warning(f"no profile report ({e}); the trace is in {out_dir}")
             return
         shares = ", ".join(f"{k} {v:.0%}" for k, v in report["fractions"].items())
-        logger.message(f"jaxdist: profile of steps {first}:{last}: {report['bound']}-bound ({shares}); python -m jaxdist.profile {run_dir}")
+        log.info(f"profile of steps {first}:{last}: {report['bound']}-bound ({shares}); python -m jaxdist.profile {run_dir}")
 
     facts = {
         "mesh": {a: int(n) for a, n in trainer.layout.mesh.shape.items()},
@@ -237,10 +304,8 @@ def create_run_dir(run_dir: Path) -> None:
 
 
 def write_config(run_dir: Path, config: Config) -> None:
-    import yaml
-
     try:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        (run_dir / "config.yaml").write_text(config.to_yaml())
     except OSError as e:
         raise JaxdistError(f"cannot write run directory {run_dir}: {e.strerror}") from None
 

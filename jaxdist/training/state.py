@@ -10,6 +10,7 @@ the loss scale carry a leading replica dimension sharded over the ``replica`` ax
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -22,6 +23,8 @@ from jaxdist.layout.mesh import INNER_BATCH_AXES
 from jaxdist.layout.sharding import Layout, tree_shardings
 from jaxdist.parallel import diloco, grad_reduce
 from jaxdist.training import loss_scale
+
+log = logging.getLogger(__name__)
 
 
 @jax.tree_util.register_dataclass
@@ -131,6 +134,11 @@ class StateLayout:
             scale = diloco.stacked_shapes(scale, self.replicas)
             shardings = diloco.stacked_shardings(shardings, self.layout.mesh)
         return self.with_shardings(scale, shardings)
+
+    def say_replicated(self) -> None:
+        """One line for each dimension a mesh axis cannot split (no silent replication)."""
+        for line in self.replicated.values():
+            log.warning(line)
 
     def metric_sharding(self) -> NamedSharding:
         """DiLoCo's metrics stay per replica: averaging them in the step would cross the

@@ -9,13 +9,15 @@ DiLoCo, the outer parameters), straight into the shardings they are given.
 
 from __future__ import annotations
 
-import sys
+import logging
 from pathlib import Path
 from typing import Any
 
 from jaxdist.config import Config, config_from_dict
 from jaxdist.errors import JaxdistError
 from jaxdist.training.checkpoint import checkpoint_steps, saved_config
+
+log = logging.getLogger(__name__)
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -121,17 +123,11 @@ def restore_params(step_dir: Path, abstract_params: Any) -> Any:
     histories = _histories_missing(step_dir, abstract_params)
     if histories is not None:  # weights of a run without delayed fp8: its amax histories start empty
         rest = restore_params(step_dir, fp8.split(abstract_params)[1])
-        print(
-            f"jaxdist: {step_dir} has no fp8 amax histories (model.fp8=delayed): they start empty (the next step quantises with scale 1 and fills them)",
-            file=sys.stderr,
-        )
+        log.info(f"{step_dir} has no fp8 amax histories (model.fp8=delayed): they start empty (the next step quantises with scale 1 and fills them)")
         return fp8.merge(jax.tree.map(lambda a: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)(), histories), rest)
     restored = read_arrays(step_dir, _params_target(step_dir, abstract_params))
     if not fp8.has_history(abstract_params) and fp8.holds_history(_saved_params(step_dir)):
-        print(
-            f"jaxdist: {step_dir} holds fp8 amax histories (model.fp8=delayed) that this model does not use: dropped",
-            file=sys.stderr,
-        )
+        log.info(f"{step_dir} holds fp8 amax histories (model.fp8=delayed) that this model does not use: dropped")
     for part in param_tree_key(step_dir):
         restored = restored[part]
     return restored

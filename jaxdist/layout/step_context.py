@@ -1,0 +1,61 @@
+"""What a step installs while it is traced: one context, set once per train, eval or
+generation step, read by the model and the parallel pieces.
+
+The model knows nothing of the mesh; what depends on it reaches it here:
+
+- ``layout``: the activation sharding constraints (``layout.sharding.constrain``) and, for
+  a pipeline schedule, the mesh;
+- ``sequence_kernel``: attention over a sequence split across devices (context parallelism,
+  ``parallel.context``), called instead of the model's own attention;
+- ``expert_kernel``: where an MoE layer's routed tokens go (expert parallelism's all-to-all,
+  ``parallel.expert``), instead of the experts on one device;
+- ``loss_cotangent``: the scale the loss's gradient is taken with (fp16 loss scaling), which
+  1F1B needs inside the forward pass, where it runs the backward.
+
+Two fields are the model's own, changed around parts of it (``changed``): ``fp8_off`` (the
+first and last layers that ``model.fp8_keep_ends`` keeps in the compute dtype) and
+``fp8_grouped`` (an MoE layer's grouped matmuls, which quantise-dequantise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    layout: Any = None  # layout.sharding.Layout
+    sequence_kernel: Callable | None = None  # (q, k, v, segment_ids, positions) -> attention output
+    expert_kernel: Callable | None = None  # (x, ids, gates, w_gate_up, w_down, capacity factor) -> (y, dropped)
+    loss_cotangent: Any = None  # jax.Array scalar: the loss sum's gradient is taken of loss sum x this (None: 1)
+    fp8_off: bool = False
+    fp8_grouped: bool = False
+
+
+_CURRENT: contextvars.ContextVar[StepContext] = contextvars.ContextVar("jaxdist_step_context", default=StepContext())
+
+
+def current() -> StepContext:
+    """The context being traced under (an empty one outside any step)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def installed(context: StepContext) -> Iterator[StepContext]:
+    """Trace a step under ``context``."""
+    token = _CURRENT.set(context)
+    try:
+        yield context
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def changed(**fields: Any) -> Iterator[StepContext]:
+    """The current context with some fields changed, within this block (the model's own fields)."""
+    with installed(dataclasses.replace(current(), **fields)) as context:
+        yield context
