@@ -109,3 +109,38 @@ def test_the_graph_sees_function_level_imports():
     top_level = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
     inside = _graph()["jaxdist.train"] - {m for m in top_level if m}
     assert inside, "expected function-level imports in jaxdist.train"
+
+
+# Lazy imports a module that already imports JAX may keep: optional kernels and libraries
+# that are heavy or absent where they are not used (each named with why).
+OPTIONAL = {
+    "jax._src.cudnn",  # cuDNN attention: only with model.attention=cudnn (a private module, imported where it is used)
+    "jax.experimental.pallas.ops.gpu",  # Pallas attention: only with model.attention=pallas
+}
+
+
+def test_function_level_imports_only_before_jax_starts():
+    """A function-level import delays its module until the call: that is for the code that
+    runs before JAX starts (the CLIs, the config, the device and platform choice, what they
+    import first). A module that imports JAX at its top has nothing to delay, so its imports
+    of jaxdist, JAX and its libraries sit at the top (optional kernels aside)."""
+    offenders = []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+        top |= {(n.module or "").split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom)}
+        if not top & {"jax", "flax", "optax"}:
+            continue
+        for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)):
+            for node in ast.walk(func):
+                modules = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else []
+                )
+                for module in modules:
+                    if module.split(".")[0] in ("jaxdist", "jax", "flax", "optax", "numpy") and module not in OPTIONAL:
+                        offenders.append(f"{name}:{node.lineno} imports {module} inside {func.name}")
+    assert not offenders, "\n".join(sorted(set(offenders)))

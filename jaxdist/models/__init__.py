@@ -19,7 +19,10 @@ from flax import nnx
 
 from jaxdist.config import Config
 from jaxdist.errors import ConfigError
+from jaxdist.models import llama, resnet
+from jaxdist.models.attention import choose_implementation
 from jaxdist.models.fp8 import FP8_MIN_CAPABILITY, fp8_capable
+from jaxdist.models.moe import metrics_from_sums, update_router_bias
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +67,6 @@ def compute_dtype(config: Config, platform: str) -> Any:
 
 def moe_hooks(cfg) -> dict[str, Any]:
     """The Task fields of an MoE decoder: its balancing metrics and router-bias update."""
-    from jaxdist.models.moe import metrics_from_sums, update_router_bias
-
     hooks: dict[str, Any] = {"metrics_from": metrics_from_sums}
     if cfg.moe_bias_rate > 0:
         hooks["after_update"] = lambda params, stats: update_router_bias(params, stats["moe_counts"], cfg.moe_bias_rate)
@@ -111,9 +112,6 @@ def build_task(config: Config, platform: str = "cpu", compute_capability: str | 
             f"these GPUs are {compute_capability} (XLA would compute every fp8 matmul in f16): set model.fp8=off"
         )
     if cfg.kind == "llama":
-        from jaxdist.models.attention import choose_implementation
-        from jaxdist.models.llama import Llama, count_params, flops_per_token
-
         seq = config.train.seq_len
         keys = ["inputs", "targets"]
         packed = config.data.source != "synthetic" and config.data.document_mask
@@ -131,23 +129,21 @@ def build_task(config: Config, platform: str = "cpu", compute_capability: str | 
             if line:
                 log.info(line)
         return Task(
-            make_model=lambda rngs: Llama(cfg, dtype=dtype, attention=attention, rngs=rngs),
+            make_model=lambda rngs: llama.Llama(cfg, dtype=dtype, attention=attention, rngs=rngs),
             loss_fn=lm_loss,
-            flops_per_example=flops_per_token(cfg, seq) * seq,
+            flops_per_example=llama.flops_per_token(cfg, seq) * seq,
             tokens_per_example=seq,
-            n_params=count_params(cfg),
+            n_params=llama.count_params(cfg),
             batch_spec=lambda b: {k: jax.ShapeDtypeStruct((b, seq), jnp.float32 if k == "loss_mask" else jnp.int32) for k in keys},
             attention=attention,
             **(moe_hooks(cfg) if cfg.moe_experts else {}),
         )
-    from jaxdist.models.resnet import ResNet, count_params, flops_per_image
-
     return Task(
-        make_model=lambda rngs: ResNet(cfg, dtype=dtype, rngs=rngs),
+        make_model=lambda rngs: resnet.ResNet(cfg, dtype=dtype, rngs=rngs),
         loss_fn=classification_loss,
-        flops_per_example=flops_per_image(cfg),
+        flops_per_example=resnet.flops_per_image(cfg),
         tokens_per_example=1,  # images/s
-        n_params=count_params(cfg),
+        n_params=resnet.count_params(cfg),
         batch_spec=lambda b: {
             "images": jax.ShapeDtypeStruct((b, cfg.image_size, cfg.image_size, 3), jnp.float32),
             "labels": jax.ShapeDtypeStruct((b,), jnp.int32),

@@ -15,11 +15,11 @@ def parallelize(task, config: Config, mesh):
     FSDP and tensor parallelism need nothing here (they are sharding rules)."""
     sizes = dict(mesh.shape)
     if config.model.kind == "llama" and config.model.moe_experts:
-        from jaxdist.parallel.expert_task import with_expert_parallelism
+        from jaxdist.parallel.expert import with_expert_parallelism
 
         task = with_expert_parallelism(task, config, mesh)
     if sizes.get("context", 1) > 1:
-        from jaxdist.parallel.context_task import with_context_attention
+        from jaxdist.parallel.context import with_context_attention
 
         task = with_context_attention(task, config, mesh)
     spec = pipeline_spec(config.parallel, sizes.get("pipe", 1))

@@ -25,6 +25,7 @@ applied once to the token arrays in the input pipeline (``reorder``) and undone 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 
@@ -33,14 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxdist.config import Config
 from jaxdist.inspect.collectives import collective_ops
 from jaxdist.inspect.hlo import NAME_RE, computation_multipliers, parse_hlo
+from jaxdist.layout.mesh import BATCH_AXES
 from jaxdist.models.attention import IMPLEMENTATIONS
 from jaxdist.parallel import blockwise
 from jaxdist.parallel.blockwise import BLOCK_SCOPE, TilePlan, pad_chunks, plan_tiles, unpad_chunks
 from jaxdist.parallel.ring import Ring, ring_attention, ring_forward
 
 CONTEXT_AXIS = "context"
+log = logging.getLogger(__name__)
 STRATEGIES = ("all_gather", "ring")
 DEFAULT_TILE = 512  # tokens per query / key tile of the per-block kernel: bounds its fp32 scores
 _KERNEL_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "xla_fp32")
@@ -296,3 +300,34 @@ def ring_overlap_in_hlo(hlo_text: str, mesh_shape: dict[str, int] | None = None)
         "overlapped_pairs": overlapped,
         "synchronous": synchronous,
     }
+
+
+# -- the task ----------------------------------------------------------------------------------
+
+
+def with_context_attention(task, config: Config, mesh: jax.sharding.Mesh):
+    """The task with its attention split over ``context``: the sequence of every token array is
+    sharded over it (the layout's rules and ``data.loader.split_sequences``: positions carried,
+    load-balanced order) and each step installs this kernel in place of the model's attention
+    (``layout.step_context``); the rest of the decoder is per token and needs nothing."""
+    p = config.parallel
+    heads_axis = "tensor" if mesh.shape["tensor"] > 1 else None  # validate: heads and kv heads divide over tensor
+    kernel = ContextAttention(
+        mesh=mesh,
+        strategy=p.context_strategy,
+        implementation=task.attention or "xla",
+        requested=config.model.attention,
+        batch_axes=BATCH_AXES,
+        heads_axis=heads_axis,
+        kv_heads_axis=heads_axis,
+    )
+    inner_spec = task.batch_spec
+
+    def batch_spec(global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
+        spec = dict(inner_spec(global_batch))
+        spec.setdefault("positions", jax.ShapeDtypeStruct(spec["inputs"].shape, "int32"))  # the loader always carries them
+        return spec
+
+    order = "load-balanced (shard r holds chunks r and 2N-1-r)" if p.context_load_balance else "in order (no load balancing)"
+    log.info(f"{kernel.kernel_note(config.train.seq_len)}; sequence {order}")
+    return dataclasses.replace(task, sequence_kernel=kernel, batch_spec=batch_spec)

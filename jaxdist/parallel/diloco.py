@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.layout.mesh import INNER_BATCH_AXES
@@ -207,8 +208,6 @@ class DiLoCo(OneModel):
     def fetch_metrics(self, pending: list) -> list:
         """Per-replica metrics, gathered (at log points only) and averaged."""
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             pending = multihost_utils.process_allgather(pending, tiled=True)
         return [average_metrics(m) for m in jax.device_get(pending)]
 

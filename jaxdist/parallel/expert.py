@@ -26,18 +26,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxdist.config import Config
 from jaxdist.layout.mesh import BATCH_AXES
-from jaxdist.layout.sharding import Rules, logical_to_spec
+from jaxdist.layout.sharding import Rules, logical_to_spec, rules_for
+from jaxdist.layout.strategy import resolve_strategy
 from jaxdist.models import experts as experts_lib
 from jaxdist.models.experts import ExpertCompute, capacity_rows, ceil_scaled, combine, dispatch, expert_compute, local_experts
 
 AXIS = "expert"
+log = logging.getLogger(__name__)
 GATE_UP_AXES = ("expert", "embed", None, "mlp")  # models.moe's parameter axes
 DOWN_AXES = ("expert", "mlp", "embed")
 
@@ -161,3 +165,19 @@ def _exchange(x, ids, gates, w_gate_up, w_down, capacity, rows: int, ep: int, re
     returned = jax.lax.all_to_all(results, AXIS, 0, 0, tiled=True)  # my rows' results, in my send layout
     per_row = jnp.where(fits[:, None], returned[jnp.minimum(slot, total - 1)], 0.0)
     return combine(per_row, d, gates, x.dtype), jnp.sum(~fits).astype(jnp.float32)
+
+
+# -- the task ----------------------------------------------------------------------------------
+
+
+def with_expert_parallelism(task, config: Config, mesh: jax.sharding.Mesh):
+    """The task whose MoE layers dispatch their tokens with ``ExpertParallel`` (each step
+    installs it, ``layout.step_context``)."""
+    rules = rules_for(resolve_strategy(config.parallel.strategy, dict(mesh.shape)))
+    kernel = ExpertParallel(mesh=mesh, rules=rules, buffer_factor=config.parallel.expert_buffer_factor)
+    if kernel.ep > 1:
+        log.info(kernel.note(config.model.moe_experts))
+    dense = experts_lib.kernel_note(kernel.platform, config.model.moe_experts // kernel.ep)  # where the grouped matmuls run densely
+    if dense:
+        log.info(dense)
+    return dataclasses.replace(task, expert_kernel=kernel)
