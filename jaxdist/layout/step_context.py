@@ -36,12 +36,13 @@ class StepContext:
     fp8_grouped: bool = False
 
 
-_CURRENT: contextvars.ContextVar[StepContext] = contextvars.ContextVar("jaxdist_step_context", default=StepContext())
+_EMPTY = StepContext()
+_CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("jaxdist_step_context", default=None)
 
 
 def current() -> StepContext:
     """The context being traced under (an empty one outside any step)."""
-    return _CURRENT.get()
+    return _CURRENT.get() or _EMPTY
 
 
 @contextlib.contextmanager
