@@ -195,6 +195,7 @@ qdq_gradient.defvjp(lambda y: (y, None), lambda _, g: (qdq(g, E5M2, scale_for(am
 
 # -- in the model ------------------------------------------------------------------------
 
+
 def disabled():
     """Within this block (while tracing), fp8 matmuls run in the compute dtype
     (``model.fp8_keep_ends``' first and last layers)."""

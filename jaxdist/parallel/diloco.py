@@ -147,7 +147,9 @@ class OneModel:
         if link is None:
             return compiled
         delay, count, sent = link.delay_s(compiled, mesh)
-        log.info(f"simulated link on the data axis: {count} collectives, {sent / 2**20:.2f} MiB per device per step -> +{delay * 1e3:.1f} ms per step")
+        log.info(
+            f"simulated link on the data axis: {count} collectives, {sent / 2**20:.2f} MiB per device per step -> +{delay * 1e3:.1f} ms per step"
+        )
         return slow_link.LinkedStep(compiled, delay)
 
     def fetch_metrics(self, pending: list) -> list:

@@ -60,7 +60,8 @@ def adapt_restored(state_layout: StateLayout, state: TrainState, fresh_extras: C
             lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), histories),
             out_shardings=fp8.split(state_layout.shardings.params)[0],
         )()
-        log.info("the checkpoint has no fp8 amax histories (saved without model.fp8=delayed): they start empty (the next step quantises with scale 1 and fills them)"
+        log.info(
+            "the checkpoint has no fp8 amax histories (saved without model.fp8=delayed): they start empty (the next step quantises with scale 1 and fills them)"
         )
         state = dataclasses.replace(state, params=fp8.merge(empty, state.params))
     if (state.residual is None and wants_residual) or (state.loss_scale is None and wants_scale):

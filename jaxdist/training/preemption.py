@@ -23,7 +23,11 @@ class Preempted(RunStopped):
     exit_code = EXIT_PREEMPTED
 
     def __init__(self, step: int, reason: str, saved: bool = True):
-        where = f"state saved at step {step}; run the same command to resume" if saved else f"stopped after step {step}; nothing saved (no run directory)"
+        where = (
+            f"state saved at step {step}; run the same command to resume"
+            if saved
+            else f"stopped after step {step}; nothing saved (no run directory)"
+        )
         super().__init__(f"preempted by {reason}; {where}")
         self.step, self.saved = step, saved
 

@@ -258,7 +258,6 @@ def continue_data(batches, restored, config: Config, layout):
             problem = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
     from jaxdist.data.pipeline import make_iterator
 
-    log.warning(
-            f"data state of checkpoint step {restored.step} not restored ({problem}); data resumed by step {restored.step}")
+    log.warning(f"data state of checkpoint step {restored.step} not restored ({problem}); data resumed by step {restored.step}")
     batches.close()
     return make_iterator(config, layout, start_step=restored.step)

@@ -177,7 +177,9 @@ def run(
     logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress, print_lines=print_lines)
     try:
         with logger.messages_above_the_bar():
-            restored = restore_checkpoint(trainer, config, run_dir, resume, checkpointer, weights_dir) if checkpointer or weights_dir else None
+            restored = (
+                restore_checkpoint(trainer, config, run_dir, resume, checkpointer, weights_dir) if checkpointer or weights_dir else None
+            )
             if restored is not None and restored.step >= min(t.steps, t.stop_after_step or t.steps):  # a finished run, rerun
                 why = f"train.stop_after_step={t.stop_after_step}" if 0 < t.stop_after_step < t.steps else f"train.steps={t.steps}"
                 logger.advance(restored.step)

@@ -161,7 +161,9 @@ class Update:
                 jax.tree.map(keep, *pair) for pair in ((params, state.params), (opt_state, state.opt_state), (residual, state.residual))
             )
             metrics["skipped"] = ~finite
-        return dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state, residual=residual, loss_scale=new_scale), metrics
+        return dataclasses.replace(
+            state, step=state.step + 1, params=params, opt_state=opt_state, residual=residual, loss_scale=new_scale
+        ), metrics
 
 
 # -- the Trainer -----------------------------------------------------------------------------
@@ -220,7 +222,9 @@ class Trainer:
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         scale = self._scale(None if state.loss_scale is None else state.loss_scale.scale)
         with installed(self.context(scale)):
-            loss_sum, weight, stats, grads, residual = self.reduction(grad_fn(self._loss, scale), state.params, batch, state.residual, scale)
+            loss_sum, weight, stats, grads, residual = self.reduction(
+                grad_fn(self._loss, scale), state.params, batch, state.residual, scale
+            )
         return self.update(state, loss_sum, weight, stats, grads, residual, scale)
 
     def loss_and_grads(self, params: Any, batch: Batch, loss_scale: float | None = None) -> tuple[jax.Array, Any]:

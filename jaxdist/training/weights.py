@@ -123,7 +123,9 @@ def restore_params(step_dir: Path, abstract_params: Any) -> Any:
     histories = _histories_missing(step_dir, abstract_params)
     if histories is not None:  # weights of a run without delayed fp8: its amax histories start empty
         rest = restore_params(step_dir, fp8.split(abstract_params)[1])
-        log.info(f"{step_dir} has no fp8 amax histories (model.fp8=delayed): they start empty (the next step quantises with scale 1 and fills them)")
+        log.info(
+            f"{step_dir} has no fp8 amax histories (model.fp8=delayed): they start empty (the next step quantises with scale 1 and fills them)"
+        )
         return fp8.merge(jax.tree.map(lambda a: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)(), histories), rest)
     restored = read_arrays(step_dir, _params_target(step_dir, abstract_params))
     if not fp8.has_history(abstract_params) and fp8.holds_history(_saved_params(step_dir)):
