@@ -14,11 +14,20 @@ the target, the peak memory and whether it fits, the kernels and the collectives
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Sequence
 
+import jaxdist
+from jaxdist import errors
 from jaxdist.cli import config_arg_parser, config_from_args, parse_args
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError
+from jaxdist.data.sources import resolve_vocab
+from jaxdist.errors import EXIT_OK, JaxdistError
+from jaxdist.layout.devices import prepare_devices, settle_remaining_axis
+from jaxdist.layout.mesh import mesh_device_count, parse_mesh
+from jaxdist.plan.gpu_target import compile_for_target, prepare_target, target_hardware, target_report
+
+log = logging.getLogger(__name__)
 
 
 def build_arg_parser():
@@ -30,59 +39,47 @@ def build_arg_parser():
     parser.add_argument("--gpus", type=int, default=None, help="--target: GPUs in the run (default: the mesh's devices, else 8)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="--target: GPUs per host (a multi-node target's hosts)")
     parser.add_argument("--hlo-out", default=None, metavar="PATH", help="write the optimized per-device HLO text here")
+    parser.add_argument("--log-level", default="info", choices=jaxdist.LEVELS, help="what reaches stderr (default info)")
     return parser
 
 
+@errors.command
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = parse_args(build_arg_parser(), argv)
-        config = config_from_args(args)
-        # Before JAX starts: the compile-only route needs JAX_PLATFORMS=cpu and the CUDA plugin;
-        # a run on this host's devices, fake CPU devices for the mesh (and no plugin).
-        if args.target is not None:
-            from jaxdist.plan.gpu_target import prepare_target
+    args = parse_args(build_arg_parser(), argv)
+    jaxdist.set_level(args.log_level)
+    config = config_from_args(args)
+    # Before JAX starts: the compile-only route needs JAX_PLATFORMS=cpu and the CUDA plugin;
+    # a run on this host's devices, fake CPU devices for the mesh (and no plugin).
+    if args.target is not None:
+        prepare_target()
+        report, hlo = _analyze_target(args, config)
+    else:
+        if args.gpus is not None:
+            raise JaxdistError("--gpus needs --target (without one the mesh runs on this host's devices)")
+        sizes = prepare_devices(config)
+        from jaxdist.training.compiled import analyze  # imports JAX: once the platform is chosen
 
-            prepare_target()
-            report, hlo = _analyze_target(args, config)
-        else:
-            if args.gpus is not None:
-                raise JaxdistError("--gpus needs --target (without one the mesh runs on this host's devices)")
-            from jaxdist.layout.devices import prepare_devices
+        report, hlo = analyze(config, sizes, with_hlo=True)
+    from jaxdist.inspect.step_report import format_report  # imports JAX: once the platform is chosen
 
-            sizes = prepare_devices(config)
-            from jaxdist.training.compiled import analyze
-
-            report, hlo = analyze(config, sizes, with_hlo=True)
-        from jaxdist.inspect.step_report import format_report
-
-        if args.hlo_out:
-            _write(args.hlo_out, hlo)
-    except JaxdistError as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    if args.hlo_out:
+        _write(args.hlo_out, hlo)
     print(json.dumps(report) if args.json else format_report(report))
     return EXIT_OK
 
 
 def _analyze_target(args, config):
-    from jaxdist.layout.mesh import mesh_device_count, parse_mesh
-    from jaxdist.plan.gpu_target import compile_for_target, target_hardware, target_report
-
     hardware = target_hardware(args.target)
     sizes = parse_mesh(config.parallel.mesh)
     gpus = args.gpus or (mesh_device_count(sizes) if sizes is not None and -1 not in sizes.values() else 8)
     if sizes is not None and -1 in sizes.values():
-        from jaxdist.layout.devices import settle_remaining_axis
-
         settle_remaining_axis(config, 1, gpus)
         sizes = parse_mesh(config.parallel.mesh)
-    from jaxdist.data.sources import resolve_vocab
-
     resolve_vocab(config)
     trainer, compiled, options = compile_for_target(config, sizes, hardware, gpus, args.gpus_per_node)
     report = target_report(trainer, compiled, hardware, options, args.gpus_per_node)
     if not report["fits"]:
-        print(f"jaxdist: {config.name} does not fit {hardware.name}: {report['fits_note']}", file=sys.stderr)
+        log.info(f"{config.name} does not fit {hardware.name}: {report['fits_note']}")
     return report, compiled.as_text()
 
 

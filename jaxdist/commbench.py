@@ -20,11 +20,18 @@ does. Without an accelerator the mesh gets fake CPU devices.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 
+import jaxdist
+from jaxdist import errors
 from jaxdist.cli import add_process_group_flags, parse_args
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, OneLineArgumentParser
+from jaxdist.cluster.distributed import process_group_from
+from jaxdist.errors import EXIT_OK, JaxdistError, OneLineArgumentParser
+from jaxdist.layout.devices import run_on_cpu_unless_gpu
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SIZES = "1K:64M"
 
@@ -42,34 +49,27 @@ def build_arg_parser():
     # --json alone prints the profile (const "-": stdout); --json PATH is the deprecated spelling of --out PATH
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", help="print the link profile as one JSON object")
     add_process_group_flags(parser)
+    parser.add_argument("--log-level", default="info", choices=jaxdist.LEVELS, help="what reaches stderr (default info)")
     return parser
 
 
+@errors.command
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxdist.layout.devices import run_on_cpu_unless_gpu
-
     run_on_cpu_unless_gpu()  # before JAX is imported: without a GPU, the CUDA plugin stays unloaded
-    from jaxdist.cluster.distributed import process_group_from
-    from jaxdist.plan.commbench import Sweep, commbench, format_report, parse_sizes
+    from jaxdist.plan.commbench import Sweep, commbench, format_report, parse_sizes  # imports JAX: once the platform is chosen
 
-    try:
-        args = parse_args(build_arg_parser(), argv)
-        if args.iters < 1 or args.warmup < 0:
-            raise JaxdistError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
-        sweep = Sweep(tuple(parse_sizes(args.sizes)), args.iters, args.warmup)
-        report, hardware = commbench(args.mesh, sweep, process_group_from(args), args.hardware, outputs(args))
-    except JaxdistError as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    args = parse_args(build_arg_parser(), argv)
+    jaxdist.set_level(args.log_level)
+    if args.iters < 1 or args.warmup < 0:
+        raise JaxdistError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    sweep = Sweep(tuple(parse_sizes(args.sizes)), args.iters, args.warmup)
+    report, hardware = commbench(args.mesh, sweep, process_group_from(args), args.hardware, outputs(args))
     if report is None:  # not process 0
         return EXIT_OK
     if "-" not in outputs(args):
         print(format_report(report, hardware))
     if args.json not in (None, "-"):
-        print(
-            f"jaxdist: warning: --json PATH is deprecated: --out {args.json} writes the link profile, --json alone prints it",
-            file=sys.stderr,
-        )
+        log.warning(f"--json PATH is deprecated: --out {args.json} writes the link profile, --json alone prints it")
     return EXIT_OK
 
 

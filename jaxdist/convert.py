@@ -14,8 +14,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, OneLineArgumentParser
-from jaxdist.hf.convert import DTYPES, from_hf, to_hf
+import jaxdist
+from jaxdist import errors
+from jaxdist.errors import EXIT_OK, OneLineArgumentParser
+from jaxdist.hf.files import DTYPES
+from jaxdist.layout.devices import run_on_cpu_unless_gpu
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -32,25 +35,27 @@ def build_arg_parser() -> argparse.ArgumentParser:
     target.add_argument("checkpoint", type=Path)
     target.add_argument("out", type=Path)
     target.add_argument("--dtype", default="auto", choices=DTYPES, help="tensor dtype (auto: the imported model's, else float32)")
+    for command in (parser, source, target):  # before or after the command's name
+        command.add_argument(
+            "--log-level",
+            choices=jaxdist.LEVELS,
+            default="info" if command is parser else argparse.SUPPRESS,
+            help="what reaches stderr (default info)",
+        )
     return parser
 
 
+@errors.command
 def main(argv: Sequence[str] | None = None) -> int:
-    def log(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+    args = build_arg_parser().parse_args(argv)
+    jaxdist.set_level(args.log_level)
+    run_on_cpu_unless_gpu()  # before JAX is imported: conversion runs on this host's devices
+    from jaxdist.hf.convert import from_hf, to_hf  # imports JAX: once the platform is chosen
 
-    try:
-        args = build_arg_parser().parse_args(argv)
-        from jaxdist.layout.devices import run_on_cpu_unless_gpu
-
-        run_on_cpu_unless_gpu()  # before JAX starts: conversion runs on this host's devices
-        if args.command == "from-hf":
-            from_hf(args.hf_dir, args.out, progress=sys.stderr.isatty(), log=log)
-        else:
-            to_hf(args.checkpoint, args.out, dtype=args.dtype, log=log)
-    except JaxdistError as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    if args.command == "from-hf":
+        from_hf(args.hf_dir, args.out, progress=sys.stderr.isatty())
+    else:
+        to_hf(args.checkpoint, args.out, dtype=args.dtype)
     return EXIT_OK
 
 

@@ -51,13 +51,14 @@ def command(main: Callable[..., int]) -> Callable[..., int]:
     @functools.wraps(main)
     def wrapped(*args, **kwargs) -> int:
         log = logging.getLogger("jaxdist")
+        every = {"every_process": True}  # each process says why it stopped: the cause may be its own
         try:
             return main(*args, **kwargs)
         except JaxdistError as e:
-            log.error(str(e))
+            log.error(str(e), extra=every)
             return getattr(e, "exit_code", EXIT_BAD_INPUT)
         except RunStopped as e:
-            (log.info if e.exit_code == EXIT_PREEMPTED else log.error)(str(e))
+            (log.info if e.exit_code == EXIT_PREEMPTED else log.error)(str(e), extra=every)
             return e.exit_code
 
     return wrapped

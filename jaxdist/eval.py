@@ -17,34 +17,31 @@ import json
 import sys
 from collections.abc import Sequence
 
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError
+import jaxdist
+from jaxdist import errors
+from jaxdist.errors import EXIT_OK, JaxdistError
+from jaxdist.hf.inference import checkpoint_arg_parser, load_config
+from jaxdist.layout.devices import run_on_cpu_unless_gpu
 
 
 def build_arg_parser():
-    from jaxdist.hf.inference import checkpoint_arg_parser
-
     parser = checkpoint_arg_parser("python -m jaxdist.eval", "Loss and perplexity of a checkpoint on held-out data.")
     parser.add_argument("--batches", type=int, default=None, help="batches to score (train.eval_batches)")
     return parser
 
 
+@errors.command
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxdist.hf.evaluation import evaluate
-    from jaxdist.hf.inference import load_config
+    args, config, step_dir = load_config(build_arg_parser(), argv)
+    jaxdist.set_level(args.log_level)
+    if args.batches is not None:
+        if args.batches < 1:
+            raise JaxdistError(f"--batches must be positive, got {args.batches}")
+        config.train.eval_batches = args.batches
+    run_on_cpu_unless_gpu()  # before JAX is imported
+    from jaxdist.hf.evaluation import evaluate  # imports JAX: once the platform is chosen
 
-    def say(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    try:
-        args, config, step_dir = load_config(build_arg_parser(), argv)
-        if args.batches is not None:
-            if args.batches < 1:
-                raise JaxdistError(f"--batches must be positive, got {args.batches}")
-            config.train.eval_batches = args.batches
-        result = evaluate(config, step_dir, log=say)
-    except JaxdistError as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    result = evaluate(config, step_dir)
     if args.json:
         print(json.dumps(result))
     else:

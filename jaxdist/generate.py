@@ -19,12 +19,14 @@ import json
 import sys
 from collections.abc import Sequence
 
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError
+import jaxdist
+from jaxdist import errors
+from jaxdist.errors import EXIT_OK, JaxdistError
+from jaxdist.hf.inference import checkpoint_arg_parser, load_config
+from jaxdist.layout.devices import run_on_cpu_unless_gpu
 
 
 def build_arg_parser():
-    from jaxdist.hf.inference import checkpoint_arg_parser
-
     parser = checkpoint_arg_parser("python -m jaxdist.generate", "Generate text from a checkpoint (KV-cached sampling).")
     parser.add_argument("--prompt", default=None, help="text, encoded with the model's tokenizer")
     parser.add_argument("--prompt-ids", default=None, help="token ids, comma-separated")
@@ -37,27 +39,25 @@ def build_arg_parser():
     return parser
 
 
+@errors.command
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxdist.hf.generation import generate
-    from jaxdist.hf.inference import load_config
+    args, config, step_dir = load_config(build_arg_parser(), argv)
+    jaxdist.set_level(args.log_level)
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise JaxdistError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    run_on_cpu_unless_gpu()  # before JAX is imported
+    from jaxdist.hf.generation import generate  # imports JAX: once the platform is chosen
 
-    try:
-        args, config, step_dir = load_config(build_arg_parser(), argv)
-        if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
-            raise JaxdistError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
-        result = generate(
-            config,
-            step_dir,
-            prompt=args.prompt,
-            ids_text=args.prompt_ids,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-        )
-    except JaxdistError as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    result = generate(
+        config,
+        step_dir,
+        prompt=args.prompt,
+        ids_text=args.prompt_ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
     if args.json:
         print(json.dumps(result))
     else:

@@ -125,6 +125,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import math
 import os
 import re
@@ -133,17 +134,21 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import jaxdist
+from jaxdist import errors
 from jaxdist.cli import config_from_args, train_arg_parser
 from jaxdist.cli import parse_args as parse_train_args
 from jaxdist.cluster import elastic
 from jaxdist.cluster.elastic_launch import ElasticPlan, run_elastic
 from jaxdist.cluster.etcd import Etcd, Tls, parse_endpoints
-from jaxdist.cluster.launcher import LOG_LEVELS, HangLimits, note, run_plain, set_log_level
+from jaxdist.cluster.launcher import HangLimits, run_plain
 from jaxdist.cluster.node_launch import NodePlan, check_local_address, route_address, run_node
 from jaxdist.cluster.rendezvous import check_name
 from jaxdist.cluster.supervise import child_argv
-from jaxdist.errors import EXIT_BAD_INPUT, JaxdistError, OneLineArgumentParser
+from jaxdist.errors import JaxdistError, OneLineArgumentParser
 from jaxdist.training.run import default_run_dir
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RESTARTS = 3
 MODULES = ("jaxdist.train", "jaxdist.commbench")  # --module: the programs a plain launch can run
@@ -241,7 +246,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--log-level",
         default="info",
-        choices=LOG_LEVELS,
+        choices=jaxdist.LEVELS,
         help="info (default): the launcher's notes, without gloo's connection lines; debug: with them; warning, error: fewer notes",
     )
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the arguments of python -m jaxdist.train")
@@ -406,23 +411,20 @@ def finished_plain(args: argparse.Namespace) -> tuple[int, str] | None:
     return None if step is None else (step, elastic.finished_line(config, step))
 
 
+@errors.command
 def main(argv: Sequence[str] | None = None) -> int:
-    set_log_level("info")
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-        set_log_level(args.log_level)
-        plan = elastic_plan(args) if args.elastic else None
-        nodes = node_plan(args) if args.nodes else None
-        finished = finished_plain(args) if plan is None and nodes is None else None
-    except JaxdistError as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    jaxdist.set_level("info")  # until the arguments say otherwise (a bad one is an error at any level)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    jaxdist.set_level(args.log_level)
+    plan = elastic_plan(args) if args.elastic else None
+    nodes = node_plan(args) if args.nodes else None
+    finished = finished_plain(args) if plan is None and nodes is None else None
     if nodes is not None:
         return run_node(nodes)
     if plan is not None:
         return run_elastic(plan)
     if finished is not None:  # nothing to start: the processes would only compile and exit
-        note(finished[1])
+        log.info(finished[1])
         return 0
     return run_plain(args.nproc, args.train_args, args.devices_per_proc, args.port, args.hang, args.module)
 

@@ -14,7 +14,9 @@ import json
 import sys
 from collections.abc import Sequence
 
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, OneLineArgumentParser
+import jaxdist
+from jaxdist import errors
+from jaxdist.errors import EXIT_OK, OneLineArgumentParser
 from jaxdist.inspect.profile_report import format_summary, summarize
 
 
@@ -24,16 +26,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("run_dir", help="a run directory traced with --profile-steps A:B")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--log-level", default="info", choices=jaxdist.LEVELS, help="what reaches stderr (default info)")
     return parser
 
 
+@errors.command
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = build_arg_parser().parse_args(argv)
-        summary = summarize(args.run_dir)
-    except JaxdistError as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    args = build_arg_parser().parse_args(argv)
+    jaxdist.set_level(args.log_level)
+    summary = summarize(args.run_dir)
     print(json.dumps(summary) if args.json else format_summary(summary))
     return EXIT_OK
 

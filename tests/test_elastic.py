@@ -94,8 +94,7 @@ def test_each_failure_loses_a_slot_until_min_or_the_restarts_run_out(tmp_path, c
     assert elastic._next_count(killed, 4) == 2  # 3 cannot split the batch
     assert elastic._next_count(killed, 2) is None
     assert capsys.readouterr().err.strip() == (
-        "jaxdist.launch: error: 1 process left, --min-nproc 2 cannot be met; "
-        "the run stopped before its first checkpoint: rerun to start it again"
+        "jaxdist: error: 1 process left, --min-nproc 2 cannot be met; the run stopped before its first checkpoint: rerun to start it again"
     )
     elastic = _planned(tmp_path, "--max-restarts", "0")
     assert elastic._next_count(killed, 4) is None
@@ -229,7 +228,7 @@ def test_a_failure_below_min_stops_at_the_last_checkpoint(tmp_path, launched, co
     assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]
     assert took < 30
     step = checkpoint_steps(run_dir / "checkpoints")[-1]  # nothing was deleted
-    line = f"jaxdist.launch: error: 1 process left, --min-nproc 2 cannot be met; the run stopped at its last checkpoint (step {step}): rerun to resume"
+    line = f"jaxdist: error: 1 process left, --min-nproc 2 cannot be met; the run stopped at its last checkpoint (step {step}): rerun to resume"
     assert line in out.splitlines(), out[-3000:]
     assert [c["reason"] for c in _changes(run_dir)] == ["start"]
 
@@ -254,8 +253,8 @@ def test_shrinks_on_a_failure_and_grows_back_with_the_same_losses(tmp_path, laun
     assert failure["exit_code"] == -signal.SIGKILL and failure["mesh"] == "data=2,tensor=2"
     assert (grow["reason"], grow["from"], grow["to"], grow["exit_code"]) == ("grow", 2, 4, EXIT_PREEMPTED), grow
     assert 4 <= failure["step"] < grow["step"] < STEPS
-    assert f"jaxdist.launch: elastic: 4 -> 2 processes, resuming at step {failure['step']}" in out
-    assert f"jaxdist.launch: elastic: 2 -> 4 processes, resuming at step {grow['step']}" in out
+    assert f"jaxdist: elastic: 4 -> 2 processes, resuming at step {failure['step']}" in out
+    assert f"jaxdist: elastic: 2 -> 4 processes, resuming at step {grow['step']}" in out
     assert f"resumed from step {grow['step']}" in out and f"done at step {STEPS}" in out
 
     # Every logged step (re-run steps twice) has the uninterrupted run's loss.

@@ -14,7 +14,7 @@ from jaxdist.config import load_config
 from jaxdist.layout.mesh import parse_mesh
 from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.run import build_trainer, run, write_config
-from jaxdist.training.trainer import Trainer
+from jaxdist.training.step import Trainer
 
 from helpers import TINY
 
@@ -63,7 +63,7 @@ def test_a_launcher_starts_nothing_for_a_finished_run(flags, tmp_path, capsys, n
     run_dir = _with_checkpoints(tmp_path / "run", 2, 4)
     argv = [*flags, "--", "--mesh", "data=-1,tensor=2", *OVERRIDES, "train.steps=4", "--run-dir", str(run_dir)]
     assert launch.main(argv) == 0
-    assert capsys.readouterr().err.splitlines() == ["jaxdist.launch: already at step 4 (train.steps=4): nothing to train"]
+    assert capsys.readouterr().err.splitlines() == ["jaxdist: already at step 4 (train.steps=4): nothing to train"]
     assert not (run_dir / "elastic.jsonl").exists()  # no start record
 
 

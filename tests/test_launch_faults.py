@@ -141,15 +141,15 @@ def test_gloos_connection_line_is_chatter_unless_a_peer_is_missing():
 def test_launcher_notes_follow_the_log_level(capsys):
     try:
         for level, shown in (("debug", True), ("info", True), ("warning", False), ("error", False)):
-            launcher.set_log_level(level)
-            launcher.note("a note")
-            launcher.note_error("an error")
+            jaxdist.set_level(level)  # what launch --log-level sets
+            launcher.log.info("a note")
+            launcher.log.error("an error")
             assert capsys.readouterr().err.splitlines() == [
-                *(["jaxdist.launch: a note"] if shown else []),
-                "jaxdist.launch: error: an error",
+                *(["jaxdist: a note"] if shown else []),
+                "jaxdist: error: an error",
             ]
     finally:
-        launcher.set_log_level("info")
+        jaxdist.set_level("info")
 
 
 # A process of a run not started by jaxdist.launch (SLURM, Kubernetes): gloo's lines come from C++
@@ -528,7 +528,7 @@ def test_an_elastic_run_restarts_without_a_stalled_rank(tmp_path):
     changes = [json.loads(line) for line in (run_dir / "elastic.jsonl").read_text().splitlines()]
     assert [(c["reason"], c["to"]) for c in changes] == [("start", 2), ("hang", 1)], changes
     assert changes[1]["failed_rank"] == 1 and changes[1]["restarts"] == 1
-    assert "jaxdist.launch: rank 1 made no progress for" in out and "at step 2 (--hang-timeout 1)" in out
+    assert "jaxdist: rank 1 made no progress for" in out and "at step 2 (--hang-timeout 1)" in out
     dump = [line for line in out.splitlines() if line.startswith("[rank 1] ")]
     assert any("most recent call first" in line for line in dump) and any("heartbeat.py" in line for line in dump), out[-3000:]
 
@@ -556,7 +556,7 @@ def test_a_killed_rank_is_blamed_before_the_peer_that_aborted_after_it(tmp_path)
     changes = [json.loads(line) for line in (run_dir / "elastic.jsonl").read_text().splitlines()]
     assert [(c["reason"], c["to"]) for c in changes] == [("start", 4), ("failure", 2)], changes
     assert (changes[1]["failed_rank"], changes[1]["exit_code"]) == (3, -signal.SIGKILL), changes
-    assert "jaxdist.launch: rank 3 was killed by SIGKILL" in out, out
+    assert "jaxdist: rank 3 was killed by SIGKILL" in out, out
 
 
 # --- real processes ---
@@ -693,7 +693,7 @@ def test_a_stalled_rank_is_dumped_and_the_run_stopped(tmp_path, compile_cache, s
     out = log.read_text()
     assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]
     assert "jaxdist: fault injection (JAXDIST_FAULT_STALL_AT): rank 1 stalls at step 3" in out
-    (line,) = [line for line in out.splitlines() if line.startswith("jaxdist.launch: rank 1 made no progress")]
+    (line,) = [line for line in out.splitlines() if line.startswith("jaxdist: rank 1 made no progress")]
     assert "at step 2 (--hang-timeout 5); every rank's Python stacks follow, then the run is stopped" in line
     for rank in (0, 1):  # faulthandler's dump of every thread, from both ranks, through the launcher's output
         dump = [line for line in out.splitlines() if line.startswith(f"[rank {rank}] ") and "most recent call first" in line]

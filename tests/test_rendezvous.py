@@ -215,7 +215,7 @@ def test_a_finished_run_starts_no_generation(etcd_server, tmp_path, capsys, no_p
     argv = _node_argv(etcd_server.url, "--node-id", "a", run_dir=run_dir)
     argv[argv.index("--rdzv-id") + 1] = "finished"
     assert launch.main([*argv, "train.steps=40"]) == 0
-    assert capsys.readouterr().err.splitlines() == ["jaxdist.launch: already at step 40 (train.steps=40): nothing to train"]
+    assert capsys.readouterr().err.splitlines() == ["jaxdist: already at step 40 (train.steps=40): nothing to train"]
     state = read_state(etcd_server.client, "finished")
     assert state.nodes == [] and state.generation is None  # nothing registered, no generation
     assert not (run_dir / "elastic.jsonl").exists()  # no start record
@@ -299,7 +299,7 @@ def test_https_with_a_client_certificate(tls_etcd, tmp_path, capsys, no_processe
     assert launch.main(argv) == 75
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        "jaxdist.launch: error: fewer than 2 nodes for 1s (--rdzv-timeout; 1 node here); "
+        "jaxdist: error: fewer than 2 nodes for 1s (--rdzv-timeout; 1 node here); "
         "the run stopped before its first checkpoint: rerun to start it again"
     ], err
     assert launch.main(_with(argv, ["--rdzv-key", None])) == 2
@@ -329,7 +329,7 @@ def test_failures_past_max_restarts_stop_every_node(etcd_server, tmp_path, capsy
         a.reg.leave()
         b.reg.leave()
     line = (
-        "jaxdist.launch: error: rank 3 exited with code 1 and --max-restarts 0 are used up; "
+        "jaxdist: error: rank 3 exited with code 1 and --max-restarts 0 are used up; "
         "the run stopped before its first checkpoint: rerun to start it again"
     )
     assert capsys.readouterr().err.strip().splitlines() == [line, line]
@@ -574,7 +574,7 @@ def test_a_killed_node_drops_out_and_a_new_one_joins_with_the_same_losses(nodes,
     assert (grow["left"], grow["joined"]) == ([], ["n3"])
     assert 4 <= lost["step"] <= grow["step"] < 40 and grow["restarts"] == 1
     tail = nodes.log(node1)[survivor_log:]
-    assert f"jaxdist.launch: elastic: 1 -> 2 nodes (2 -> 4 processes, grow), resuming at step {grow['step']}" in tail, tail[-3000:]
+    assert f"jaxdist: elastic: 1 -> 2 nodes (2 -> 4 processes, grow), resuming at step {grow['step']}" in tail, tail[-3000:]
     assert f"resumed from step {grow['step']}" in tail and "done at step 40" in tail  # process 0 says it: on node 0, the survivor
 
     logged = [(m["step"], m["loss"]) for m in _metrics(run_dir)]  # steps trained again after the loss appear twice
@@ -623,9 +623,9 @@ def test_training_goes_on_while_etcd_is_stopped_and_a_node_leaving_below_min_sav
     assert saved == {step}, saved  # both processes saved the same step, the newest checkpoint
     assert "SIGTERM: this node's processes save, then it leaves the run" in nodes.log("m2")
     assert "generation 1 ended (leave, node m2); this node's processes save" in out
-    errors = [line for line in out.splitlines() if line.startswith("jaxdist.launch: error:")]
+    errors = [line for line in out.splitlines() if line.startswith("jaxdist: error:")]
     assert errors == [
-        "jaxdist.launch: error: fewer than 2 nodes for 5s (--rdzv-timeout; 1 node here); "
+        "jaxdist: error: fewer than 2 nodes for 5s (--rdzv-timeout; 1 node here); "
         f"the run stopped at its last checkpoint (step {step}): rerun to resume"
     ], out[-3000:]
     assert took < 60 and [c["reason"] for c in _changes(run_dir)] == ["start"]

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import errno
 import ipaddress
+import logging
 import os
 import re
 import socket
@@ -29,6 +30,7 @@ import sys
 import threading
 import time
 
+import jaxdist
 from jaxdist.errors import JaxdistError
 
 ENV_COORDINATOR = "JAXDIST_COORDINATOR"
@@ -43,6 +45,8 @@ ENV_OUTPUT_FILTERED = "JAXDIST_OUTPUT_FILTERED"  # set by jaxdist.launch, which 
 # unconditionally (no flag or variable turns it off). When some peer is missing it says so
 # in a second line ("... is NOT connected to: [...]"), which is never hidden.
 GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer ranks is : (\d+)\s*")
+
+log = logging.getLogger(__name__)
 
 
 def is_gloo_chatter(line: str) -> bool:
@@ -207,7 +211,9 @@ def wait_for_coordinator(address: str, timeout_s: float) -> bool:
 def _detected(group: ProcessGroup) -> tuple[ProcessGroup, list[int] | None]:
     """The coordinator address, process count, rank and local devices JAX would detect
     (SLURM, Open MPI, Kubernetes), so that process 0 knows where its coordinator listens."""
-    from jax._src import clusters  # JAX's own detection: jax.distributed.initialize calls the same
+    # JAX's own detection (jax.distributed.initialize calls the same); imported here because the
+    # launcher imports this module and never starts JAX
+    from jax._src import clusters
 
     coordinator, num, pid, local = clusters.ClusterEnv.auto_detect_unset_distributed_params(
         None, group.num_processes, group.process_id, None, None, group.timeout_s
@@ -236,10 +242,9 @@ def bind_address(group: ProcessGroup) -> str:
     address = sockaddr[0]
     flag = "--coordinator-bind" if group.bind else f"--coordinator {group.coordinator}"
     if ipaddress.ip_address(address).is_loopback and not _is_loopback_name(chosen) and not _one_slurm_node():
-        print(
-            f"jaxdist: warning: {flag}: {chosen} is {address} (loopback) on this machine: processes on other machines "
-            "cannot reach it; pass --coordinator-bind with this node's cluster address",
-            file=sys.stderr,
+        log.warning(
+            f"{flag}: {chosen} is {address} (loopback) on this machine: processes on other machines "
+            "cannot reach it; pass --coordinator-bind with this node's cluster address"
         )
     _check_port_free(family, address, port, flag)
     return f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
@@ -282,7 +287,7 @@ def initialize(group: ProcessGroup | None) -> None:
     """Join the process group (call before anything asks JAX for devices)."""
     if group is None:
         return
-    import jax
+    import jax  # here, not at the top: the launcher imports this module and never starts JAX
 
     # JAX aborts the process (no exception) when the coordinator never answers, so the
     # other ranks first check that it is reachable and fail with one line if not.
@@ -296,10 +301,9 @@ def initialize(group: ProcessGroup | None) -> None:
         try:
             group, local_devices = _detected(group)
         except (ImportError, AttributeError, TypeError) as e:  # JAX moved its private detection: let it detect alone
-            print(
-                f"jaxdist: warning: cannot ask JAX for the cluster's coordinator ahead ({type(e).__name__}); "
-                "process 0's coordinator listens on every interface: pass --coordinator HOST:PORT to choose one",
-                file=sys.stderr,
+            log.warning(
+                f"cannot ask JAX for the cluster's coordinator ahead ({type(e).__name__}); "
+                "process 0's coordinator listens on every interface: pass --coordinator HOST:PORT to choose one"
             )
     # JAX would listen on every interface ([::]) and crashes (SIGSEGV) when a given address is
     # taken, so process 0 picks the address and checks the port first.
@@ -322,3 +326,4 @@ def initialize(group: ProcessGroup | None) -> None:
         if "Failed to start RPC server" in reason:  # the port was taken after the check
             raise CoordinatorPortTaken(f"coordinator port of {group.coordinator} was taken before it could listen ({reason})") from None
         raise JaxdistError(f"{who} could not join the run at {where} within {group.timeout_s}s ({reason})") from None
+    jaxdist.set_process_index(jax.process_index())  # from here on only process 0 speaks (but for every_process lines)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import sys
+import logging
 import time
 from pathlib import Path
 
@@ -19,6 +19,8 @@ from jaxdist.errors import JaxdistError
 from jaxdist.layout.mesh import format_mesh, mesh_device_count, parse_mesh, resolve_mesh, split_across_hosts
 from jaxdist.layout.validate import batch_shards, check_config_on_mesh, fitting_microbatches
 from jaxdist.training.checkpoint import checkpoint_steps
+
+log = logging.getLogger(__name__)
 
 
 def mesh_for(config: Config, nproc: int, devices_per_proc: int) -> dict[str, int]:
@@ -135,7 +137,7 @@ class NprocFile:
 
     def _warn(self, message: str) -> None:
         if message != self._warned:
-            print(f"jaxdist.launch: warning: {message}; keeping the current process count", file=sys.stderr, flush=True)
+            log.warning(f"{message}; keeping the current process count")
             self._warned = message
         return None
 

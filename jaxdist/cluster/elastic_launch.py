@@ -8,23 +8,23 @@ process counts fit.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import signal
-import sys
 import time
 from pathlib import Path
 
 from jaxdist.cluster import elastic
 from jaxdist.cluster.distributed import EXIT_PORT_TAKEN
-from jaxdist.cluster.launcher import PORT_ATTEMPTS, SAVE_GRACE_S, Ended, HangLimits, Launcher, describe_exit, exit_status, note, note_error
+from jaxdist.cluster.launcher import PORT_ATTEMPTS, SAVE_GRACE_S, Ended, HangLimits, Launcher, describe_exit, exit_status
 from jaxdist.config import Config
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_NONFINITE, JaxdistError
+from jaxdist.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, EXIT_NONFINITE, EXIT_PREEMPTED, JaxdistError
 from jaxdist.layout.mesh import format_mesh
-from jaxdist.training.checkpoint import CheckpointError
-from jaxdist.training.preemption import EXIT_PREEMPTED
 
 POLL_S = 0.5  # how often the --nproc-file is read
 # Exit codes a relaunch would not fix: they end an elastic run.
-FINAL_CODES = {EXIT_BAD_INPUT, EXIT_NONFINITE, CheckpointError.exit_code, EXIT_PREEMPTED}
+FINAL_CODES = {EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_CHECKPOINT, EXIT_PREEMPTED}
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -86,13 +86,13 @@ class Elastic:
             self.capacity = min(value, p.max_nproc)
         n = self._largest_usable(p.first_resume)
         if n is None:
-            note_error(f"--nproc-file says {_processes(value)}, {self._no_usable_count()}; nothing started")
+            log.error(f"--nproc-file says {_processes(value)}, {self._no_usable_count()}; nothing started")
         return n
 
     def run(self) -> int:
         finished = elastic.finished_step(self.plan.config, self.plan.run_dir, self.plan.first_resume)
         if finished is not None:  # nothing to start, and no start record
-            note(elastic.finished_line(self.plan.config, finished))
+            log.info(elastic.finished_line(self.plan.config, finished))
             return 0
         n = self.first_count()
         if n is None:
@@ -115,9 +115,9 @@ class Elastic:
             if ended.kind == "port":  # nothing ran: start the same set again, not a failure
                 port_taken += 1
                 if port_taken >= PORT_ATTEMPTS:
-                    note_error(f"the coordinator's port was taken {port_taken} times in a row; {self._stopped_at()}")
+                    log.error(f"the coordinator's port was taken {port_taken} times in a row; {self._stopped_at()}")
                     return EXIT_PORT_TAKEN
-                note(f"the coordinator's port {self.gen.port} was taken before it could listen; starting again on another port")
+                log.info(f"the coordinator's port {self.gen.port} was taken before it could listen; starting again on another port")
                 continue
             resume, port_taken = "auto", 0  # later sets: the newest checkpoint
             if ended.kind in ("done", "final", "interrupted"):
@@ -137,12 +137,12 @@ class Elastic:
             self.capacity = n - 1  # that slot is lost (a hung process's machine is as suspect as a dead one's)
             if self.restarts > self.plan.max_restarts:
                 used = f"--max-restarts {self.plan.max_restarts} are used up"
-                note_error(f"{ended.describe()} and {used}; {self._stopped_at()}")
+                log.error(f"{ended.describe()} and {used}; {self._stopped_at()}")
                 return None
         target = self._largest_usable()
         if target is None:
             left = f"{_processes(self.capacity)} left" if failure else f"--nproc-file allows {_processes(self.capacity)}"
-            note_error(f"{left}, {self._no_usable_count()}; {self._stopped_at()}")
+            log.error(f"{left}, {self._no_usable_count()}; {self._stopped_at()}")
         return target
 
     def _watch(self, gen: Launcher, n: int) -> Ended:
@@ -175,7 +175,7 @@ class Elastic:
     def _save(self, gen: Launcher, value: int, target: int | None) -> Ended:
         """Ask the run to save (SIGTERM: every process saves the same step and exits 75)."""
         then = f"restarting with {target}" if target else f"stopping (--min-nproc {self.plan.min_nproc})"
-        print(f"jaxdist.launch: --nproc-file says {value}: asking the run to save, then {then}", file=sys.stderr, flush=True)
+        log.info(f"--nproc-file says {value}: asking the run to save, then {then}")
         return save_and_stop(gen, lambda: self.interrupted is not None)
 
     def _stopped_at(self) -> str:
@@ -184,7 +184,7 @@ class Elastic:
     def _change(self, old: int | None, new: int, reason: str, rank: int | None = None, code: int | None = None) -> None:
         step = elastic.latest_step(self.plan.run_dir) or 0
         if old is not None:
-            print(f"jaxdist.launch: elastic: {old} -> {new} processes, resuming at step {step}", file=sys.stderr, flush=True)
+            log.info(f"elastic: {old} -> {new} processes, resuming at step {step}")
         fields = {"from": old, "to": new, "reason": reason, "step": step, "failed_rank": rank, "exit_code": code}
         mesh = format_mesh(elastic.mesh_for(self.plan.config, new, self.plan.devices_per_proc))
         elastic.record(self.plan.run_dir, **fields, mesh=mesh, restarts=self.restarts)
@@ -197,11 +197,11 @@ def after_failure(gen: Launcher, failed: list[tuple[int, int]]) -> Ended:
     lost = [(rank, c) for rank, c in failed if c not in FINAL_CODES]
     if not lost:  # e.g. bad input or a NaN loss: it would recur on any count
         rank, code = failed[0]
-        note(f"rank {rank} {describe_exit(code)}; stopping the others")
+        log.info(f"rank {rank} {describe_exit(code)}; stopping the others")
         gen.stop_all()
         return Ended("final", exit_status(code), rank, code)
     rank, code = lost[0]  # in the launcher's blame order
-    note(f"rank {rank} {describe_exit(code)}; killing the others")
+    log.info(f"rank {rank} {describe_exit(code)}; killing the others")
     gen.kill_all()
     return Ended("failure", exit_status(code), rank, code)
 
@@ -252,13 +252,10 @@ def drive(loop) -> int:
     """Run an elastic loop (``run()``, ``on_signal``, its current set ``gen``) with SIGINT /
     SIGTERM forwarded to it; whatever way it ends, its set is stopped and closed. A
     ``JaxdistError`` (the first start does not fit, an unwritable run dir, an etcd that
-    does not answer at start) is one line and exit 2."""
+    does not answer at start) goes on to the command (``errors.command``: one line, exit 2)."""
     forwarded = {s: signal.signal(s, loop.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return loop.run()
-    except JaxdistError as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     finally:
         for s, handler in forwarded.items():
             signal.signal(s, handler)

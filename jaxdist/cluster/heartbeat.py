@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import logging
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -28,6 +28,9 @@ ENV_DIR = "JAXDIST_HEARTBEAT_DIR"
 ENV_STALL = "JAXDIST_FAULT_STALL_AT"  # test-only fault injection: "RANK:STEP"
 ENV_RANK = "JAXDIST_PROCESS_ID"  # set by jaxdist.launch (jaxdist.cluster.distributed.ENV_PROCESS_ID)
 DUMP_SIGNAL = signal.SIGUSR1
+EVERY_PROCESS = {"every_process": True}  # this rank's own lines: said whatever its process index
+
+log = logging.getLogger(__name__)
 
 
 def beat_path(directory: Path, rank: int) -> Path:
@@ -48,14 +51,13 @@ class _Beat:
             try:
                 self.fd = os.open(beat_path(Path(directory), self.rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             except OSError as e:
-                print(
-                    f"jaxdist: warning: cannot write the launcher's heartbeat in {directory} ({e.strerror}); a hang will not be noticed",
-                    file=sys.stderr,
+                log.warning(
+                    f"cannot write the launcher's heartbeat in {directory} ({e.strerror}); a hang will not be noticed", extra=EVERY_PROCESS
                 )
 
     def __call__(self, step: int) -> None:
         if step == self.stall_step:
-            print(f"jaxdist: fault injection ({ENV_STALL}): rank {self.rank} stalls at step {step}", file=sys.stderr, flush=True)
+            log.info(f"fault injection ({ENV_STALL}): rank {self.rank} stalls at step {step}", extra=EVERY_PROCESS)
             while True:
                 time.sleep(3600)
         if self.first_step is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 import shutil
 import signal
@@ -38,23 +39,15 @@ from jaxdist.cluster.distributed import (
 )
 from jaxdist.cluster.heartbeat import DUMP_SIGNAL, ENV_DIR, ProgressWatch, Stall
 from jaxdist.cluster.lifetime import die_with_parent
-from jaxdist.errors import EXIT_BAD_INPUT, JaxdistError
-from jaxdist.training.preemption import EXIT_PREEMPTED
+from jaxdist.errors import EXIT_PREEMPTED, JaxdistError
 
 LOOPBACK = "127.0.0.1"  # where the coordinator listens: the processes all run on this machine
 GRACE_S = 10.0  # after asking the others to stop, how long before they are killed
 SAVE_GRACE_S = 120.0  # for the others to finish a save (a membership change's or one that exited 75); a compile may come first
 DUMP_WAIT_S = 1.0  # after asking a stalled set for its stacks, before killing it
 PORT_ATTEMPTS = 5  # starts in a row whose coordinator port was taken
-LOG_LEVELS = ("debug", "info", "warning", "error")  # --log-level
-_log_level = "info"
 
-
-def set_log_level(level: str) -> None:
-    """``--log-level``: debug shows gloo's connection lines in the processes' output; warning
-    and error hide the launcher's notes (its errors always show)."""
-    global _log_level
-    _log_level = level
+log = logging.getLogger(__name__)  # the launcher's notes (hidden by --log-level warning) and errors
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -84,9 +77,10 @@ def reserve_port(host: str, port: int | None = None) -> socket.socket:
 
 def _pump(rank: int, stream, out) -> None:
     for line in iter(stream.readline, ""):
-        if _log_level != "debug" and is_gloo_chatter(line):  # a few per process and clique at start; gloo has no switch
+        if is_gloo_chatter(line) and not log.isEnabledFor(logging.DEBUG):  # a few per process and clique at start; gloo has no switch
             continue
-        out.write(f"[rank {rank}] {line}")
+        end = "" if line.endswith("\n") else "\n"  # a killed process's last line may be cut short
+        out.write(f"[rank {rank}] {line}{end}")
         out.flush()
 
 
@@ -265,10 +259,10 @@ class Launcher:
         if self.saving_since is None:
             self.saving_since = now
             saved = ", ".join(str(rank) for rank, c in enumerate(codes, self.first_id) if c == EXIT_PREEMPTED)
-            note(f"rank {saved} saved and exited ({EXIT_PREEMPTED}); waiting up to {SAVE_GRACE_S:.0f}s for the others to finish saving")
+            log.info(f"rank {saved} saved and exited ({EXIT_PREEMPTED}); waiting up to {SAVE_GRACE_S:.0f}s for the others to finish saving")
         elif now - self.saving_since > SAVE_GRACE_S:
             late = ", ".join(str(rank) for rank, c in enumerate(codes, self.first_id) if c is None)
-            note(f"rank {late} did not finish saving within {SAVE_GRACE_S:.0f}s; stopping it")
+            log.info(f"rank {late} did not finish saving within {SAVE_GRACE_S:.0f}s; stopping it")
             self.stop_all()
 
     def _stop_stalled(self, stall: Stall) -> Ended:
@@ -276,7 +270,7 @@ class Launcher:
             cause = f"rank {stall.rank} has not finished its first step after {stall.idle_s:.0f}s (--first-step-timeout {stall.limit_s:g})"
         else:
             cause = f"rank {stall.rank} made no progress for {stall.idle_s:.0f}s at step {stall.step} (--hang-timeout {stall.limit_s:g})"
-        note(f"{cause}; every rank's Python stacks follow, then the run is stopped")
+        log.info(f"{cause}; every rank's Python stacks follow, then the run is stopped")
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(DUMP_SIGNAL)
@@ -289,22 +283,11 @@ class Launcher:
         while (ended := self.poll()) is None:
             time.sleep(0.1)
         if ended.kind == "failure" and any(c is None for c in self.codes()):
-            note(f"{ended.describe()}; stopping the others")
+            log.info(f"{ended.describe()}; stopping the others")
             self.stop_all()
         elif ended.kind == "port":
             self.kill_all()  # the others wait for a coordinator that will never listen
         return ended
-
-
-def note(message: str) -> None:
-    """One line on stderr, prefixed as every launcher message is (not at --log-level warning or error)."""
-    if _log_level in ("warning", "error"):
-        return
-    print(f"jaxdist.launch: {message}", file=sys.stderr, flush=True)
-
-
-def note_error(message: str) -> None:
-    print(f"jaxdist.launch: error: {message}", file=sys.stderr, flush=True)
 
 
 def run_plain(
@@ -337,14 +320,11 @@ def run_plain(
             current[-1].close()
             if ended.kind != "port" or received:
                 return ended.code
-            note(f"the coordinator's port {current[-1].port} was taken before it could listen; starting again on another port")
+            log.info(f"the coordinator's port {current[-1].port} was taken before it could listen; starting again on another port")
             port = None
-        note_error(f"the coordinator's port was taken {PORT_ATTEMPTS} times in a row")
+        log.error(f"the coordinator's port was taken {PORT_ATTEMPTS} times in a row")
         return EXIT_PORT_TAKEN
-    except JaxdistError as e:  # --port cannot be used: nothing started
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    finally:
+    finally:  # a --port that cannot be used raises JaxdistError before anything started
         for s, handler in forwarded.items():
             signal.signal(s, handler)
         if current and any(p.poll() is None for p in current[-1].procs):

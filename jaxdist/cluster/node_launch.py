@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import signal
 import socket
 import time
@@ -34,8 +35,6 @@ from jaxdist.cluster.launcher import (
     Launcher,
     Placement,
     describe_exit,
-    note,
-    note_error,
     reserve_port,
 )
 from jaxdist.cluster.rendezvous import (
@@ -56,15 +55,16 @@ from jaxdist.cluster.rendezvous import (
     read_state,
 )
 from jaxdist.config import Config
-from jaxdist.errors import EXIT_BAD_INPUT, JaxdistError
+from jaxdist.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, JaxdistError
 from jaxdist.layout.mesh import format_mesh
-from jaxdist.training.preemption import EXIT_PREEMPTED
 
 POLL_S = 0.5  # how often etcd is read
 # Right after etcd was away, a member's key may be missing this long: its lease expired while
 # etcd was stopped and its launcher grants a new one. Otherwise a missing key is a lost node.
 LOST_GRACE_S = float(LEASE_TTL_S)
 STOP_WAIT_S = SAVE_GRACE_S + GRACE_S + 10  # for a node still stopping its last generation's processes
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -155,7 +155,7 @@ class NodeElastic:
         p = self.plan
         finished = elastic.finished_step(p.config, p.run_dir, p.first_resume)
         if finished is not None:  # before registering: no generation, no start record
-            note(elastic.finished_line(p.config, finished))
+            log.info(elastic.finished_line(p.config, finished))
             return 0
         self.check_start()
         try:
@@ -212,24 +212,24 @@ class NodeElastic:
             now = time.monotonic()
             if state is None:
                 if now - started > p.rdzv_timeout_s:
-                    note_error(f"etcd did not answer for {p.rdzv_timeout_s:g}s (--rdzv-timeout); {stopped_at(p.run_dir)}")
+                    log.error(f"etcd did not answer for {p.rdzv_timeout_s:g}s (--rdzv-timeout); {stopped_at(p.run_dir)}")
                     return EXIT_PREEMPTED
                 time.sleep(RETRY_S)
                 continue
             gen = state.generation
             if gen is not None and gen.number > self.reg.stopped:  # a generation this node has not seen end
                 if gen.stop is not None:
-                    note_error(gen.stop["message"])
+                    log.error(gen.stop["message"])
                     return int(gen.stop["code"])
                 if self.me in gen.members:
                     return gen
-                note(
+                log.info(
                     f"generation {gen.number} runs on {len(gen.members)} nodes without this one (--nnodes max or a count that fits); waiting"
                 )
                 self.reg.set_stopped(gen.number)  # standby: not in it, free for the next one
             ending = state.endings.get(gen.number) if gen is not None else None
             if ending is not None and ending.reason in FINAL and ending.revision > self.reg.joined_revision:
-                note(f"the run ended ({ending.reason}) while this node waited to join")
+                log.info(f"the run ended ({ending.reason}) while this node waited to join")
                 return ending.code if ending.code is not None else 0
             number = (gen.number if gen is not None else 0) + 1
             stable = settle.stable_for(state.node_ids(), now)
@@ -253,7 +253,7 @@ class NodeElastic:
                     why = (
                         f"no node count from {p.min_nodes} to {len(free)} can run this training for {p.rdzv_timeout_s:g}s (--rdzv-timeout)"
                     )
-                note_error(f"{why}; {stopped_at(p.run_dir)}")
+                log.error(f"{why}; {stopped_at(p.run_dir)}")
                 return EXIT_PREEMPTED
             time.sleep(POLL_S)
 
@@ -316,7 +316,7 @@ class NodeElastic:
                 reservation.close()
             return None
         if gen.stop is not None:
-            note_error(gen.stop["message"])
+            log.error(gen.stop["message"])
             return int(gen.stop["code"])
         self.reservation = reservation
         return gen
@@ -327,7 +327,7 @@ class NodeElastic:
         p = self.plan
         rank = gen.rank(self.me)
         if gen.nproc_per_node != p.nproc_per_node or gen.fingerprint != self.fingerprint:
-            note_error(
+            log.error(
                 f"the launchers of --rdzv-id {p.run_id} disagree: generation {gen.number} was made by one with other "
                 "--nproc-per-node, --devices-per-proc or training arguments; start every launcher with the same ones"
             )
@@ -336,7 +336,7 @@ class NodeElastic:
         node0 = rank == 0
         placement = Placement(gen.coordinator, gen.world, rank * p.nproc_per_node, p.address if node0 else None, self.reservation)
         resume = p.first_resume if gen.change.get("reason") == "start" else "auto"
-        self._say(gen, rank)
+        self._announce(gen, rank)
         self.gen = Launcher(p.nproc_per_node, [*p.child_args[:-1], resume], p.devices_per_proc, hang=p.hang, placement=placement)
         self.reservation = None  # the set holds it now and frees it when closed
         self.gen.start()
@@ -349,7 +349,8 @@ class NodeElastic:
             return ending.code if ending.code is not None else (local.code if local is not None else 0)
         return None
 
-    def _say(self, gen: Generation, rank: int) -> None:
+    def _announce(self, gen: Generation, rank: int) -> None:
+        """The generation's line, said by every node's launcher."""
         c = gen.change
         where = f"this node is node {rank} of {len(gen.members)} (coordinator {gen.coordinator})"
         if c.get("reason") == "start" or c.get("from") is None:
@@ -359,7 +360,7 @@ class NodeElastic:
                 f"elastic: {c['from_nodes']} -> {c['nodes']} nodes ({c['from']} -> {c['to']} processes, {c['reason']}), "
                 f"resuming at step {c['step']}; {where}"
             )
-        note(line)
+        log.info(line, extra={"every_process": True})
 
     # --- one generation ---
 
@@ -372,7 +373,7 @@ class NodeElastic:
             if self.interrupted is not None and not self.leaving:
                 self.leaving = True
                 self.report(gen, Ending("leave", self.me))  # before the processes hear it: the others save, not stop
-                note(f"{signal.Signals(self.interrupted).name}: this node's processes save, then it leaves the run")
+                log.info(f"{signal.Signals(self.interrupted).name}: this node's processes save, then it leaves the run")
                 launcher.signal_all(self.interrupted)
             local = launcher.poll()
             if local is not None:
@@ -433,7 +434,7 @@ class NodeElastic:
         n = len(gen.members)
         if self.usable(n + 1, n + len(waiting), resuming=True) is None:  # the save makes the next start a resume
             return None
-        note(f"node {waiting[0].id} is waiting to join: asking the run to save, then to grow")
+        log.info(f"node {waiting[0].id} is waiting to join: asking the run to save, then to grow")
         return self.report(gen, Ending("grow", waiting[0].id))
 
     def follow(self, launcher: Launcher, gen: Generation, ending: Ending) -> Ending:
@@ -443,10 +444,10 @@ class NodeElastic:
         if not running:
             return ending
         if ending.reason in FAILURES or ending.reason == "port":
-            note(f"{by}; killing this node's processes")
+            log.info(f"{by}; killing this node's processes")
             launcher.kill_all()
         elif ending.reason in SAVES:
-            note(f"{by}; this node's processes save")
+            log.info(f"{by}; this node's processes save")
             save_and_stop(launcher, lambda: False)
         elif ending.reason in ("done", "saved"):  # they finish (or save) too: give them the time a save gets
             deadline = time.monotonic() + SAVE_GRACE_S

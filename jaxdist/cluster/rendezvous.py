@@ -29,11 +29,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import re
 import threading
 
 from jaxdist.cluster.etcd import Etcd, EtcdError, EtcdUnavailable, KeyValue
-from jaxdist.cluster.launcher import note
 from jaxdist.errors import JaxdistError
 
 LEASE_TTL_S = 5  # a dead node's key is gone this long after its launcher's last renewal
@@ -47,6 +47,8 @@ FAILURES = ("failure", "hang", "lost")
 SAVES = ("grow", "leave")
 # The run is over (every launcher exits): done (0), saved (75: preempted from outside), final (its code).
 FINAL = ("done", "saved", "final")
+
+log = logging.getLogger(__name__)
 
 
 def check_name(value: str, flag: str) -> str:
@@ -301,14 +303,14 @@ class Registration:
                         self.lease = self.etcd.grant(self.ttl_s)
                         self.etcd.put(self.key, self._value(), self.lease)
                         self.pending = False
-                        note(f"the etcd lease of this node expired while etcd was away; registered again ({self.key})")
+                        log.info(f"the etcd lease of this node expired while etcd was away; registered again ({self.key})")
                     if self.unreachable is not None:
-                        note(f"etcd answers again ({self.etcd.answering()})")
+                        log.info(f"etcd answers again ({self.etcd.answering()})")
                         self.unreachable = None
                     wait = self.ttl_s / 3
                 except (EtcdUnavailable, EtcdError) as e:
                     if self.unreachable is None:
-                        note(f"etcd does not answer ({e}); the running processes go on, retrying every {RETRY_S:g}s")
+                        log.info(f"etcd does not answer ({e}); the running processes go on, retrying every {RETRY_S:g}s")
                     self.unreachable = str(e)
                     wait = RETRY_S
 

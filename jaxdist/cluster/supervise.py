@@ -12,6 +12,7 @@ still writing to the run directory.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -20,12 +21,13 @@ import time
 from pathlib import Path
 
 from jaxdist.cluster.lifetime import die_with_parent
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, NonFiniteLoss
-from jaxdist.training.preemption import EXIT_PREEMPTED
+from jaxdist.errors import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED
 
 SUPERVISED_ENV = "JAXDIST_SUPERVISED"  # set in the runs the supervisor starts, so they do not supervise again
-FINAL_EXIT_CODES = {EXIT_OK, EXIT_BAD_INPUT, NonFiniteLoss.exit_code, EXIT_PREEMPTED}
+FINAL_EXIT_CODES = {EXIT_OK, EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED}
 MAX_DELAY_S = 300.0
+
+log = logging.getLogger(__name__)
 
 
 def child_argv(argv: list[str], run_dir: Path) -> list[str]:
@@ -75,14 +77,10 @@ def supervise(argv: list[str], run_dir: Path, max_restarts: int, delay: float) -
         if code in FINAL_EXIT_CODES or forwarded:
             return code if code >= 0 else 128 - code
         if restarts >= max_restarts:
-            print(f"jaxdist: run failed with exit code {code}; giving up after {restarts} restarts", file=sys.stderr, flush=True)
+            log.info(f"run failed with exit code {code}; giving up after {restarts} restarts")
             return code if code > 0 else 1
         restarts += 1
         wait = min(delay * 2 ** (restarts - 1), MAX_DELAY_S)
-        print(
-            f"jaxdist: run failed with exit code {code}; restart {restarts}/{max_restarts} from the latest checkpoint in {wait:.0f}s",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.info(f"run failed with exit code {code}; restart {restarts}/{max_restarts} from the latest checkpoint in {wait:.0f}s")
         time.sleep(wait)
         args[-1] = "auto"

@@ -10,41 +10,48 @@ Exit codes: 0 done, 2 bad input (one line on stderr), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, OneLineArgumentParser
+import jaxdist
+from jaxdist import errors
+from jaxdist.data import prepare
+from jaxdist.errors import EXIT_OK, OneLineArgumentParser
 
 EXIT_INTERRUPTED = 130
 
+log = logging.getLogger(__name__)
+
 
 def build_arg_parser(prog: str = "python -m jaxdist.data") -> argparse.ArgumentParser:
-    from jaxdist.data import prepare
-
     parser = OneLineArgumentParser(prog=prog, description="Data tools for jaxdist.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineArgumentParser)
-    prepare.add_arguments(
-        commands.add_parser(
-            "prepare",
-            help="tokenize text files into shards for training",
-            description="Tokenize text files into shards (bin or arrayrecord) plus meta.json.",
-        )
+    prepare_parser = commands.add_parser(
+        "prepare",
+        help="tokenize text files into shards for training",
+        description="Tokenize text files into shards (bin or arrayrecord) plus meta.json.",
     )
+    prepare.add_arguments(prepare_parser)
+    for command in (parser, prepare_parser):  # before or after the command's name
+        command.add_argument(
+            "--log-level",
+            choices=jaxdist.LEVELS,
+            default="info" if command is parser else argparse.SUPPRESS,
+            help="what reaches stderr (default info)",
+        )
     return parser
 
 
+@errors.command
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxdist.data import prepare
-
+    args = build_arg_parser().parse_args(argv)
+    jaxdist.set_level(args.log_level)
     try:
-        args = build_arg_parser().parse_args(argv)
         if args.command == "prepare":
             prepare.run_cli(args)
-    except JaxdistError as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print("jaxdist: interrupted; nothing written", file=sys.stderr)
+        log.info("interrupted; nothing written")
         return EXIT_INTERRUPTED
     return EXIT_OK
 

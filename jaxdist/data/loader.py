@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from jaxdist.layout.sharding import Layout
+from jaxdist.parallel.context import reorder
 
 
 def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> slice:
@@ -30,8 +31,6 @@ def split_sequences(local: dict[str, np.ndarray], context: int, load_balance: bo
     """
     if context == 1:
         return local
-    from jaxdist.parallel.context import reorder
-
     out = dict(local)
     seq = next(v.shape[1] for v in local.values() if v.ndim >= 2)
     if "positions" not in out:

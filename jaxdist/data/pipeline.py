@@ -20,7 +20,9 @@ from typing import Any
 import grain
 import jax
 import numpy as np
+from absl import flags
 
+from jaxdist.cluster.lifetime import grain_worker_init
 from jaxdist.config import Config
 from jaxdist.data.loader import process_rows, to_global
 from jaxdist.data.sources import Corpus, TokenStream, open_corpus
@@ -147,8 +149,6 @@ def read_threads(source: Any, prefetch: int) -> int:
 
 def _mark_absl_flags_parsed() -> None:
     """Grain's worker processes read absl flags; outside ``absl.app`` nobody parsed them."""
-    from absl import flags
-
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
 
@@ -288,8 +288,6 @@ def _batch_iterator(config: Config, layout: Layout, source: Any, *, shuffle: boo
     def open_dataset(start: int) -> grain.IterDataset:
         iter_ds = (batches[start:] if start else batches).to_iter_dataset(read_options)
         if workers > 0:
-            from jaxdist.cluster.lifetime import grain_worker_init
-
             _mark_absl_flags_parsed()
             options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(1, d.prefetch))
             iter_ds = iter_ds.mp_prefetch(options, worker_init_fn=grain_worker_init())  # workers die with this process

@@ -39,6 +39,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+from array_record.python.array_record_module import ArrayRecordWriter
+from tqdm import tqdm
 
 from jaxdist.data.text import UNITS, expand_inputs, iter_document_blocks
 from jaxdist.data.tokenizers import Tokenizer, load_tokenizer
@@ -269,10 +271,6 @@ class _BinWriter(_ShardWriter):
 
 class _ArrayRecordWriter(_ShardWriter):
     def _open_shard(self, index: int) -> str:
-        try:
-            from array_record.python.array_record_module import ArrayRecordWriter
-        except ImportError:
-            raise JaxdistError("format arrayrecord needs the 'array_record' package: pip install array_record") from None
         name = f"docs-{index:05d}.array_record"
         self._writer = ArrayRecordWriter(str(self.directory / name), "group_size:1")
         self._lengths: list[np.ndarray] = []
@@ -407,8 +405,6 @@ class _NoBar:
 def _progress_bar(total: int, enabled: bool):
     if not enabled:
         return _NoBar()
-    from tqdm import tqdm
-
     # disable=None: only on a terminal; leave=False: the summary line replaces the bar
     return tqdm(total=total, unit="B", unit_scale=True, desc="prepare", file=sys.stderr, dynamic_ncols=True, disable=None, leave=False)
 

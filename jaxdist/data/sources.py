@@ -15,8 +15,12 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from array_record.python.array_record_module import ArrayRecordReader
 
 from jaxdist.config import Config
+from jaxdist.data.prepare import lengths_file, read_meta
+from jaxdist.data.text import expand_inputs, iter_documents
+from jaxdist.data.tokenizers import file_sha256, load_tokenizer
 from jaxdist.errors import JaxdistError
 
 
@@ -84,8 +88,6 @@ class ArrayRecordShard:
 
     @functools.cached_property
     def _reader(self):
-        from array_record.python.array_record_module import ArrayRecordReader
-
         return ArrayRecordReader(str(self.path), "readahead_buffer_size:0")
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -130,17 +132,12 @@ def _encode_documents(documents, tokenizer) -> np.ndarray:
 
 @functools.cache
 def _text_corpus(name: str, files: tuple[Path, ...], tokenizer_path: str, unit: str) -> Corpus:
-    from jaxdist.data.text import iter_documents
-    from jaxdist.data.tokenizers import load_tokenizer
-
     tokenizer = load_tokenizer(tokenizer_path or None)
     tokens = _encode_documents(iter_documents(list(files), unit), tokenizer)
     return Corpus(name, ArrayStream(tokens), tokenizer.vocab_size, tokenizer.eod_id, int(tokens.max()))
 
 
 def _prepared_corpus(path: str, tokenizer: str) -> Corpus:
-    from jaxdist.data.prepare import lengths_file, read_meta
-
     meta = read_meta(path)
     check_prepared_tokenizer(meta, path, tokenizer)
     root = Path(path)
@@ -169,8 +166,6 @@ def prepared_tokenizer(meta: dict) -> str:
 def check_prepared_tokenizer(meta: dict, path: str, tokenizer: str) -> None:
     """Raise unless ``data.tokenizer`` is the tokenizer the prepared data was made with
     (the same file contents; bytes for bytes)."""
-    from jaxdist.data.tokenizers import file_sha256
-
     recorded = meta.get("tokenizer")
     if not tokenizer or not isinstance(recorded, dict):
         return
@@ -191,8 +186,6 @@ def open_corpus(config: Config) -> Corpus:
     if d.source == "stdlib":
         return _text_corpus("stdlib", stdlib_files(), tokenizer, "file")
     if d.source == "text":
-        from jaxdist.data.text import expand_inputs
-
         if not d.path:
             raise JaxdistError("data.source=text needs data.path (files, globs or a directory)")
         return _text_corpus(f"text:{d.path}", tuple(expand_inputs(d.path)), tokenizer, d.text_unit)
@@ -212,8 +205,6 @@ def record_tokenizer(config: Config) -> None:
     against its run directory)."""
     d = config.data
     if d.source == "tokens" and not d.tokenizer and d.path:
-        from jaxdist.data.prepare import read_meta
-
         d.tokenizer = prepared_tokenizer(read_meta(d.path))
         if d.tokenizer not in ("", "byte") and not Path(d.tokenizer).is_file():
             raise JaxdistError(
@@ -233,11 +224,7 @@ def data_vocab_size(config: Config) -> int:
     if d.source == "synthetic":
         return 256
     if d.source == "tokens" and not d.tokenizer:
-        from jaxdist.data.prepare import read_meta
-
         return int(read_meta(d.path)["vocab_size"]) if d.path else 0
-    from jaxdist.data.tokenizers import load_tokenizer
-
     return load_tokenizer(d.tokenizer or None).vocab_size
 
 

@@ -14,6 +14,7 @@ is ever downloaded.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -169,8 +170,6 @@ def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:
 
 
 def _import(module: str, package: str):
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:

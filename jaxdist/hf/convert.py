@@ -19,19 +19,38 @@ failure while writing removes what was written.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from jaxdist.config import Config
+from jaxdist.data.tokenizers import load_tokenizer
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import llama, mixtral
 from jaxdist.hf.files import SOURCE_DIR, TOKENIZER_FILES, inside, optional_file, read_json, source_dir
+from jaxdist.layout.mesh import build_mesh, parse_mesh
+from jaxdist.layout.sharding import rules_for, tree_shardings
+from jaxdist.layout.strategy import resolve_strategy
+from jaxdist.models.llama import Llama, count_params
+from jaxdist.training.weights import checkpoint_config, find_checkpoint, param_tree_key, read_arrays, save_weights, state_tree
 
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("F32", "BF16", "F16")  # safetensors' names of the dtypes a Llama's weights come in
+
+log = logging.getLogger(__name__)
 
 
 def mapping_for_hf(hf: dict):
@@ -87,8 +106,6 @@ class SafetensorsReader:
         return {"": optional_file(hf_dir, single[0].name)}  # names come from its header
 
     def _read_headers(self) -> None:
-        from safetensors import safe_open
-
         by_file: dict[Path, list[str]] = {}
         for name, path in self.files.items():
             by_file.setdefault(path, []).append(name)
@@ -116,11 +133,7 @@ class SafetensorsReader:
                 raise JaxdistError(f"{self.files[name]}: tensor {name} is {self.dtypes[name]}; weights are F32, BF16 or F16")
 
     def __call__(self, name: str):
-        from safetensors import safe_open
-
         if self.bar is None:
-            from tqdm import tqdm
-
             self.bar = tqdm(total=len(self.shapes), desc="from-hf", unit="tensor", disable=not self.progress, file=sys.stderr)
         path = self.files[name]
         try:  # opened per tensor: an open file's memory-mapped pages would stay resident
@@ -140,8 +153,6 @@ class SafetensorsReader:
 
 def _source_tokenizer(hf_dir: Path) -> str | None:
     """The tokenizer file to keep (checked to load), or None when the directory has none."""
-    from jaxdist.data.tokenizers import load_tokenizer
-
     for name in ("tokenizer.json", "tokenizer.model"):
         if optional_file(hf_dir, name) is not None:  # checked inside HF_DIR; loaded by its name (a hub cache's blobs have no suffix)
             load_tokenizer(hf_dir / name)  # an unreadable or unknown tokenizer fails here, before OUT exists
@@ -156,13 +167,7 @@ def _source_tokenizer(hf_dir: Path) -> str | None:
 def _to_device(source, want, sharding, name: str, in_place: bool | None = None):
     """One parameter on the devices, in ``sharding``. On GPUs a layer stack is filled in
     place one layer at a time (a donated update): the host holds one layer, not the stack."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxdist.hf.llama import Stacked
-
-    if not isinstance(source, Stacked):
+    if not isinstance(source, llama.Stacked):
         if source.shape != want.shape:
             raise JaxdistError(f"{name} is {source.shape}, the config says {want.shape}")
         return jax.make_array_from_callback(source.shape, sharding, lambda index: np.asarray(source[index]))
@@ -192,18 +197,8 @@ def _same_shape(layer, first, name: str, i: int):
     return layer
 
 
-def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Path:
+def from_hf(hf_dir: Path, out: Path, *, progress: bool = True) -> Path:
     """Convert; returns the step directory written."""
-    import jax
-    from flax import nnx
-
-    from jaxdist.config import Config
-    from jaxdist.layout.mesh import build_mesh, parse_mesh
-    from jaxdist.layout.sharding import rules_for, tree_shardings
-    from jaxdist.layout.strategy import resolve_strategy
-    from jaxdist.models.llama import Llama, count_params
-    from jaxdist.training.weights import save_weights
-
     if not hf_dir.is_dir():
         raise JaxdistError(f"{hf_dir}: not a directory")
     if out.exists() and any(out.iterdir()):
@@ -221,7 +216,7 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
     mapping.check_tensors(model, reader.shapes, str(hf_dir), str(hf_dir / "config.json"))
     reader.check_dtypes(list(reader.shapes))
     for note in mixtral.training_notes(hf) if mapping is mixtral else []:
-        log(f"jaxdist: {hf_dir / 'config.json'}: {note}")
+        log.info(f"{hf_dir / 'config.json'}: {note}")
 
     config = Config(name=re.sub(r"[^A-Za-z0-9._-]+", "-", hf_dir.name).strip(".-") or "hf")  # a name must be one path component
     config.model = model
@@ -229,7 +224,7 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
         config.data.tokenizer = f"{SOURCE_DIR}/{tokenizer}"  # relative to OUT: the converted folder can move
     else:  # no tokenizer: token ids in and out, which is what data.source=tokens says
         config.data.source = "tokens"
-        log(f"jaxdist: {hf_dir} has no tokenizer: the converted model takes token ids (generate --prompt-ids, data.source=tokens)")
+        log.info(f"{hf_dir} has no tokenizer: the converted model takes token ids (generate --prompt-ids, data.source=tokens)")
     devices = jax.devices()
     sizes = parse_mesh(f"fsdp={len(devices)}")
     mesh = build_mesh(sizes, devices)
@@ -264,7 +259,7 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
     vocab = f"vocab {model.valid_vocab or model.vocab_size}" + (f" (padded to {model.vocab_size})" if model.valid_vocab else "")
     experts = f", {model.moe_experts} experts (top {model.moe_top_k})" if model.moe_experts else ""
     params = f"{count_params(model) / 1e6:.1f}M params{experts}"
-    log(f"jaxdist: converted {hf_dir} -> {step_dir}: {params}, {vocab}; config {out / 'config.yaml'}")
+    log.info(f"converted {hf_dir} -> {step_dir}: {params}, {vocab}; config {out / 'config.yaml'}")
     return step_dir
 
 
@@ -272,16 +267,8 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True, log=print) -> Pat
 # to-hf
 
 
-def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto", log=print) -> Path:
+def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto") -> Path:
     """Export the checkpoint's parameters as a Hugging Face Llama directory (Mixtral for an MoE model)."""
-    import jax
-    import ml_dtypes
-    import numpy as np
-    import orbax.checkpoint as ocp
-    from safetensors.numpy import save_file
-
-    from jaxdist.training.weights import checkpoint_config, find_checkpoint, param_tree_key, read_arrays, state_tree
-
     step_dir = find_checkpoint(checkpoint)
     config = checkpoint_config(step_dir)
     if config.model.kind != "llama":
@@ -357,5 +344,5 @@ def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto", log=print) -> Pat
         shutil.rmtree(out, ignore_errors=True)
         raise
     tokenizer = f"tokenizer files: {', '.join(copied)}" if copied else "no tokenizer files (the run had none)"
-    log(f"jaxdist: exported {step_dir} -> {out}: {len(weight_map)} tensors in {len(shards)} file(s), {dtype}; {tokenizer}")
+    log.info(f"exported {step_dir} -> {out}: {len(weight_map)} tensors in {len(shards)} file(s), {dtype}; {tokenizer}")
     return out

@@ -9,33 +9,34 @@ document carry no loss).
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+
 from jaxdist.config import Config
+from jaxdist.data.pipeline import eval_batches, held_out
 from jaxdist.errors import JaxdistError
+from jaxdist.hf.inference import load
+
+log = logging.getLogger(__name__)
 
 
-def evaluate(config: Config, step_dir: Path, log=print) -> dict[str, Any]:
+def evaluate(config: Config, step_dir: Path) -> dict[str, Any]:
     """Score the checkpoint in ``step_dir`` (its ``config`` as ``jaxdist.hf.inference.load_config``
     gives it): ``loss`` (mean per scored token), ``perplexity``, ``tokens``, ``batches``,
-    ``windows``, ``checkpoint`` and ``step``. ``log`` gets one line when the split holds
+    ``windows``, ``checkpoint`` and ``step``; one line says so when the split holds
     fewer batches than asked. Raises JaxdistError (one line) for bad data or a split that
     scores no token."""
-    from jaxdist.hf.inference import load
-
-    loaded = load(config, step_dir)  # the devices first: JAX and the data pipeline after
-    import jax
-    import numpy as np
-
-    from jaxdist.data.pipeline import eval_batches, held_out
-
+    loaded = load(config, step_dir)
     trainer = loaded.trainer
     split = held_out(config)
     if split.batches < split.asked:
-        log(
-            f"jaxdist: the held-out split has {split.examples} window(s) of {config.train.seq_len} tokens: "
+        log.info(
+            f"the held-out split has {split.examples} window(s) of {config.train.seq_len} tokens: "
             f"{split.batches} batch(es) of {config.train.global_batch}, not the {split.asked} asked; each window is scored once"
         )
     totals = np.zeros(2, np.float64)

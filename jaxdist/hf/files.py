@@ -28,6 +28,7 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "chat_template.jinja",
 )
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # to-hf's --dtype (auto: the imported model's, else float32)
 
 
 def _allowed_roots(folder: Path) -> list[Path]:

@@ -12,15 +12,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
 from jaxdist.config import Config
+from jaxdist.data.tokenizers import load_tokenizer
 from jaxdist.errors import JaxdistError
+from jaxdist.hf.files import eos_ids, source_dir
+from jaxdist.hf.inference import load
+from jaxdist.layout.step_context import StepContext, installed
+from jaxdist.models.llama import KVCache
 
 
 def sample(logits, key, temperature: float, top_p: float):
     """Next ids [batch] from last-position logits [batch, vocab] (float32)."""
-    import jax
-    import jax.numpy as jnp
-
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
@@ -38,11 +45,6 @@ def generate_ids(model, prompt, max_new_tokens: int, *, temperature: float = 0.0
     """([batch, max_new_tokens] ids sampled after ``prompt`` [batch, t], the number of
     tokens decoded) (trace under jit). Decoding ends once every sequence has produced one
     of ``stop_ids``; a sequence that ended holds its stop id from there on."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxdist.models.llama import KVCache
-
     key = jax.random.key(0) if key is None else key
     batch = prompt.shape[0]
     cache = KVCache.zeros(model.cfg, batch, prompt.shape[1] + max_new_tokens, model.dtype)
@@ -70,16 +72,10 @@ def generate_ids(model, prompt, max_new_tokens: int, *, temperature: float = 0.0
 
 def compile_generate(loaded, prompt_shape: tuple[int, int], max_new_tokens: int, temperature: float, top_p: float, stop_ids=()):
     """The compiled program: (params, prompt ids, key) -> (new ids, tokens decoded)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxdist.layout.sharding import activation_layout
-
     trainer = loaded.trainer
 
     def run(params, prompt, key):
-        with activation_layout(trainer.layout):
+        with installed(StepContext(layout=trainer.layout)):  # the layout only: decoding runs MoE layers densely, any batch
             model = nnx.merge(trainer.graphdef, params)
             return generate_ids(model, prompt, max_new_tokens, temperature=temperature, top_p=top_p, key=key, stop_ids=stop_ids)
 
@@ -92,8 +88,6 @@ def stop_ids(config, step_dir, tokenizer) -> list[int]:
     """Where generation ends: the imported model's ``eos_token_id`` (its
     generation_config.json, else config.json: one id or several) and, when the run names
     its tokenizer, that tokenizer's end-of-document id."""
-    from jaxdist.hf.files import eos_ids, source_dir
-
     ids = eos_ids(source_dir(config, step_dir))
     if tokenizer is not None and tokenizer.eod_id not in ids:
         ids.append(tokenizer.eod_id)
@@ -139,17 +133,11 @@ def generate(
     cut off), ``text`` (None without a tokenizer), ``prompt_ids``, ``stop_ids``,
     ``decoded`` (tokens decoded) and ``checkpoint``. Bad input raises JaxdistError before
     the checkpoint is read."""
-    from jaxdist.data.tokenizers import load_tokenizer
-    from jaxdist.hf.inference import load
-
     tokenizer = load_tokenizer(config.data.tokenizer) if config.data.tokenizer else None  # None: ids in, ids out
     m = config.model
     ids = prompt_ids(prompt, ids_text, tokenizer, m.valid_vocab or m.vocab_size)
     stops = stop_ids(config, step_dir, tokenizer)
     loaded = load(config, step_dir)
-    import jax
-    import numpy as np
-
     compiled = compile_generate(loaded, (1, len(ids)), max_new_tokens, temperature, top_p, stops)
     tokens, steps = jax.device_get(compiled(loaded.params, np.asarray([ids], np.int32), jax.random.key(seed)))
     new = [int(i) for i in np.asarray(tokens)[0, : int(steps)]]

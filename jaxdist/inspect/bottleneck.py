@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import functools
 import math
+import socket
 import statistics
+import threading
 import time
 from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from jaxdist.inspect.trace import PHASES, PRE, Op, ProcessTrace
 
@@ -286,8 +290,6 @@ def collectives(traces: list[ProcessTrace], items: list[DeviceStep], analysis: d
 def host_copy_bandwidth(nbytes: int = 32 * 2**20, repeats: int = 3) -> float:
     """Bytes per second one host memory copy moves (best of ``repeats``): what fake CPU
     devices of one process exchange collective buffers through."""
-    import numpy as np
-
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
     best = math.inf
@@ -302,9 +304,6 @@ def host_copy_bandwidth(nbytes: int = 32 * 2**20, repeats: int = 3) -> float:
 def loopback_bandwidth(nbytes: int = 32 * 2**20, chunk: int = 2**20) -> float:
     """Bytes per second a local TCP connection carries: what gloo uses between the
     processes of a CPU run on one machine."""
-    import socket
-    import threading
-
     server = socket.create_server(("127.0.0.1", 0))
     received = [0]
 

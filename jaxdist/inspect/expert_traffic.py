@@ -22,6 +22,8 @@ from jaxdist.config import Config
 from jaxdist.inspect.collectives import CollectiveOp
 from jaxdist.inspect.hlo import ARRAY_RE, HloModule
 from jaxdist.layout.mesh import BATCH_AXES
+from jaxdist.models.experts import capacity_rows
+from jaxdist.parallel.expert import buffer_rows
 
 AXIS = "expert"
 
@@ -62,9 +64,6 @@ def _element_type(op: CollectiveOp, module: HloModule) -> str:
 def expert_section(config: Config, ops: Sequence[CollectiveOp], module: HloModule, mesh_shape: dict[str, int], compute_bytes: int):
     """The report's ``experts`` section: the all-to-alls over ``expert`` measured in the compiled
     program (tokens and the int32 ids apart) next to the analytical count."""
-    from jaxdist.models.experts import capacity_rows
-    from jaxdist.parallel.expert import buffer_rows
-
     m, ep = config.model, mesh_shape.get(AXIS, 1)
     over = [op for op in ops if op.kind == "all-to-all" and op.executions and op.axes is not None and AXIS in op.axes]
     ids = [op for op in over if _element_type(op, module).startswith(("s", "u"))]

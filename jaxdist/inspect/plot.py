@@ -7,6 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
 from jaxdist.inspect.bottleneck import CATEGORIES, DeviceStep, intersect
 
 COLORS = {
@@ -20,9 +23,6 @@ MAX_ROWS = 16
 
 
 def write_plot(path: Path, steps: list[dict[str, Any]], items: list[DeviceStep], title: str) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     step = _typical_step(steps)
     rows = sorted((it for it in items if it.step == step), key=lambda it: (it.process, it.device))[:MAX_ROWS]
     fig = Figure(figsize=(12, 4.5 + 0.28 * len(rows)), layout="constrained")

@@ -81,6 +81,7 @@ from typing import Any
 from jaxdist.errors import JaxdistError
 from jaxdist.inspect import bottleneck as report
 from jaxdist.inspect.advice import advice
+from jaxdist.inspect.plot import write_plot
 from jaxdist.inspect.trace import find_traces, read_json, read_process
 
 READER = "jax.profiler.ProfileData"
@@ -160,13 +161,9 @@ def summarize(run_dir: str | Path, *, write: bool = True) -> dict[str, Any]:
         profile = run_dir / "profile"
         summary["files"] = {"summary": str(profile / "summary.json"), "plot": None}
         try:
-            from jaxdist.inspect.plot import write_plot
-
             title = f"{run_dir.name}: steps {first}-{last}, {summary['devices']} devices, bound: {bound}"
             write_plot(profile / "breakdown.png", steps, items, title)
             summary["files"]["plot"] = str(profile / "breakdown.png")
-        except ImportError:
-            summary["files"]["note"] = "matplotlib is not installed: no breakdown.png"
         except OSError as e:
             summary["files"]["note"] = f"could not write breakdown.png: {e.strerror or e}"
         try:

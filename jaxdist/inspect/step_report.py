@@ -19,6 +19,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from jaxdist.config import Config
 from jaxdist.inspect.collectives import CollectiveOp, collective_ops, collective_stats, collectives_by_axes
 from jaxdist.inspect.expert_traffic import expert_section, format_section
@@ -45,8 +47,6 @@ def _xla_flops(compiled: Any) -> float | None:
 
 
 def _param_bytes(trainer: Any) -> int:
-    import jax
-
     state = trainer.abstract_state()
     params = state.outer.params if getattr(state, "outer", None) is not None else state.params  # DiLoCo: one model, not R
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -125,7 +125,7 @@ def build_report(trainer: Any, compiled: Any) -> dict[str, Any]:
             "chunk_steps": spec.work_units,  # forward + backward of one chunk, masked ones included, per device
             "recompute": spec.recompute if spec.schedule == "1f1b" else None,
         }
-    if getattr(trainer, "inner_steps", 0):
+    if trainer.replicas.count:
         report["diloco"] = _diloco_section(trainer, ops, mesh_shape)
     report["notes"] = _notes(report, config, loops_without_trip_count(module), getattr(trainer.task, "attention", None))
     return report
@@ -134,9 +134,9 @@ def build_report(trainer: Any, compiled: Any) -> dict[str, Any]:
 def _diloco_section(trainer: Any, inner_ops: Sequence[CollectiveOp], mesh_shape: dict[str, int]) -> dict[str, Any]:
     """DiLoCo's traffic: the inner step's collectives (above) never span the replica axis;
     the outer step's, run once per H steps, do. Per-step figures amortise them over H."""
-    outer = trainer.outer_step.lower(trainer.abstract_state()).compile()
+    outer = trainer.replicas.outer_program(trainer.state_layout).lower(trainer.abstract_state()).compile()
     outer_ops = collective_ops(parse_hlo(outer.as_text()), mesh_shape)
-    h = trainer.inner_steps
+    h = trainer.replicas.inner_steps
 
     def across(ops):
         return [op for op in ops if op.axes and "replica" in op.axes]

@@ -135,7 +135,7 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def read_process(index: int, proc_dir: Path, trace_file: Path) -> ProcessTrace:
     """Parse one process's trace (and its window.json) into a ProcessTrace."""
-    from jax.profiler import ProfileData
+    from jax.profiler import ProfileData  # here: the profile command imports this module, and no JAX at its start
 
     window = read_json(proc_dir / "window.json")
     try:

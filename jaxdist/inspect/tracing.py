@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 
 
 class StepTracer:
@@ -84,8 +85,6 @@ class ProfileWindow(StepTracer):
         self.active = False
         self._write_window()
         if jax.process_count() > 1:  # every process's trace is on disk before process 0 reads them
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("jaxdist_profile_written")
         if self.on_done is not None:
             self.on_done()

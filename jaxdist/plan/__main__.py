@@ -21,14 +21,31 @@ them, ``jaxdist.plan.links``). Compiles are cached, so a rerun is fast. ``--json
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK, JaxdistError, OneLineArgumentParser
+from tqdm import tqdm
+
+import jaxdist
+from jaxdist import errors
+from jaxdist.cli import parse_args
+from jaxdist.config import load_config
+from jaxdist.errors import EXIT_OK, JaxdistError, OneLineArgumentParser
+from jaxdist.layout import devices
+from jaxdist.plan import hardware as hardware_profiles
+from jaxdist.plan.gpu_target import TARGETS, allowed_memory, prepare_target
 
 GIB = 2**30
+
+log = logging.getLogger(__name__)
+# plan(), _gpu_target() and _price() import the modules that import JAX themselves: this one is
+# imported before main() chooses the platform (prepare_compiler).
 
 
 def build_arg_parser():
@@ -45,6 +62,7 @@ def build_arg_parser():
     parser.add_argument("--time-budget", type=float, default=300.0, help="seconds of compiling, at most")
     parser.add_argument("--max-compiles", type=int, default=12, help="layouts to compile, at most")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--log-level", default="info", choices=jaxdist.LEVELS, help="what reaches stderr (default info)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser
 
@@ -61,12 +79,9 @@ def check_limits(args) -> None:
         raise JaxdistError(f"--time-budget must be > 0 seconds, got {args.time_budget:g}")
 
 
-def plan(args, log=print) -> dict:
-    from collections import Counter
-
-    from jaxdist.config import load_config
+def plan(args) -> dict:
     from jaxdist.models.llama import count_params
-    from jaxdist.plan.hardware import load_hardware
+    from jaxdist.plan.links import load_link_profile, measured_elsewhere, with_links
     from jaxdist.plan.search import (
         CONTEXT_STRATEGIES,
         HEADROOM,
@@ -80,17 +95,15 @@ def plan(args, log=print) -> dict:
     overrides = list(args.overrides)
     if args.global_batch is not None:
         overrides.append(f"train.global_batch={args.global_batch}")
-    hardware = load_hardware(args.hardware, gpus_per_node=args.gpus_per_node)
+    hardware = hardware_profiles.load_hardware(args.hardware, gpus_per_node=args.gpus_per_node)
     if getattr(args, "links", None):
-        from jaxdist.plan.links import load_link_profile, measured_elsewhere, with_links
-
         links, measured = load_link_profile(args.links)
         elsewhere = measured_elsewhere(measured, hardware)
         if elsewhere:  # e.g. fake CPU devices' links pricing an H100 plan: legal, but the numbers are not the plan's
-            log(f"jaxdist: warning: --links {args.links} was {elsewhere}: its links price this plan's collectives")
+            log.warning(f"--links {args.links} was {elsewhere}: its links price this plan's collectives")
         hardware = with_links(hardware, links, args.links)
         for missing in sorted({"intra_node", "inter_node"} - set(links)):
-            log(f"jaxdist: warning: --links {args.links} measured no {missing} link; the profile's datasheet figure prices it")
+            log.warning(f"--links {args.links} measured no {missing} link; the profile's datasheet figure prices it")
     overrides.append(f"model.dtype={'float32' if hardware.shared_host else 'bfloat16'}")  # what the device computes in
     overrides.append("data.source=synthetic")  # a plan reads no data
     config = load_config(args.config, overrides)
@@ -114,10 +127,8 @@ def plan(args, log=print) -> dict:
             f"({config.train.global_batch}), tensor the heads ({config.model.n_heads}/{config.model.n_kv_heads}) within a node "
             f"({per_node}), pipe the layers ({config.model.n_layers}), 2 x context the sequence ({config.train.seq_len})"
         )
-    target = _gpu_target(hardware, args.gpus, per_node, log)
+    target = _gpu_target(hardware, args.gpus, per_node)
     if target is not None:  # XLA:GPU's peak decides; the estimate only screens out the hopeless
-        from jaxdist.plan.gpu_target import allowed_memory
-
         usable = allowed_memory(hardware)
         budget, usable_text = PREFILTER_MARGIN * usable, f"{usable / GIB:.1f} GiB usable ({PREFILTER_MARGIN:g}x that for the estimate)"
     else:
@@ -132,23 +143,22 @@ def plan(args, log=print) -> dict:
             f"{need / GIB:.1f} GiB per device, {usable_text}; use more GPUs or a smaller train.global_batch"
         )
     fitting.sort(key=lambda cm: estimated_time(config, cm[0], n_params, hardware))
-    result = _price(config, fitting, hardware, args, log, target)
+    result = _price(config, fitting, hardware, args, target)
     result["layouts"]["valid"] = len(candidates)
     return result
 
 
-def _gpu_target(hardware, gpus: int, per_node: int, log):
+def _gpu_target(hardware, gpus: int, per_node: int):
     """What a plan for ``hardware`` compiles for: XLA:GPU's program for ``gpus`` devices of the
     target (None: XLA:CPU's, on fake CPU devices: ``cpu-local``, or, said in one line, a GPU
     profile on a machine without JAX's CUDA plugin)."""
-    from jaxdist.layout.devices import cuda_plugin_installed
     from jaxdist.plan.search import GpuTarget
 
     if hardware.shared_host:
         return None
-    if not cuda_plugin_installed():
-        log(
-            f"jaxdist: warning: JAX's CUDA plugin is not installed: each layout is compiled against fake CPU devices and "
+    if not devices.cuda_plugin_installed():
+        log.warning(
+            f"JAX's CUDA plugin is not installed: each layout is compiled against fake CPU devices and "
             f"priced for {hardware.name} by rule, not from XLA:GPU's program (pip install -e '.[dev]')"
         )
         return None
@@ -157,16 +167,12 @@ def _gpu_target(hardware, gpus: int, per_node: int, log):
     return GpuTarget(hardware, gpus, per_node)
 
 
-def _price(config, fitting, hardware, args, log, target=None) -> dict:
-    from tqdm import tqdm
-
+def _price(config, fitting, hardware, args, target=None) -> dict:
     from jaxdist.plan.cost import predict_summary
     from jaxdist.plan.hlo_cost import ProgramCost
-    from jaxdist.plan.search import HEADROOM, compile_summary, configured, plan_notes, routed_expert_params, states_bytes
+    from jaxdist.plan.search import HEADROOM, compile_summary, configured, plan_notes, routed_expert_params, say_note, states_bytes
 
     if target is not None:
-        from jaxdist.plan.gpu_target import allowed_memory
-
         usable = allowed_memory(hardware)
     else:
         usable = HEADROOM * hardware.memory_bytes
@@ -195,7 +201,7 @@ def _price(config, fitting, hardware, args, log, target=None) -> dict:
             summary, cached = compile_summary(configured(config, candidate), target=target)
         except Exception as e:  # noqa: BLE001 - a layout XLA cannot compile is reported, and the search goes on
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            log(f"jaxdist: warning: {candidate.label()} does not compile ({reason}); left out of the ranking")
+            log.warning(f"{candidate.label()} does not compile ({reason}); left out of the ranking")
             failed.append({"layout": candidate.label(), "error": reason})
             continue
         if target is not None and estimate > 0:
@@ -230,11 +236,11 @@ def _price(config, fitting, hardware, args, log, target=None) -> dict:
         )
     bar.close()
     for note in plan_notes(notes, hardware.shared_host):  # each once, however many layouts compiled it
-        log(note)
+        say_note(note)
     compiler = f"with XLA:GPU for {args.gpus} x {hardware.name}" if target is not None else f"against {args.gpus} fake CPU devices"
     reused = sum(c["cached"] for c in priced)
-    log(
-        f"jaxdist: compiled {tried} of {len(fitting)} screened layouts {compiler} ({tried - reused} new, {reused} cached"
+    log.info(
+        f"compiled {tried} of {len(fitting)} screened layouts {compiler} ({tried - reused} new, {reused} cached"
         f"{f'; {left_out} left out: the compiled peaks say they do not fit' if left_out else ''}"
         f"{f'; {skipped} past --time-budget' if skipped else ''}{f'; {past} past --max-compiles' if past else ''})"
     )
@@ -303,12 +309,7 @@ def format_bytes(n: float) -> str:
 def fake_cpu_devices(n: int) -> None:
     """N CPU devices to compile against, also on a GPU machine (before JAX starts; once
     it has started, the compile says when there are too few)."""
-    import os
-    import re
-
-    from jaxdist.layout.devices import backend_started
-
-    if "jax" in sys.modules and backend_started():
+    if "jax" in sys.modules and devices.backend_started():
         return
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(n, 1)}".strip()
@@ -318,27 +319,20 @@ def prepare_compiler(hardware: str, gpus: int) -> None:
     """Before JAX starts: a GPU target's compile-only devices need a CPU backend and the CUDA
     plugin (``plan.gpu_target.prepare_target``); cpu-local (or a GPU profile without the plugin,
     which ``plan`` says) compiles against ``gpus`` fake CPU devices."""
-    from jaxdist.layout.devices import cuda_plugin_installed, run_on_cpu_unless_gpu
-    from jaxdist.plan.gpu_target import TARGETS, prepare_target
-
-    if hardware in TARGETS and cuda_plugin_installed():
+    if hardware in TARGETS and devices.cuda_plugin_installed():
         prepare_target()
     else:
-        run_on_cpu_unless_gpu()  # no GPU: the CUDA plugin stays unloaded
+        devices.run_on_cpu_unless_gpu()  # no GPU: the CUDA plugin stays unloaded
         fake_cpu_devices(gpus)
 
 
+@errors.command
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxdist.cli import parse_args
-
-    try:
-        args = parse_args(build_arg_parser(), argv)
-        check_limits(args)  # before JAX starts
-        prepare_compiler(args.hardware, args.gpus)
-        result = plan(args, log=lambda m: print(m, file=sys.stderr))
-    except JaxdistError as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    args = parse_args(build_arg_parser(), argv)
+    jaxdist.set_level(args.log_level)
+    check_limits(args)  # before JAX starts
+    prepare_compiler(args.hardware, args.gpus)
+    result = plan(args)
     if args.json:
         print(json.dumps(result))
     else:

@@ -19,6 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from jaxdist.cluster.launcher import free_port
 from jaxdist.cluster.lifetime import die_with_parent
 
@@ -44,8 +49,6 @@ def worker_main(argv: Sequence[str]) -> None:
     if mode not in ("gloo", "fake"):
         raise ValueError(f"unknown worker mode {mode!r} (gloo or fake)")
     n, pid, repeats = int(n), int(pid), int(repeats)
-    import jax
-
     if mode == "gloo":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
@@ -65,11 +68,6 @@ def _time_all_reduce(n: int, sizes: Sequence[int], repeats: int) -> list[list[fl
     """``[buffer_bytes, median_seconds]`` of a jitted psum over a 1-D fp32 array sharded
     across ``n`` devices (``sizes`` bytes per device). The median, not the best: the
     collective waits for the slowest process, and the median is what a step sees."""
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     mesh = jax.make_mesh((n,), ("x",))
     sharding = NamedSharding(mesh, P("x"))
     all_reduce = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))

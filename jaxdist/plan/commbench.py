@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import re
 import socket
@@ -44,9 +45,23 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.cluster.distributed import initialize
+from jaxdist.cluster.heartbeat import beat, install_stack_dump
 from jaxdist.errors import JaxdistError
+from jaxdist.inspect.collectives import collective_ops
+from jaxdist.inspect.hlo import parse_hlo
+from jaxdist.layout.devices import DEFAULT_FAKE_DEVICES, ensure_fake_cpu_devices, forced_host_device_count, gpu_plugin_installed
+from jaxdist.layout.mesh import build_mesh, format_mesh, has_remaining_axis, mesh_device_count, parse_mesh, resolve_mesh
 from jaxdist.plan.cost import collective_time
-from jaxdist.plan.hardware import Hardware, default_hardware
+from jaxdist.plan.hardware import CPU_LOCAL, Hardware, cpu_local, default_hardware, load_hardware
+from jaxdist.plan.links import link_profile
+from jaxdist.plan.measure import _cached, cpu_count, default_cache, host_string
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
@@ -58,6 +73,8 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
 }
 ELEMENT_BYTES = 4  # float32
 DTYPE = "float32"
+
+log = logging.getLogger(__name__)
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 _SIZE_RE = re.compile(r"(\d+)([KMG]?)B?", re.IGNORECASE)
 
@@ -116,7 +133,7 @@ def rounding_note(sizes: Sequence[int], axes: dict[str, int]) -> str | None:
     if not parts:
         return None
     return (
-        f"jaxdist: note: sizes are whole float32 elements, a multiple of 4 x n bytes over n devices (as nccl-tests counts), "
+        f"note: sizes are whole float32 elements, a multiple of 4 x n bytes over n devices (as nccl-tests counts), "
         f"and a size measured twice is one row: {'; '.join(parts)}"
     )
 
@@ -138,8 +155,6 @@ def bus_bandwidth(kind: str, algbw: float, n: int) -> float:
 
 
 def _collective(kind: str, axis: str, n: int):
-    import jax
-
     if kind == "all-reduce":
         return lambda x: jax.lax.psum(x, axis)
     if kind == "all-gather":
@@ -156,11 +171,6 @@ def _collective(kind: str, axis: str, n: int):
 def program(mesh, axis: str, kind: str, elements: int):
     """``(jitted function, its input)``: one ``kind`` over ``axis`` on every device of
     ``mesh``, S = ``elements`` float32 elements (``local_shapes`` per device)."""
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     n = mesh.shape[axis]
     spec = P(tuple(mesh.axis_names))  # each device holds one block of the 1-D array
     fn = jax.jit(jax.shard_map(_collective(kind, axis, n), mesh=mesh, in_specs=spec, out_specs=spec))
@@ -172,9 +182,6 @@ def program(mesh, axis: str, kind: str, elements: int):
 
 def compiled_kinds(compiled) -> list[str]:
     """The collectives XLA's compiled program runs (``jaxdist.inspect``'s reading of its HLO)."""
-    from jaxdist.inspect.collectives import collective_ops
-    from jaxdist.inspect.hlo import parse_hlo
-
     return sorted({op.kind for op in collective_ops(parse_hlo(compiled.as_text()))})
 
 
@@ -194,21 +201,14 @@ def median_time(run: Callable[[], Any], *, iters: int, warmup: int) -> float:
 
 def node_ids() -> list[int]:
     """A node id per process: the process itself on CPU, its host on GPUs (hosts exchanged once)."""
-    import jax
-
     if jax.process_count() == 1 or jax.devices()[0].platform == "cpu":
         return list(range(jax.process_count()))
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     mine = np.array([zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF], np.int32)
     return [int(h) for h in np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)]
 
 
 def axis_links(mesh) -> dict[str, str]:
     """``intra_node`` or ``inter_node`` per mesh axis: whether a group of it spans nodes."""
-    import numpy as np
-
     nodes = node_ids()
     out = {}
     for i, axis in enumerate(mesh.axis_names):
@@ -229,17 +229,15 @@ class Sweep:
     kinds: tuple[str, ...] = KINDS
 
 
-def run_commbench(mesh, sweep: Sweep, *, on_point: Callable[[int], None] = lambda i: None, log=print) -> dict[str, Any]:
+def run_commbench(mesh, sweep: Sweep, *, on_point: Callable[[int], None] = lambda i: None) -> dict[str, Any]:
     """Time every collective over every axis of ``mesh`` of more than one device, for every
     size; the report (``results``: one row per axis x collective x size, the slowest
     process's median). ``on_point(i)`` is called before the i-th point (the hang watch's beat)."""
-    import jax
-
     links = axis_links(mesh)
     axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
     note = rounding_note(sweep.sizes, {a: int(mesh.shape[a]) for a in axes})
     if note:
-        log(note)
+        log.info(note)
     rows, medians, warned = [], [], set()
     for axis in axes:
         n = mesh.shape[axis]
@@ -251,9 +249,7 @@ def run_commbench(mesh, sweep: Sweep, *, on_point: Callable[[int], None] = lambd
                 ran = compiled_kinds(compiled)
                 if ran != [kind] and (axis, kind) not in warned:
                     warned.add((axis, kind))
-                    log(
-                        f"jaxdist: warning: {kind} over {axis} compiled to {', '.join(ran) or 'no collective'} on this backend; its row times that"
-                    )
+                    log.warning(f"{kind} over {axis} compiled to {', '.join(ran) or 'no collective'} on this backend; its row times that")
                 medians.append(median_time(lambda c=compiled, x=x: c(x).block_until_ready(), iters=sweep.iters, warmup=sweep.warmup))
                 rows.append(
                     {
@@ -285,22 +281,13 @@ def run_commbench(mesh, sweep: Sweep, *, on_point: Callable[[int], None] = lambd
 
 def _slowest(medians: list[float]) -> list[float]:
     """Each point's largest median over the processes."""
-    import jax
-
     if jax.process_count() == 1 or not medians:
         return medians
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     gathered = np.asarray(multihost_utils.process_allgather(np.asarray(medians, np.float32)))
     return [float(t) for t in gathered.reshape(jax.process_count(), -1).max(axis=0)]
 
 
 def _host() -> dict[str, Any]:
-    import jax
-
-    from jaxdist.plan.measure import cpu_count, host_string
-
     return {
         "host": host_string(),
         "cores": cpu_count(),
@@ -384,9 +371,6 @@ def check_host_memory(sizes: Sequence[int], devices_here: int) -> None:
 def planner_hardware(key: str | None) -> Hardware | None:
     """The profile to print beside the measurements; ``cpu-local`` only from this host's cache
     (measuring it here would start JAX before the process group is joined)."""
-    from jaxdist.plan.hardware import CPU_LOCAL, cpu_local, load_hardware
-    from jaxdist.plan.measure import _cached, default_cache
-
     if key != CPU_LOCAL:
         return load_hardware(key) if key else None
     profile = _cached(default_cache(), quick=True)
@@ -431,11 +415,6 @@ def commbench(
     (path or ``-`` for stdout -> the flag that named it) get the link profile; a profile with no
     link in it (nothing the planner could read) is an error and nothing is written."""
     outputs = outputs or {}
-    from jaxdist.cluster.distributed import initialize
-    from jaxdist.cluster.heartbeat import beat, install_stack_dump
-    from jaxdist.layout.devices import DEFAULT_FAKE_DEVICES, ensure_fake_cpu_devices, forced_host_device_count, gpu_plugin_installed
-    from jaxdist.layout.mesh import build_mesh, format_mesh, has_remaining_axis, mesh_device_count, parse_mesh, resolve_mesh
-
     install_stack_dump()  # under jaxdist.launch: its hang watch's SIGUSR1 prints the stacks, as a trainer's does
     sizes = parse_mesh(mesh_spec)
     if sizes is None:
@@ -452,9 +431,7 @@ def commbench(
             raise JaxdistError(f"mesh {format_mesh(sizes)} ({mesh_device_count(sizes)} devices) does not split over {processes} processes")
         check_host_memory(sweep.sizes, mesh_device_count(sizes) // processes)
         ensure_fake_cpu_devices(mesh_device_count(sizes) // processes)
-    initialize(group)
-    import jax
-
+    initialize(group)  # only process 0 speaks from here
     if has_remaining_axis(sizes):
         sizes = resolve_mesh(sizes, jax.device_count())
     if all(size == 1 for size in sizes.values()):
@@ -463,32 +440,27 @@ def commbench(
     if outputs and max(len(axis_elements(sweep.sizes, n)) for n in mesh.shape.values() if n > 1) < 2:
         # a link is fitted as latency + bytes / bandwidth: one size per axis gives no bandwidth, and the planner no link
         raise JaxdistError(f"{' and '.join(outputs.values())}: a link profile needs two sizes or more per axis; --sizes measures one")
-    first = jax.process_index() == 0
     if key is None:
         key = default_hardware(jax.devices()[0].platform, jax.devices()[0].device_kind)
         try:
             hardware = planner_hardware(key)
         except JaxdistError as e:
-            if first:
-                print(f"jaxdist: warning: the planner's column is left out: {e}", file=sys.stderr)
-        if key is None and first:
-            print(f"jaxdist: warning: no planner profile for {jax.devices()[0].device_kind}; pass --hardware to compare", file=sys.stderr)
-    log = (lambda m: print(m, file=sys.stderr)) if first else (lambda m: None)
-    report = run_commbench(mesh, sweep, on_point=beat, log=log)
-    if not first:
+            log.warning(f"the planner's column is left out: {e}")
+        if key is None:
+            log.warning(f"no planner profile for {jax.devices()[0].device_kind}; pass --hardware to compare")
+    report = run_commbench(mesh, sweep, on_point=beat)
+    if jax.process_index() != 0:
         return None, hardware
     report["hardware"] = hardware.key if hardware else None
     if hardware is not None:
         planner_columns(report["results"], hardware)
     if outputs:
-        from jaxdist.plan.links import link_profile
-
         left_out: list[str] = []
         profile = link_profile(report, left_out=left_out)
         if not profile["links"]:  # the planner refuses such a file: write none rather than one it cannot read
             raise JaxdistError(f"no link profile written: {'; '.join(left_out)}; measure a wider range of --sizes")
         for why in left_out:
-            log(f"jaxdist: warning: {why}; measure a wider range of --sizes")
+            log.warning(f"{why}; measure a wider range of --sizes")
         for path in outputs:
             write_json(path, profile)
     return report, hardware

@@ -54,6 +54,7 @@ import dataclasses
 import math
 
 from jaxdist.inspect.collectives import CollectiveOp
+from jaxdist.layout.mesh import MESH_AXES, split_across_hosts
 from jaxdist.plan.gpu_cost import CAUSAL_SKIP, MATMUL_KINDS
 from jaxdist.plan.hardware import Hardware, Link
 from jaxdist.plan.hlo_cost import ProgramCost
@@ -74,8 +75,6 @@ def collective_time(kind: str, wire_bytes: float, group_size: int, link: Link) -
 
 def node_split(mesh_shape: dict[str, int], devices_per_node: int) -> dict[str, int]:
     """How many nodes each mesh axis spans (jaxdist's hybrid mesh: data crosses first, then fsdp)."""
-    from jaxdist.layout.mesh import MESH_AXES, split_across_hosts
-
     devices = math.prod(mesh_shape.values())
     nodes = max(1, devices // devices_per_node) if devices > devices_per_node else 1
     sizes = {a: mesh_shape.get(a, 1) for a in MESH_AXES}

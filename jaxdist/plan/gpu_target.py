@@ -12,7 +12,9 @@ cuDNN configuration only fails on a real device.
 
 Needs the plugin (``pip install -e ".[dev]"`` brings ``jax-cuda12-plugin``) and
 ``JAX_PLATFORMS=cpu`` before JAX starts (the plugin's own backend fails without a
-driver): ``prepare_target`` sets it.
+driver): ``prepare_target`` sets it. So importing this module does not import JAX (the
+commands call ``prepare_target`` first); the functions that compile import it, and what
+imports it, themselves.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from typing import Any
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
+from jaxdist.inspect.gpu_program import collective_schedule, kernel_counts, xla_flags_in_force
+from jaxdist.inspect.hlo import parse_hlo
 from jaxdist.layout import devices
-from jaxdist.layout.mesh import MeshSizes
+from jaxdist.layout.mesh import MeshSizes, mesh_device_count
 from jaxdist.layout.xla_flags import gpu_flags
 from jaxdist.plan.hardware import Hardware, load_hardware
+from jaxdist.training.run import build_trainer
 
 TARGETS = ("h100", "h200", "a100", "h100-hbm2e")
 INSTALL_HINT = (
@@ -162,9 +167,6 @@ def compile_for_target(
 ) -> tuple[Any, Any, dict[str, Any]]:
     """(trainer, compiled step, compiler options) of ``config`` on ``gpus`` target devices:
     the same trainer ``jaxdist.train`` builds, lowered on abstract shapes."""
-    from jaxdist.layout.mesh import mesh_device_count
-    from jaxdist.training.run import build_trainer
-
     devices = target_devices(hardware, gpus, gpus_per_node)
     if mesh_sizes is not None and mesh_device_count(mesh_sizes) != gpus:
         raise JaxdistError(f"mesh of {mesh_device_count(mesh_sizes)} devices on {gpus} target GPUs: size it to all of them (or --gpus)")
@@ -193,9 +195,7 @@ def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict
     """``analyze --target``'s JSON: the CPU report's keys for the GPU program, plus ``target``,
     ``memory_per_device_bytes.peak``, ``fits`` (and ``fits_note``), ``kernels``, each
     collective kind's ``async`` and ``overlapped_fraction``, and ``xla_flags``."""
-    from jaxdist.inspect.gpu_program import collective_schedule, kernel_counts, xla_flags_in_force
-    from jaxdist.inspect.hlo import parse_hlo
-    from jaxdist.inspect.step_report import build_report
+    from jaxdist.inspect.step_report import build_report  # imports JAX (see the module doc)
 
     report = build_report(trainer, compiled)
     module = parse_hlo(compiled.as_text())

@@ -132,6 +132,7 @@ def cpu_local(profile: dict | None = None) -> Hardware:
     size) and the bandwidth its memory-bound fusions sustain, fake devices (one process) as the "node" and gloo between processes
     as the link across nodes. No fused attention and no overlap on XLA:CPU."""
     if profile is None:
+        # measure imports JAX, and this module is read before the platform is chosen (plan.gpu_target)
         from jaxdist.plan.measure import load_or_measure
 
         profile = load_or_measure()

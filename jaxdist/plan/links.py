@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,8 +35,10 @@ FORMAT = "jaxdist-link-profile"
 VERSION = 1
 LINKS = ("intra_node", "inter_node")  # the planner's Hardware fields
 
+log = logging.getLogger(__name__)
 
-def fit_links(rows: Sequence[dict[str, Any]], log=print, *, left_out: list[str] | None = None) -> dict[str, dict[str, Any]]:
+
+def fit_links(rows: Sequence[dict[str, Any]], *, left_out: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Per link, the latency/bandwidth fit of the all-reduce rows of the largest axis on it
     (``rows``: commbench's results). A link whose points show no bandwidth is left out, in one
     warning line (or, given ``left_out``, appended to it as "the LINK link (AXIS) ...: why")."""
@@ -59,17 +62,17 @@ def fit_links(rows: Sequence[dict[str, Any]], log=print, *, left_out: list[str] 
             if left_out is not None:
                 left_out.append(reason)
             else:
-                log(f"jaxdist: warning: {reason}; measure a wider range of --sizes")
+                log.warning(f"{reason}; measure a wider range of --sizes")
             continue
         links[link] = {"latency_s": latency, "bytes_per_s": bandwidth, "group_size": n, "axis": axis, "all_reduce": points}
     return links
 
 
-def link_profile(report: dict[str, Any], log=print, *, left_out: list[str] | None = None) -> dict[str, Any]:
+def link_profile(report: dict[str, Any], *, left_out: list[str] | None = None) -> dict[str, Any]:
     """The file commbench writes for ``report`` (``jaxdist.plan.commbench.run_commbench``'s)."""
     header = {k: report[k] for k in ("host", "cores", "jax_version", "platform", "device_kind", "devices", "processes", "mesh")}
     header |= {k: report[k] for k in ("dtype", "iters", "warmup", "threads", "measured_at")}
-    links = fit_links(report["results"], log, left_out=left_out)
+    links = fit_links(report["results"], left_out=left_out)
     return {"format": FORMAT, "version": VERSION, **header, "links": links, "results": report["results"]}
 
 

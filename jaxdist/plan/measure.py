@@ -27,19 +27,25 @@ import contextlib
 import datetime
 import importlib.metadata
 import json
+import logging
 import math
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from jaxdist.plan.allreduce import all_reduce_points
+from jaxdist.plan.hlo_cost import program_cost
 
 CACHE_FILE = "cpu-local.json"
 ENV_CACHE_DIR = "JAXDIST_CACHE_DIR"
+
+log = logging.getLogger(__name__)
 
 # Sizes and repeats per mode. Matmuls: square sides; memory: fp32 array bytes;
 # collectives: all-reduce buffer bytes per device.
@@ -117,9 +123,6 @@ def ring_wire_bytes(buffer_bytes: float, n: int) -> float:
 
 def measure_matmul(sides: Sequence[int], dtype: str, *, repeats: int, budget_s: float) -> tuple[float, list[dict[str, Any]]]:
     """Best FLOP/s of a jitted square ``jnp.dot`` (2 n^3 FLOPs) over the sizes, and the raw points."""
-    import jax
-    import jax.numpy as jnp
-
     dot = jax.jit(jnp.dot)
     raw = []
     for n in sides:
@@ -134,10 +137,6 @@ def measure_op_overhead(*, ops: int = 256, repeats: int, budget_s: float) -> tup
     """Seconds per executed op: a jitted chain of ``ops`` dependent 8x8 matmuls with a tanh
     (negligible arithmetic), divided by the ops the compiled program executes as the cost
     model counts them (``hlo_cost.program_cost``)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxdist.plan.hlo_cost import program_cost
 
     def chain(x):
         for _ in range(ops):
@@ -156,9 +155,6 @@ def measure_fusions(*, repeats: int, budget_s: float) -> tuple[float, list[dict[
     made of: a scale-and-shift, a transpose and a softmax-like exp of a max-shifted row, on
     activation-sized arrays (1 and 8 MB). Their geometric mean: streaming copies alone run
     several times faster than transposes and transcendentals do."""
-    import jax
-    import jax.numpy as jnp
-
     ops = {
         "scale": lambda x: x * 1.0001 + 1.0,
         "transpose": lambda x: jnp.swapaxes(x, -1, -2) * 2.0,
@@ -179,9 +175,6 @@ def measure_memory(nbytes: int, *, repeats: int, budget_s: float) -> tuple[float
     """Best bytes/s (read + written) of a jitted elementwise op over an fp32 array of
     ``nbytes``. The input is donated, so XLA updates it in place: fresh output pages
     (page faults) would otherwise be timed as memory traffic."""
-    import jax
-    import jax.numpy as jnp
-
     scale = jax.jit(lambda x: x * 1.0000001 + 1e-7, donate_argnums=0)
     state = [jnp.ones((nbytes // 4,), jnp.float32)]
 
@@ -243,8 +236,6 @@ def measure_host(*, quick: bool = False, processes: int = 2, timeout_s: float = 
     FLOP/s, bytes/s, seconds) with the raw timing points under ``raw``. ``processes``
     is the number of gloo processes (and of fake devices) the all-reduces run over;
     ``timeout_s`` bounds each of the two collective measurements."""
-    import jax
-
     cfg = QUICK if quick else FULL
     t_start = time.perf_counter()
     reps = {"repeats": cfg["repeats"], "budget_s": cfg["budget_s"]}
@@ -325,7 +316,7 @@ def load_or_measure(cache: Path | None = None, *, refresh: bool = False, quick: 
         tmp.write_text(text)
         os.replace(tmp, path)  # readers never see half a file
     except OSError as e:  # the measurement is still good: use it, measure again next time
-        warnings.warn(f"could not write the profile cache {path}: {e}", stacklevel=2)
+        log.warning(f"could not write the profile cache {path}: {e}")
         with contextlib.suppress(OSError):
             tmp.unlink()
     return json.loads(text)  # exactly what a later call reads from the cache
@@ -374,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         profile = load_or_measure(args.cache, refresh=args.refresh, quick=args.quick)
     except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(str(e))
         return 1
     print(json.dumps(profile, indent=1) if args.json else format_profile(profile))
     return 0

@@ -25,6 +25,7 @@ import hashlib
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -33,16 +34,29 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
+from jaxdist.inspect.hlo import parse_hlo
+from jaxdist.inspect.step_report import memory, pipeline_of
 from jaxdist.layout.mesh import format_mesh, parse_mesh
+from jaxdist.layout.validate import check_config_on_mesh
+from jaxdist.models.experts import capacity_rows
+from jaxdist.parallel.expert import buffer_rows
 from jaxdist.parallel.schedule import executed_over_ideal, pipeline_spec
+from jaxdist.plan.gpu_cost import gpu_program_cost, schedule_kernel_counts
+from jaxdist.plan.gpu_target import compile_for_target, compiler_options, target_config_text
 from jaxdist.plan.hardware import Hardware
+from jaxdist.plan.hlo_cost import program_cost
+from jaxdist.training.compiled import compile_train_step
 
 REMATS = ("none", "save_matmuls", "full")
 RECOMPUTE = {"none": 1.0, "save_matmuls": 1.1, "full": 4 / 3}  # training FLOPs with remat / without
 STATE_BYTES_PER_PARAM = 16  # fp32 params, grads, Adam's two moments
 HEADROOM = 0.9  # plan to use at most this share of device memory
+
+log = logging.getLogger(__name__)
 # A GPU plan's screen keeps a layout whose estimate is within this factor of the memory JAX may
 # allocate, and XLA:GPU's peak decides. XLA:GPU's peak / the estimate, llama3-8b on 8 H100: 0.92-0.97
 # without remat, 1.12 with 2 microbatches, 0.92 with full remat, 0.62-0.74 with save_matmuls (the
@@ -105,8 +119,6 @@ def candidate_pipeline(config: Config, candidate: Candidate):
 def enumerate_candidates(config: Config, gpus: int, gpus_per_node: int, rejected: Counter | None = None) -> list[Candidate]:
     """Every layout of ``config`` on ``gpus`` devices that jaxdist accepts; ``rejected`` (if
     given) counts the validator's reasons for the others."""
-    from jaxdist.layout.validate import check_config_on_mesh
-
     out = []
     batch, experts = config.train.global_batch, config.model.moe_experts if config.model.kind == "llama" else 0
     for pipe in divisors(gpus):
@@ -244,9 +256,6 @@ def expert_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
     destination, ``parallel.expert.buffer_rows``, x d in the compute dtype) goes out and comes
     back in the forward, again in the backward and in remat's recomputed forward, with one
     int32 id per row each forward; a device keeps (1/N) of each buffer."""
-    from jaxdist.models.experts import capacity_rows
-    from jaxdist.parallel.expert import buffer_rows
-
     sizes, m, t = candidate.sizes, config.model, config.train
     n = sizes["expert"]
     if n <= 1 or not routed_expert_params(config):
@@ -280,9 +289,6 @@ def buffer_padding(config: Config, mesh_shape: dict[str, int]) -> float:
     """Rows an MoE layer's experts receive per device (parallel.expert's static buffer: expert x R)
     over the rows routed to them (tokens x k): 1 without an expert axis or with
     ``parallel.expert_buffer_factor=1``; up to expert x min(k, E / expert) / k with the worst case."""
-    from jaxdist.models.experts import capacity_rows
-    from jaxdist.parallel.expert import buffer_rows
-
     m, t = config.model, config.train
     ep = mesh_shape.get("expert", 1)
     if m.kind != "llama" or not m.moe_experts or ep <= 1:
@@ -373,15 +379,11 @@ class GpuTarget:
 
     def describe(self, config: Config) -> dict[str, Any]:
         """What the compiled program depends on besides the config (the compile cache's key)."""
-        from jaxdist.plan.gpu_target import compiler_options, target_config_text
-
         options = {name: str(value) for name, value in sorted(compiler_options(config).items())}
         return {"target": target_config_text(self.hardware), "gpus": self.gpus, "per_node": self.gpus_per_node, "options": options}
 
 
 def cache_key(config: Config, target: GpuTarget | None = None) -> str:
-    import jax
-
     payload = {"config": config.to_dict(), "jax": jax.__version__, "format": 9}  # 9: notes
     if target is not None:
         payload["gpu"] = target.describe(config) | {"format": 2}  # 2: loops XLA:GPU left without a trip count
@@ -411,8 +413,9 @@ def compile_summary(config: Config, *, cache: Path | None = None, target: GpuTar
 
 
 def _built_quietly(build):
-    """``build()`` with the trainer's notes captured (kept with the summary, said once by the
-    planner); anything not jaxdist's (JAX's own warnings) passed on as it came."""
+    """``build()`` with the trainer's notes captured as the lines they print (kept with the
+    summary, said once by the planner: ``say_note``); anything not jaxdist's (JAX's own
+    warnings) passed on as it came."""
     with contextlib.redirect_stderr(io.StringIO()) as printed:
         built = build()
     notes = [line for line in printed.getvalue().splitlines() if line.startswith("jaxdist: ")]
@@ -423,8 +426,6 @@ def _built_quietly(build):
 
 
 def _summary(config: Config, trainer, compiled, cost, notes: list[str]) -> dict[str, Any]:
-    from jaxdist.inspect.step_report import memory, pipeline_of
-
     spec = pipeline_of(trainer)
     return {
         "program": cost.to_dict(),
@@ -439,11 +440,6 @@ def _summary(config: Config, trainer, compiled, cost, notes: list[str]) -> dict[
 
 
 def _compile(config: Config) -> dict[str, Any]:
-    import jax
-
-    from jaxdist.plan.hlo_cost import program_cost
-    from jaxdist.training.compiled import compile_train_step
-
     sizes = parse_mesh(config.parallel.mesh)
     devices = math.prod(sizes.values())
     if len(jax.devices("cpu")) < devices:
@@ -463,10 +459,6 @@ def _compile(config: Config) -> dict[str, Any]:
 def _compile_target(config: Config, target: GpuTarget) -> dict[str, Any]:
     """``_compile``'s summary of XLA:GPU's program for ``target``, plus its ``memory.peak`` (XLA:GPU's
     peak memory per device), ``kernels`` (per kind, per step) and ``target``."""
-    from jaxdist.inspect.hlo import parse_hlo
-    from jaxdist.plan.gpu_cost import gpu_program_cost, schedule_kernel_counts
-    from jaxdist.plan.gpu_target import compile_for_target
-
     sizes = parse_mesh(config.parallel.mesh)
     (trainer, compiled, _), notes = _built_quietly(
         lambda: compile_for_target(config, sizes, target.hardware, target.gpus, target.gpus_per_node)
@@ -482,6 +474,22 @@ def _compile_target(config: Config, target: GpuTarget) -> dict[str, Any]:
 # The compile runs on fake CPU devices: a note on how XLA:CPU runs the program (ragged_dot's dense
 # expansion, fp16 attention in f32) describes that compile, not a GPU plan, which prices GPU kernels.
 CPU_BACKEND_NOTE = re.compile(r"\bon CPU\b|XLA:CPU|\bCPU backend\b")
+# A note as the build printed it -> the level it was said at (jaxdist's one-line format)
+NOTE_LEVELS = (
+    ("jaxdist: debug: ", logging.DEBUG),
+    ("jaxdist: warning: ", logging.WARNING),
+    ("jaxdist: error: ", logging.ERROR),
+    ("jaxdist: ", logging.INFO),
+)
+
+
+def say_note(note: str) -> None:
+    """A captured build note (``jaxdist: [warning: ]TEXT``) said again at its own level."""
+    for prefix, level in NOTE_LEVELS:
+        if note.startswith(prefix):
+            log.log(level, note[len(prefix) :])
+            return
+    log.info(note)
 
 
 def plan_notes(notes: list[str], shared_host: bool) -> list[str]:
