@@ -31,7 +31,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 
 from jaxdist.config import load_config  # noqa: E402
-from jaxdist.data.pipeline import make_iterator  # noqa: E402
+from jaxdist.data.batches import make_iterator  # noqa: E402
 from jaxdist.data.prepare import prepare  # noqa: E402
 from jaxdist.data.sources import stdlib_files  # noqa: E402
 from jaxdist.layout.mesh import parse_mesh  # noqa: E402

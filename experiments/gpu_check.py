@@ -127,7 +127,7 @@ def planned_memory_gib(overrides: tuple[str, ...], config: str | None = None) ->
     """XLA's planned memory per device (arguments + outputs + temporaries) of the compiled step."""
     from jaxdist.config import load_config
     from jaxdist.data.sources import resolve_vocab
-    from jaxdist.training.compiled import analyze
+    from jaxdist.training.aot import analyze
 
     cfg = load_config(config, list(overrides))
     resolve_vocab(cfg)
@@ -139,7 +139,7 @@ def compiled_hlo(overrides: tuple[str, ...], config: str | None = None, mesh: di
     from jaxdist.config import load_config
     from jaxdist.data.sources import resolve_vocab
     from jaxdist.layout.mesh import MESH_AXES
-    from jaxdist.training.compiled import compile_train_step
+    from jaxdist.training.aot import compile_train_step
 
     cfg = load_config(config, list(overrides))
     resolve_vocab(cfg)

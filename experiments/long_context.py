@@ -96,7 +96,7 @@ def case_overrides(seq: int, context: int, strategy: str, remat: str) -> tuple[s
 
 
 def measure(seq: int, context: int, strategy: str, remat: str, steps: int) -> dict:
-    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.data.batches import make_iterator
     from jaxdist.inspect.step_report import build_report
     from jaxdist.plan.hlo_cost import program_cost
     from jaxdist.training.run import build_trainer

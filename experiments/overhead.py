@@ -24,7 +24,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxdist.config import load_config  # noqa: E402
-from jaxdist.data.pipeline import make_iterator  # noqa: E402
+from jaxdist.data.batches import make_iterator  # noqa: E402
 from jaxdist.data.sources import resolve_vocab  # noqa: E402
 from jaxdist.models import build_task  # noqa: E402
 from jaxdist.training.metrics import peak_flops_per_device  # noqa: E402

@@ -6,7 +6,7 @@ For each schedule and (S stages, M microbatches, V virtual stages, 1F1B's recomp
 matmul FLOPs one device executes per step (``jaxdist.plan.hlo_cost.program_cost``: every
 dot of the compiled step, times the trip counts of the loops around it) over the ideal,
 the same model's one-device step FLOPs / S; beside it 1 + the schedule's bubble and what
-the tick algebra predicts (``jaxdist.parallel.schedule.executed_over_ideal``, the head's
+the tick algebra predicts (``jaxdist.parallel.pipeline_schedule.executed_over_ideal``, the head's
 share taken from the one-device program); the median step time and its ratio to one
 device; XLA's per-device temp memory. On fake CPU devices all stages share the host's
 cores, so the pipeline cannot run faster than one device: CPU timings only show the
@@ -26,9 +26,9 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 
 from jaxdist.config import load_config  # noqa: E402
-from jaxdist.data.pipeline import make_iterator  # noqa: E402
+from jaxdist.data.batches import make_iterator  # noqa: E402
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh  # noqa: E402
-from jaxdist.parallel.schedule import executed_over_ideal, pipeline_spec  # noqa: E402
+from jaxdist.parallel.pipeline_schedule import executed_over_ideal, pipeline_spec  # noqa: E402
 from jaxdist.plan.hlo_cost import program_cost  # noqa: E402
 from jaxdist.training.run import build_trainer  # noqa: E402
 

@@ -94,7 +94,7 @@ def jaxdist_case_built(overrides: list[str]):
     import jax
 
     from jaxdist.config import load_config
-    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.data.batches import make_iterator
     from jaxdist.layout.mesh import parse_mesh
     from jaxdist.training.run import build_trainer
 
@@ -154,12 +154,12 @@ def trace_categories(step, directory: Path) -> dict[str, float]:
     """Seconds per step by op category over two traced steps."""
     import jax
 
-    from jaxdist.inspect.trace import find_traces, read_process
+    from jaxdist.inspect.trace_reader import find_traces, read_process
 
     (directory / "profile" / "process_0").mkdir(parents=True, exist_ok=True)
     jax.profiler.start_trace(str(directory / "profile" / "process_0"))
     for i in range(2):
-        with jax.profiler.StepTraceAnnotation("train_step", step_num=i + 1):  # what jaxdist.inspect.trace reads
+        with jax.profiler.StepTraceAnnotation("train_step", step_num=i + 1):  # what jaxdist.inspect.trace_reader reads
             step()
     jax.profiler.stop_trace()
     totals: dict[str, float] = defaultdict(float)

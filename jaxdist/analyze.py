@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.gpus is not None:
             raise JaxdistError("--gpus needs --target (without one the mesh runs on this host's devices)")
         sizes = prepare_devices(config)
-        from jaxdist.training.compiled import analyze  # imports JAX: once the platform is chosen
+        from jaxdist.training.aot import analyze  # imports JAX: once the platform is chosen
 
         report, hlo = analyze(config, sizes, with_hlo=True)
     from jaxdist.inspect.step_report import format_report  # imports JAX: once the platform is chosen

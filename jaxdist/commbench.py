@@ -6,7 +6,7 @@
 Times all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute over every
 mesh axis of more than one device, for every power of 2 between the two sizes, and prints
 per axis and size the algorithm and bus bandwidth as nccl-tests defines them, beside the
-planner's hardware profile for that link (``jaxdist.plan.commbench`` says how). ``--out
+planner's hardware profile for that link (``jaxdist.plan.link_bench`` says how). ``--out
 PATH`` writes a link profile the planner uses instead of the datasheet
 (``python -m jaxdist.plan --links PATH``); ``--json`` prints it on stdout as one JSON object
 instead of the table, as every jaxdist CLI's ``--json`` does. ``--json PATH``, the old
@@ -56,7 +56,7 @@ def build_arg_parser():
 @errors.command
 def main(argv: Sequence[str] | None = None) -> int:
     run_on_cpu_unless_gpu()  # before JAX is imported: without a GPU, the CUDA plugin stays unloaded
-    from jaxdist.plan.commbench import Sweep, commbench, format_report, parse_sizes  # imports JAX: once the platform is chosen
+    from jaxdist.plan.link_bench import Sweep, commbench, format_report, parse_sizes  # imports JAX: once the platform is chosen
 
     args = parse_args(build_arg_parser(), argv)
     jaxdist.set_level(args.log_level)

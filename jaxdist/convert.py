@@ -4,7 +4,7 @@
     python -m jaxdist.convert to-hf CKPT_OR_RUN_DIR OUT [--dtype auto|float32|bfloat16|float16]
 
 Every input is checked before OUT is created, and a failure while writing removes what
-was written; ``jaxdist.hf.convert`` does the work and says what is read, checked and kept.
+was written; ``jaxdist.hf.import_export`` does the work and says what is read, checked and kept.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     jaxdist.set_level(args.log_level)
     run_on_cpu_unless_gpu()  # before JAX is imported: conversion runs on this host's devices
-    from jaxdist.hf.convert import from_hf, to_hf  # imports JAX: once the platform is chosen
+    from jaxdist.hf.import_export import from_hf, to_hf  # imports JAX: once the platform is chosen
 
     if args.command == "from-hf":
         from_hf(args.hf_dir, args.out, progress=sys.stderr.isatty())

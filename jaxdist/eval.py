@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import jaxdist
 from jaxdist import errors
 from jaxdist.errors import EXIT_OK, JaxdistError
-from jaxdist.hf.inference import checkpoint_arg_parser, load_config
+from jaxdist.inference.loading import checkpoint_arg_parser, load_config
 from jaxdist.layout.devices import run_on_cpu_unless_gpu
 
 
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise JaxdistError(f"--batches must be positive, got {args.batches}")
         config.train.eval_batches = args.batches
     run_on_cpu_unless_gpu()  # before JAX is imported
-    from jaxdist.hf.evaluation import evaluate  # imports JAX: once the platform is chosen
+    from jaxdist.inference.evaluation import evaluate  # imports JAX: once the platform is chosen
 
     result = evaluate(config, step_dir)
     if args.json:

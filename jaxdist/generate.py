@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import jaxdist
 from jaxdist import errors
 from jaxdist.errors import EXIT_OK, JaxdistError
-from jaxdist.hf.inference import checkpoint_arg_parser, load_config
+from jaxdist.inference.loading import checkpoint_arg_parser, load_config
 from jaxdist.layout.devices import run_on_cpu_unless_gpu
 
 
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise JaxdistError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
     run_on_cpu_unless_gpu()  # before JAX is imported
-    from jaxdist.hf.generation import generate  # imports JAX: once the platform is chosen
+    from jaxdist.inference.generation import generate  # imports JAX: once the platform is chosen
 
     result = generate(
         config,

@@ -20,7 +20,7 @@ from jaxdist.inspect.collectives import COLLECTIVE_KINDS, collective_kind, colle
 from jaxdist.inspect.hlo import loops_without_trip_count, parse_hlo, parse_instruction, shape_bytes
 from jaxdist.inspect.step_report import build_report
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh
-from jaxdist.training.compiled import compile_train_step
+from jaxdist.training.aot import compile_train_step
 
 from helpers import TINY
 

@@ -22,9 +22,9 @@ from jaxdist import commbench as cli
 from jaxdist.inspect.collectives import collective_ops
 from jaxdist.inspect.hlo import NAME_RE, parse_hlo, shape_bytes
 from jaxdist.layout.mesh import build_mesh, parse_mesh
-from jaxdist.plan import commbench
+from jaxdist.plan import link_bench as commbench
 from jaxdist.plan.hardware import load_hardware
-from jaxdist.plan.links import read_link_profile, with_links
+from jaxdist.plan.link_profile import read_link_profile, with_links
 
 from helpers import subprocess_env
 
@@ -290,7 +290,7 @@ def test_the_planner_says_when_the_links_were_measured_on_other_devices(sweep, m
     assert said == [
         f"jaxdist: warning: --links {sweep['path']} was measured on 8 cpu devices, not on the plan's H100 SXM 80GB: its links price this plan's collectives"
     ]
-    from jaxdist.plan.links import measured_elsewhere
+    from jaxdist.plan.link_profile import measured_elsewhere
 
     h100 = load_hardware("h100")
     cpu_local = dataclasses.replace(h100, key="cpu-local")

@@ -14,10 +14,10 @@ import pytest
 from flax import nnx
 
 from jaxdist.config import load_config
-from jaxdist.data.pipeline import make_iterator
+from jaxdist.data.batches import make_iterator
 from jaxdist.data.sources import resolve_vocab
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh
-from jaxdist.training.compiled import analyze
+from jaxdist.training.aot import analyze
 from jaxdist.training.run import build_trainer, run
 
 from helpers import TINY, train_losses

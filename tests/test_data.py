@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from jaxdist.config import ModelConfig
-from jaxdist.data.pipeline import PackedExamples, ProcessSlice, batches_dataset, make_iterator, pack_window
+from jaxdist.data.batches import PackedExamples, ProcessSlice, batches_dataset, make_iterator, pack_window
 from jaxdist.data.sources import ArrayStream
 from jaxdist.models.llama import Llama
 from jaxdist.train import main
@@ -135,7 +135,7 @@ def test_eval_split_is_held_out_and_fixed(tmp_path):
     held-out window is scored exactly once; and eval sees the same batches each time."""
     import hf_reference as ref
 
-    from jaxdist.data.pipeline import eval_batches
+    from jaxdist.data.batches import eval_batches
 
     ref.write_tokenizer(tmp_path / "tok.json", 1600)
     (tmp_path / "doc.txt").write_text(" ".join(f"w{i}" for i in range(1500)))  # ids 3..1502, then EOD 2

@@ -17,8 +17,8 @@ from jaxdist.config import load_config
 from jaxdist.inspect.step_report import build_report
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh
 from jaxdist.parallel import slow_link
+from jaxdist.training.aot import compile_train_step
 from jaxdist.training.compile_cache import enable_compile_cache
-from jaxdist.training.compiled import compile_train_step
 from jaxdist.training.run import run
 
 from helpers import SMALL_TEXT, TINY, long_runs, subprocess_env

@@ -185,7 +185,7 @@ def test_two_process_checkpoint_resumes_in_one_process_twice(two_process_run, re
     fallback: every step sees the uninterrupted run's batch."""
     import shutil
 
-    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.data.batches import make_iterator
     from jaxdist.training.run import build_trainer
 
     run_dir = tmp_path / "one-proc"

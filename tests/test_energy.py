@@ -199,7 +199,7 @@ def test_nvml_meter_without_the_counter_or_the_binding_is_absent(monkeypatch):
 def test_fp8_peak_is_twice_bf16_where_the_gpu_has_fp8(tmp_path):
     """``mfu_fp8_peak`` = the same model FLOPs/s against the fp8 dense peak: present only
     with model.fp8 on, null where the device has no fp8 peak."""
-    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.data.batches import make_iterator
     from jaxdist.training.loop import train_loop
     from jaxdist.training.metrics import MetricsLogger, fp8_peak_flops_per_device, peak_flops_per_device
     from jaxdist.training.run import build_trainer

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from jaxdist.config import ModelConfig, load_config
-from jaxdist.data.pipeline import make_iterator
+from jaxdist.data.batches import make_iterator
 from jaxdist.data.sources import resolve_vocab
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh
 from jaxdist.models import fp8

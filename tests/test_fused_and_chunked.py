@@ -16,7 +16,7 @@ from jaxdist.inspect.collectives import collective_ops
 from jaxdist.inspect.hlo import parse_hlo
 from jaxdist.layout.mesh import parse_mesh
 from jaxdist.models.llama import Llama, count_params
-from jaxdist.training.compiled import analyze, compile_train_step
+from jaxdist.training.aot import analyze, compile_train_step
 
 from helpers import TINY, first_batch_grads
 

@@ -15,7 +15,7 @@ from flax import nnx
 from jaxdist import convert
 from jaxdist import generate as generate_cli
 from jaxdist.config import ModelConfig
-from jaxdist.hf.generation import sample
+from jaxdist.inference.generation import sample
 from jaxdist.models.llama import KVCache, Llama
 
 from helpers import load_model
@@ -101,7 +101,7 @@ def test_generation_stops_at_generation_config_eos_ids(checkpoint, capsys, tmp_p
 def test_decoding_ends_when_every_sequence_has_ended():
     """A batch of two: each sequence ends at its first stop id and repeats it from there;
     the loop runs until the later of the two, not to max_new_tokens."""
-    from jaxdist.hf.generation import generate_ids
+    from jaxdist.inference.generation import generate_ids
 
     cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
     graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(1)))

@@ -19,8 +19,8 @@ from jaxdist.inspect.collectives import collective_ops
 from jaxdist.inspect.hlo import parse_hlo
 from jaxdist.layout.mesh import build_mesh, mesh_device_count, parse_mesh
 from jaxdist.parallel.grad_reduce import ReducePlan, reduce_gradients
+from jaxdist.training.aot import analyze
 from jaxdist.training.compile_cache import enable_compile_cache
-from jaxdist.training.compiled import analyze
 from jaxdist.training.run import build_trainer, run
 
 from helpers import SMALL_TEXT, TINY, long_runs, train_losses

@@ -17,7 +17,7 @@ import pytest
 
 from jaxdist import convert
 from jaxdist import eval as eval_cli
-from jaxdist.hf import convert as hf_convert
+from jaxdist.hf import import_export as hf_convert
 
 from helpers import load_model
 
@@ -74,7 +74,7 @@ def test_to_hf_reproduces_every_tensor(converted, variant, tmp_path):
 
 def _first_batch_loss(hf_dir: Path, config, sizes) -> float:
     """The Hugging Face model's mean loss (numpy) on the run's first batch."""
-    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.data.batches import make_iterator
     from jaxdist.training.run import build_trainer
 
     first = next(make_iterator(config, build_trainer(config, sizes).layout))
@@ -157,7 +157,7 @@ def test_init_from_on_three_axes_starts_at_the_converted_loss(converted, tmp_pat
 
 def test_eval_scores_the_held_out_batches(converted, capsys):
     from jaxdist.config import load_config
-    from jaxdist.data.pipeline import eval_batches
+    from jaxdist.data.batches import eval_batches
     from jaxdist.layout.mesh import parse_mesh
     from jaxdist.training.run import build_trainer
 
@@ -197,7 +197,7 @@ def test_eval_scores_each_held_out_window_once(converted, tmp_path, capsys):
 def test_layer_stacks_fill_the_same_either_way(in_place):
     """A layer stack lands in its shards the same whether filled layer by layer on the
     devices (GPU) or assembled once on the host (CPU)."""
-    from jaxdist.hf.convert import _to_device
+    from jaxdist.hf.import_export import _to_device
     from jaxdist.hf.llama import Stacked
 
     layers = [np.random.default_rng(i).standard_normal((16, 4, 8)).astype(np.float32) for i in range(3)]

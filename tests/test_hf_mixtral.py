@@ -101,7 +101,7 @@ def test_greedy_generate_matches_the_numpy_mixtral(converted, variant, mesh, cap
 
 def test_eval_scores_the_held_out_batches_as_the_numpy_mixtral(converted, capsys):
     from jaxdist.config import load_config
-    from jaxdist.data.pipeline import eval_batches
+    from jaxdist.data.batches import eval_batches
     from jaxdist.layout.mesh import parse_mesh
     from jaxdist.training.run import build_trainer
 

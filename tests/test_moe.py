@@ -264,7 +264,7 @@ def test_the_sign_rule_raises_the_bias_of_under_loaded_experts():
 
 
 def test_eval_loss_is_the_data_loss_without_the_balancing_terms():
-    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.data.batches import make_iterator
     from jaxdist.data.sources import resolve_vocab
     from jaxdist.training.run import build_trainer
 
@@ -288,7 +288,7 @@ BALANCE = (*TINY, *MOE, "train.global_batch=8", "data.source=synthetic")
 @functools.cache
 def _first_step(microbatches: int):
     """(initial params, the batch, metrics and router bias after one step) at ``microbatches``."""
-    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.data.batches import make_iterator
     from jaxdist.data.sources import resolve_vocab
     from jaxdist.training.run import build_trainer
 

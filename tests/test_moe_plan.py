@@ -21,7 +21,7 @@ LAYERS, TOKENS, K, D, F, E = 2, 16 * 32, 2, 64, 64, 4
 @functools.cache
 def _compiled(mesh: str, *overrides: str):
     from jaxdist.inspect.step_report import build_report
-    from jaxdist.training.compiled import compile_train_step
+    from jaxdist.training.aot import compile_train_step
 
     config = load_config(None, [*MOE, f"parallel.mesh={mesh}", *overrides])
     sizes = parse_mesh(mesh)

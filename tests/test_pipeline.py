@@ -66,7 +66,7 @@ def test_one_f_one_b_carries_the_float16_loss_scale_into_its_backward():
     underflow, a large one (65536) does not, so the error must grow as the scale shrinks
     -- for 1F1B as for GPipe. 1F1B ran its backward from the unscaled loss and multiplied
     the scale in at the end, so its error did not move with the scale (0.0015 at both)."""
-    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.data.batches import make_iterator
     from jaxdist.layout.mesh import mesh_device_count
     from jaxdist.training.run import build_trainer
 
@@ -99,7 +99,7 @@ def test_composes_with_remat_and_gradient_accumulation():
 def test_one_f_one_b_keeps_less_alive_than_gpipe():
     """GPipe keeps all M = 16 microbatches' activations, 1F1B a ring of 2S - 1 = 3 (its vjp
     residuals), recomputing only the ring's stage inputs and one microbatch's working set."""
-    from jaxdist.training.compiled import analyze
+    from jaxdist.training.aot import analyze
 
     def temp(schedule: str, *extra: str) -> int:
         config = load_config(

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from jaxdist.config import load_config
-from jaxdist.data.pipeline import make_iterator
+from jaxdist.data.batches import make_iterator
 from jaxdist.data.sources import resolve_vocab
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh
 from jaxdist.plan.hlo_cost import program_cost

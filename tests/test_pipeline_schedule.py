@@ -8,7 +8,7 @@ import pytest
 
 from jaxdist.config import load_config
 from jaxdist.layout.mesh import parse_mesh
-from jaxdist.parallel.schedule import PipelineSpec, executed_over_ideal, one_f_one_b_backward, one_f_one_b_forward
+from jaxdist.parallel.pipeline_schedule import PipelineSpec, executed_over_ideal, one_f_one_b_backward, one_f_one_b_forward
 
 from helpers import TINY
 

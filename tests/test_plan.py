@@ -145,7 +145,7 @@ def test_more_devices_never_need_more_memory_under_fsdp():
     from jaxdist.inspect.step_report import memory as _memory
     from jaxdist.layout.mesh import parse_mesh
     from jaxdist.plan.search import Candidate
-    from jaxdist.training.compiled import compile_train_step
+    from jaxdist.training.aot import compile_train_step
 
     config = load_config(None, TINY)
     config.model.vocab_size = 256
@@ -285,7 +285,7 @@ def test_the_kv_traffic_over_context_is_the_compiled_programs(mesh, strategy, re
     from jaxdist.inspect.step_report import build_report, format_report
     from jaxdist.layout.mesh import parse_mesh
     from jaxdist.plan.search import configured, context_traffic
-    from jaxdist.training.compiled import compile_train_step
+    from jaxdist.training.aot import compile_train_step
 
     candidate = _candidate(mesh, remat, strategy)
     config = configured(load_config(None, CONTEXT_TINY), candidate)
@@ -345,7 +345,7 @@ def test_the_screen_splits_activations_and_states_over_context():
     from jaxdist.inspect.step_report import memory as _memory
     from jaxdist.layout.mesh import parse_mesh
     from jaxdist.plan.search import configured, states_bytes
-    from jaxdist.training.compiled import compile_train_step
+    from jaxdist.training.aot import compile_train_step
 
     config = load_config(None, [*CONTEXT_TINY, "train.seq_len=1024", "train.global_batch=2"])
     n_params = 10**6
@@ -404,7 +404,7 @@ def test_the_128k_preset_fits_an_80gb_device():
     """configs/llama3-8b-128k on its mesh (fsdp=2,context=4, 8 devices): XLA's compiled program
     holds under 90% of 80 GB per device, with the sequence split four ways."""
     from jaxdist.layout.mesh import parse_mesh
-    from jaxdist.training.compiled import analyze
+    from jaxdist.training.aot import analyze
 
     config = load_config("llama3-8b-128k", [])
     assert config.train.seq_len == 131072 and config.parallel.mesh == "fsdp=2,context=4"

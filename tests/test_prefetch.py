@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
+from jaxdist.data.batches import make_iterator
 from jaxdist.data.loader import split_sequences, to_global
-from jaxdist.data.pipeline import make_iterator
 from jaxdist.data.synthetic import SlowReads, SyntheticTokens
 from jaxdist.training.loop import train_loop
 from jaxdist.training.metrics import MetricsLogger
@@ -91,7 +91,7 @@ def test_no_grain_read_threads_beside_the_read_ahead_thread_unless_reads_wait():
     next(slow)
     assert _threads("grain-prefetch")  # waits overlap across threads
     slow.close()
-    from jaxdist.data.pipeline import read_threads
+    from jaxdist.data.batches import read_threads
 
     assert read_threads(SyntheticTokens(64, 8), 4) == 0 and read_threads(SlowReads(SyntheticTokens(64, 8), 0.001), 4) == 4
 

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK
 from jaxdist.inspect import bottleneck as report
 from jaxdist.inspect.profile_report import summarize
-from jaxdist.inspect.trace import collective_kind
+from jaxdist.inspect.trace_reader import collective_kind
 from jaxdist.profile import main
 
 from helpers import optimized_env

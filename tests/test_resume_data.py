@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxdist.config import load_config
-from jaxdist.data.pipeline import DataStateMismatch, make_iterator
+from jaxdist.data.batches import DataStateMismatch, make_iterator
 from jaxdist.data.sources import resolve_vocab
 from jaxdist.layout.mesh import build_mesh, parse_mesh
 from jaxdist.layout.sharding import Layout

@@ -148,7 +148,7 @@ def test_messages_are_printed_without_a_run_directory(capsys):
 def test_sigterm_without_a_run_directory_stops_cleanly():
     """No run directory, nothing to save: the loop stops after the step it is in and says
     so (it used to crash waiting on a checkpointer that does not exist)."""
-    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.data.batches import make_iterator
     from jaxdist.training.loop import LoopHooks, train_loop
     from jaxdist.training.metrics import MetricsLogger
     from jaxdist.training.preemption import Preempted, PreemptionWatcher

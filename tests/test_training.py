@@ -199,7 +199,7 @@ def test_logged_mfu_matches_xla_flops_and_the_wall_clock(tmp_path, monkeypatch):
     reads at every log line: they tile it (their sum over 40 steps is the time between the
     first and last line within 2%)."""
     from jaxdist.data.sources import resolve_vocab
-    from jaxdist.training.compiled import compile_train_step
+    from jaxdist.training.aot import compile_train_step
     from jaxdist.training.metrics import MetricsLogger
 
     peak = 1e12

@@ -1,1 +1,1 @@
-"""Hugging Face models in and out (mappings, files), and running a checkpoint (generation, evaluation)."""
+"""Hugging Face models in and out: the config and tensor mappings (Llama, Mixtral), the files, import and export."""

@@ -1,7 +1,7 @@
 """Hugging Face Mixtral <-> jaxdist's MoE decoder: the config fields and the expert tensors.
 
 Pure numpy, like ``jaxdist.hf.llama`` (whose attention, norm, embedding and head mapping
-Mixtral shares); ``jaxdist.hf.convert`` does the reading, sharding and writing.
+Mixtral shares); ``jaxdist.hf.import_export`` does the reading, sharding and writing.
 
 What Hugging Face's ``MixtralSparseMoeBlock`` computes, and where it lands in jaxdist:
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist.inspect.trace import PHASES, PRE, Op, ProcessTrace
+from jaxdist.inspect.trace_reader import PHASES, PRE, Op, ProcessTrace
 
 CATEGORIES = ("compute", "communication_exposed", "communication_overlapped", "data_wait", "idle")
 BOUND_MIN_SHARE = 0.25  # data / host must hold at least this share of the step (and the largest one)

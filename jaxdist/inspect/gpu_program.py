@@ -27,7 +27,18 @@ import re
 from typing import Any
 
 from jaxdist.inspect.collectives import COLLECTIVE_KINDS, collective_kind, collective_ops
-from jaxdist.inspect.hlo import ARRAY_RE, NAME_RE, STRING_RE, HloModule, Instruction, computation_multipliers, parse_hlo
+from jaxdist.inspect.hlo import (
+    ARRAY_RE,
+    CALLS_RE,
+    CUSTOM_CALL_TARGET_RE,
+    NAME_RE,
+    STRING_RE,
+    HloModule,
+    Instruction,
+    computation_multipliers,
+    is_sync,
+    parse_hlo,
+)
 
 KERNEL_KINDS = (
     "gemm",
@@ -41,10 +52,7 @@ KERNEL_KINDS = (
     "collective",
     "other",
 )
-_TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION_KIND_RE = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
-_CALLS_RE = re.compile(r"\bcalls=(%?[\w.\-]+)")
-_IS_SYNC_RE = re.compile(r'"is_sync":(true|false)')
 _F8_RE = re.compile(r"\bf8e\w+\[")
 _KERNEL_NAME_RE = re.compile(r'\bname = "([^"]*)"')  # a Triton call's kernel name (Pallas: pallas_call's name)
 GROUPED_GEMM_KERNEL = "jaxdist_grouped_gemm"  # models.grouped_gemm's kernels: _fwd, _dx, _dw
@@ -109,7 +117,7 @@ def kernel_kind(instruction: Instruction, module: HloModule) -> str | None:
     if collective_kind(op) is not None:
         return "collective"
     if op == "custom-call":
-        target = _TARGET_RE.search(instruction.attributes)
+        target = CUSTOM_CALL_TARGET_RE.search(instruction.attributes)
         return _custom_call_kind(target.group(1) if target else "", instruction)
     if op == "fusion":
         kind = _FUSION_KIND_RE.search(instruction.attributes)
@@ -130,7 +138,7 @@ def kernel_kind(instruction: Instruction, module: HloModule) -> str | None:
 
 def _fusion_takes_f8(instruction: Instruction, module: HloModule) -> bool:
     """Whether a gemm fusion's dot reads f8 operands (its fused computation's parameters or dot operands)."""
-    called = _CALLS_RE.search(instruction.attributes)
+    called = CALLS_RE.search(instruction.attributes)
     if not called:
         return False
     body = module.computations.get(called.group(1).lstrip("%"), [])
@@ -157,14 +165,14 @@ def _control_computations(module: HloModule) -> list[str]:
                 branches = re.search(r"branch_computations=\{([^}]*)\}", attributes)
                 todo += NAME_RE.findall(branches.group(1)) if branches else []
             elif i.opcode == "async-start" and not _wrapped_collective(i, module):
-                called = _CALLS_RE.search(attributes)
+                called = CALLS_RE.search(attributes)
                 todo += [called.group(1).lstrip("%")] if called else []
     return order
 
 
 def _wrapped_collective(instruction: Instruction, module: HloModule) -> Instruction | None:
     """The collective an ``async-start`` runs (XLA:GPU's async reduce-scatter / all-to-all form)."""
-    called = _CALLS_RE.search(instruction.attributes)
+    called = CALLS_RE.search(instruction.attributes)
     body = module.computations.get(called.group(1).lstrip("%"), []) if called else []
     return next((i for i in body if collective_kind(i.opcode) is not None), None)
 
@@ -227,8 +235,7 @@ def collective_schedule(hlo_text: str | HloModule, mesh_shape: dict[str, int] | 
         if start_at is None or done_at is None:
             continue  # a synchronous collective: no start/done pair
         start_instruction = module.computations[start_at[0]][start_at[1]]
-        sync = _IS_SYNC_RE.search(start_instruction.attributes)
-        if sync and sync.group(1) == "true":
+        if is_sync(start_instruction.attributes):
             continue
         entry["async"] += times
         same = start_at[0] == done_at[0]

@@ -47,6 +47,17 @@ _CALLEE_RE = re.compile(
     r"branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
 )
 NAME_RE = re.compile(r"%?([\w.\-]+)")
+CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")  # a fusion's or async op's called computation
+CUSTOM_CALL_TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
+_IS_SYNC_RE = re.compile(r'"is_sync"\s*:\s*(true|false)')
+
+
+def is_sync(attributes: str) -> bool:
+    """Whether an async collective's start was marked synchronous (XLA:GPU runs it in place, no overlap)."""
+    found = _IS_SYNC_RE.search(attributes)
+    return bool(found and found.group(1) == "true")
+
+
 # async-update / async-done name the same wrapped computation as async-start: count it once.
 _NO_CALL_EDGES = ("async-update", "async-done")
 
@@ -214,7 +225,6 @@ def attribute_computations(instruction: Instruction, key: str) -> list[str]:
 _INDUCTION_RE = re.compile(r'"known_induction_variable"\s*:\s*\{\s*"tuple_index"\s*:\s*"(\d+)"')
 _DIRECTION_RE = re.compile(r"direction=(\w+)")
 _CONSTANT_RE = re.compile(r"^\s*(-?\d+)\s*$")
-_CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 
 def _constant(name: str | None, body: dict[str, Instruction]) -> int | None:
@@ -236,7 +246,7 @@ def loop_trips(instruction: Instruction, module: HloModule, caller: list[Instruc
     condition = [i for c in attribute_computations(instruction, "condition") for i in module.computations.get(c, [])]
     root = condition[-1] if condition else None
     if root is not None and root.opcode == "fusion":  # the compare fused, as XLA:GPU does
-        condition = [i for c in _CALLS_RE.findall(root.attributes) for i in module.computations.get(c, [])]
+        condition = [i for c in CALLS_RE.findall(root.attributes) for i in module.computations.get(c, [])]
         root = condition[-1] if condition else None
     if root is None or root.opcode != "compare" or len(root.operands) != 2:
         return 1

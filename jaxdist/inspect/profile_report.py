@@ -13,7 +13,7 @@ Reader: ``jax.profiler.ProfileData`` (jaxlib's C++ XSpace reader, the format Ten
 profile plugin and XProf open): it ships with jax, so no extra dependency and no
 hand-written protobuf parsing; it gives raw events with their stats (``hlo_op``,
 ``run_id``, ``step_num``), which is all the breakdown needs. See
-``jaxdist/inspect/trace.py`` for what is read from which plane.
+``jaxdist/inspect/trace_reader.py`` for what is read from which plane.
 
 Definitions (per process, per device, per traced step k; seconds on that process's trace clock):
 
@@ -82,7 +82,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.inspect import bottleneck as report
 from jaxdist.inspect.advice import advice
 from jaxdist.inspect.plot import write_plot
-from jaxdist.inspect.trace import find_traces, read_json, read_process
+from jaxdist.inspect.trace_reader import find_traces, read_json, read_process
 
 READER = "jax.profiler.ProfileData"
 

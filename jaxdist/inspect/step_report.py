@@ -26,7 +26,7 @@ from jaxdist.inspect.collectives import CollectiveOp, collective_ops, collective
 from jaxdist.inspect.expert_traffic import expert_section, format_section
 from jaxdist.inspect.hlo import loops_without_trip_count, parse_hlo
 from jaxdist.models import compute_dtype
-from jaxdist.parallel.schedule import pipeline_spec
+from jaxdist.parallel.pipeline_schedule import pipeline_spec
 
 
 def memory(compiled: Any) -> dict[str, int]:

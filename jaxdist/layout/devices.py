@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import logging
 import os
 import re
 import sys
@@ -17,6 +18,8 @@ from jaxdist.errors import JaxdistError
 from jaxdist.layout.mesh import MeshSizes, format_mesh, has_remaining_axis, mesh_device_count, parse_mesh, resolve_mesh
 from jaxdist.layout.validate import check_config_on_mesh
 from jaxdist.layout.xla_flags import apply_gpu_defaults
+
+log = logging.getLogger(__name__)
 
 DEFAULT_FAKE_DEVICES = 8  # `--mesh auto` without an accelerator
 
@@ -68,7 +71,7 @@ def settle_remaining_axis(config: Config, num_processes: int = 1, n_devices: int
         n_devices = (forced_host_device_count() or DEFAULT_FAKE_DEVICES) * num_processes
     resolved = resolve_mesh(sizes, n_devices)
     if not quiet:
-        print(f"jaxdist: mesh {config.parallel.mesh} on {n_devices} devices is {format_mesh(resolved)}", file=sys.stderr)
+        log.info(f"mesh {config.parallel.mesh} on {n_devices} devices is {format_mesh(resolved)}")
     config.parallel.mesh = format_mesh(resolved)
 
 
@@ -116,7 +119,7 @@ def run_on_cpu_unless_gpu() -> None:
         if os.environ.get("JAX_PLATFORMS") or cuda_device_count() > 0:
             return  # a GPU run, or the user's own choice of platforms
         os.environ["JAX_PLATFORMS"] = "cpu"
-        print("jaxdist: the CUDA plugin is installed but found no GPU (no driver or no visible device): training on CPU", file=sys.stderr)
+        log.info("the CUDA plugin is installed but found no GPU (no driver or no visible device): training on CPU")
     for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
         stand_in = types.ModuleType(name, "jaxdist: the CUDA plugin, left unloaded in a process that runs on CPU")
         stand_in.initialize = lambda: None
@@ -154,7 +157,7 @@ def ensure_fake_cpu_devices(n: int, *, exact: bool = False) -> None:
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     instead = f" (not XLA_FLAGS' {forced}: each process holds its share of the mesh)" if forced is not None else ""
-    print(f"jaxdist: no accelerator; using {n} fake CPU devices for the mesh{instead}", file=sys.stderr)
+    log.info(f"no accelerator; using {n} fake CPU devices for the mesh{instead}")
 
 
 def backend_started() -> bool:

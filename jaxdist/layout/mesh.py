@@ -6,11 +6,13 @@ Parsing is pure Python so that a spec is checked before JAX starts its backend; 
 
 from __future__ import annotations
 
+import logging
 import math
 import re
-import sys
 
 from jaxdist.errors import MeshError
+
+log = logging.getLogger(__name__)
 
 # Mesh axes, outermost first: replica (DiLoCo's islands), data and pipe cross hosts,
 # fsdp next; expert, context and tensor innermost (NVLink): expert's all-to-alls, context's
@@ -141,10 +143,7 @@ def build_mesh(sizes: MeshSizes, devices=None, dcn: MeshSizes | None = None):
         return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=available[:needed])
     ici, dcn = split_across_hosts(sizes, processes, dcn)
     if dcn["tensor"] > 1:
-        print(
-            f"jaxdist: warning: the tensor axis spans {dcn['tensor']} hosts; its per-layer all-reduces will cross the network",
-            file=sys.stderr,
-        )
+        log.warning(f"the tensor axis spans {dcn['tensor']} hosts; its per-layer all-reduces will cross the network")
     grid = mesh_utils.create_hybrid_device_mesh(
         [ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES], available[:needed], process_is_granule=True
     )

@@ -15,7 +15,7 @@ from jaxdist.errors import ConfigError, MeshError
 from jaxdist.layout.capacity import capacity_rows, ceil_scaled
 from jaxdist.layout.mesh import BATCH_AXES, MeshSizes
 from jaxdist.layout.strategy import zero_stage
-from jaxdist.parallel.schedule import pipeline_spec, validate
+from jaxdist.parallel.pipeline_schedule import pipeline_spec, validate
 
 
 def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:

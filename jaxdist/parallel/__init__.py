@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxdist.config import Config
-from jaxdist.parallel.schedule import pipeline_spec
+from jaxdist.parallel.pipeline_schedule import pipeline_spec
 
 
 def parallelize(task, config: Config, mesh):

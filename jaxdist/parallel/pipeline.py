@@ -39,7 +39,7 @@ from jaxdist.layout.sharding import active_layout
 from jaxdist.parallel.microbatch import merge_microbatches, split_microbatches
 from jaxdist.parallel.pipeline_1f1b import one_f_one_b_loss
 from jaxdist.parallel.pipeline_parts import from_last_stage, index, promote, restore, set_where, shift, stage_major, sum_dtype
-from jaxdist.parallel.schedule import PipelineSpec
+from jaxdist.parallel.pipeline_schedule import PipelineSpec
 
 StageFn = Callable[[Any, jax.Array, dict[str, jax.Array]], jax.Array]
 HeadLossFn = Callable[[Any, jax.Array, dict[str, jax.Array]], jax.Array]  # (head params, y, targets) -> loss sum

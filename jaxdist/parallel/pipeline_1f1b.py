@@ -39,7 +39,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxdist.parallel.microbatch import merge_microbatches, split_microbatches
 from jaxdist.parallel.pipeline_parts import from_last_stage, index, layer_major, my_piece, psum_in, set_where, shift, stage_major, sum_dtype
-from jaxdist.parallel.schedule import PipelineSpec, one_f_one_b_backward, one_f_one_b_forward
+from jaxdist.parallel.pipeline_schedule import PipelineSpec, one_f_one_b_backward, one_f_one_b_forward
 
 SEQ = 1  # the sequence axis of a microbatch [b, T, D]: what the head is split over
 

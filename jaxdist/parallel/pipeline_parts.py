@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxdist.parallel.schedule import PipelineSpec
+from jaxdist.parallel.pipeline_schedule import PipelineSpec
 
 
 def stage_major(layer_params: Any, spec: PipelineSpec) -> Any:

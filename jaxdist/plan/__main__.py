@@ -12,7 +12,7 @@ layouts whose estimated memory is within ``search.PREFILTER_MARGIN`` of what JAX
 and XLA:GPU's peak memory decides what fits. For ``cpu-local`` they are compiled against N fake
 CPU devices, after a screen that must fit with 10% headroom. Each compiled step is priced by
 ``jaxdist.plan.cost`` on the hardware profile (``--links PATH``: its links as ``python -m jaxdist.commbench --out PATH`` measured
-them, ``jaxdist.plan.links``). Compiles are cached, so a rerun is fast. ``--json`` prints
+them, ``jaxdist.plan.link_profile``). Compiles are cached, so a rerun is fast. ``--json`` prints
 ``{"candidates": [...]}`` best first, each with ``mesh``, ``microbatches``, ``remat``, ``context_strategy``,
 ``step_time_s``, ``tokens_per_sec_per_device``, ``mfu``, ``memory_per_device_bytes`` and
 ``bound``.
@@ -81,7 +81,7 @@ def check_limits(args) -> None:
 
 def plan(args) -> dict:
     from jaxdist.models.llama import count_params
-    from jaxdist.plan.links import load_link_profile, measured_elsewhere, with_links
+    from jaxdist.plan.link_profile import load_link_profile, measured_elsewhere, with_links
     from jaxdist.plan.search import (
         CONTEXT_STRATEGIES,
         HEADROOM,

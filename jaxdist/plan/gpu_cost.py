@@ -30,28 +30,29 @@ from jaxdist.inspect.collectives import CollectiveOp, collective_kind, collectiv
 from jaxdist.inspect.gpu_program import grouped_gemm_flops, kernel_kind
 from jaxdist.inspect.hlo import (
     ARRAY_RE,
+    CALLS_RE,
     COMMENT_RE,
+    CUSTOM_CALL_TARGET_RE,
     HloModule,
     Instruction,
     attribute_computations,
     computation_multipliers,
     dtype_bits,
+    is_sync,
     loop_trips,
     parse_hlo,
     shape_bytes,
 )
-from jaxdist.plan.hlo_cost import _CALLS_RE, ProgramCost, _operand_name, _operand_shape, _traffic, dims, dot_flops
+from jaxdist.plan.hlo_cost import ProgramCost, _operand_name, _operand_shape, _traffic, dims, dot_flops
 
 CAUSAL_SKIP = 0.5  # share of attention work a causal kernel skips (whole blocks above the diagonal; 0.5 - 1/(2 x tiles))
 # FLOPs of a cuDNN flash-attention call per score and head dimension: forward QK^T and PV (2 x 2);
 # backward S = QK^T recomputed, dP, dV, dQ, dK (5 x 2)
 FMHA_FLOPS = {"attention_cudnn_fwd": 4.0, "attention_cudnn_bwd": 10.0}
 MATMUL_KINDS = ("gemm", "gemm_fp8", "grouped_gemm", "attention_cudnn_fwd", "attention_cudnn_bwd")
-_TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
 _GEMM_CONTRACTING_RE = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 _FMHA_SCORES_RE = re.compile(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]')
 _MASK_RE = re.compile(r'"mask_type"\s*:\s*"(\w+)"')
-_IS_SYNC_RE = re.compile(r'"is_sync"\s*:\s*true')
 
 
 def _result_bytes(shape: str) -> int:
@@ -74,7 +75,7 @@ def _fused_flops(name: str, module: HloModule, seen: frozenset[str] = frozenset(
     for i in module.computations.get(name, []):
         if i.opcode in ("dot", "ragged-dot"):
             total += dot_flops(i, module)
-        for callee in _CALLS_RE.findall(i.attributes):
+        for callee in CALLS_RE.findall(i.attributes):
             if callee not in seen:
                 total += _fused_flops(callee, module, seen | {name})
     return total
@@ -111,7 +112,7 @@ def kernel_work(instruction: Instruction, kind: str, module: HloModule) -> tuple
     """(FLOPs, bytes read and written) of one launch of a kernel of ``kind``."""
     op = instruction.opcode
     if op == "custom-call":
-        target = _TARGET_RE.search(instruction.attributes)
+        target = CUSTOM_CALL_TARGET_RE.search(instruction.attributes)
         target = target.group(1) if target else ""
         nbytes = _result_bytes(instruction.shape) + sum(shape_bytes(_operand_shape(o, module)) for o in instruction.operands)
         if kind in FMHA_FLOPS:
@@ -123,7 +124,7 @@ def kernel_work(instruction: Instruction, kind: str, module: HloModule) -> tuple
         return 0.0, 2.0 * sum(shape_bytes(_operand_shape(o, module)) for o in instruction.operands)
     flops = 0.0
     if op == "fusion":
-        flops = sum(_fused_flops(callee, module) for callee in _CALLS_RE.findall(instruction.attributes))
+        flops = sum(_fused_flops(callee, module) for callee in CALLS_RE.findall(instruction.attributes))
     elif op in ("dot", "ragged-dot"):
         flops = dot_flops(instruction, module)
     return flops, float(_traffic(instruction, module)[0])
@@ -151,7 +152,7 @@ def gpu_schedule(module: HloModule, ops: list[CollectiveOp]) -> dict[str, tuple[
     started: dict[str, int] = {}  # an async start's name -> its collective's index
     for i in instructions:
         inner = _wrapped(i, module) if i.opcode == "async-start" else (i if collective_kind(i.opcode) else None)
-        if inner is not None and inner.name in index and i.name in done and not _IS_SYNC_RE.search(i.attributes):
+        if inner is not None and inner.name in index and i.name in done and not is_sync(i.attributes):
             started[i.name] = index[inner.name]
     schedule: dict[str, tuple[tuple, ...]] = {}
     todo = [module.entry]

@@ -51,6 +51,7 @@ import re
 from jaxdist.inspect.collectives import CollectiveOp, collective_kind, collective_ops
 from jaxdist.inspect.hlo import (
     ARRAY_RE,
+    CALLS_RE,
     COMMENT_RE,
     NAME_RE,
     HloModule,
@@ -72,7 +73,6 @@ _NO_TRAFFIC = {
 }  # fmt: skip
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _CASTS = {"convert", "bitcast", "copy", "reshape"}
-_CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
 _REDUCER_RE = re.compile(r"\b(?:to_apply|comparator|select|scatter)=%?([\w.\-]+)")
 _CONTRACTING_RE = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _PARAM_INDEX_RE = re.compile(r"^(\d+)")
@@ -214,7 +214,7 @@ def _attention_tag(instruction: Instruction, module: HloModule, scope: str = SCO
     the ``scope`` name scope (attention's by default) or not; None when it carries no op name (a layout copy)."""
     texts = [instruction.attributes]
     if instruction.opcode == "fusion":
-        callee = _CALLS_RE.search(instruction.attributes)
+        callee = CALLS_RE.search(instruction.attributes)
         texts += [i.attributes for i in module.computations.get(callee.group(1), [])] if callee else []
     names = [m.group(1) for m in map(_OP_NAME_RE.search, texts) if m]
     if not names:
@@ -229,7 +229,7 @@ def _only_casts(instruction: Instruction, module: HloModule) -> bool:
     """A dtype or layout copy: the op, or every op fused into it, only converts or moves data."""
     if instruction.opcode != "fusion":
         return instruction.opcode in _LAYOUT_OPS
-    callee = _CALLS_RE.search(instruction.attributes)
+    callee = CALLS_RE.search(instruction.attributes)
     body = module.computations.get(callee.group(1), []) if callee else []
     return bool(body) and all(i.opcode in _LAYOUT_OPS for i in body)
 
@@ -286,7 +286,7 @@ def _traffic(instruction: Instruction, module: HloModule) -> tuple[int, list[str
     """(bytes one execution of a top-level op reads and writes, the shapes it touches)."""
     op = instruction.opcode
     if op == "fusion":
-        callee = _CALLS_RE.search(instruction.attributes)
+        callee = CALLS_RE.search(instruction.attributes)
         body = module.computations.get(callee.group(1), []) if callee else []
         if body:
             return _fusion_traffic(instruction, body, module)
@@ -339,7 +339,7 @@ def program_cost(
     for body in module.computations.values():
         for i in body:
             if i.opcode == "fusion":
-                fused.update(_CALLS_RE.findall(i.attributes))
+                fused.update(CALLS_RE.findall(i.attributes))
             reducers.update(_REDUCER_RE.findall(i.attributes))
     with_dot = {name for name in fused if any(i.opcode in ("dot", "convolution") for i in module.computations.get(name, []))}
     branches = conditional_computations(module)
@@ -374,7 +374,7 @@ def program_cost(
             if name in fused or i.opcode in _NO_TRAFFIC or i.opcode.endswith("-done") or collective_kind(i.opcode):
                 continue
             ops += executions
-            if i.opcode == "dot" or (i.opcode == "fusion" and set(_CALLS_RE.findall(i.attributes)) & with_dot):
+            if i.opcode == "dot" or (i.opcode == "fusion" and set(CALLS_RE.findall(i.attributes)) & with_dot):
                 continue  # a matmul's operands and result are part of its (compute-bound) time
             traffic, shapes = _traffic(i, module)
             memory += executions * traffic

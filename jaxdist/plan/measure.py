@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxdist.inspect.wire import RING_FACTOR
 from jaxdist.plan.allreduce import all_reduce_points
 from jaxdist.plan.hlo_cost import program_cost
 
@@ -115,7 +116,7 @@ def fit_latency_bandwidth(points: Sequence[Sequence[float]]) -> tuple[float, flo
 
 def ring_wire_bytes(buffer_bytes: float, n: int) -> float:
     """Bytes one device sends in a ring all-reduce of a ``buffer_bytes`` buffer over ``n`` devices."""
-    return 2.0 * (n - 1) / n * buffer_bytes
+    return RING_FACTOR["all-reduce"](n) * buffer_bytes
 
 
 # ----------------------------------------------------------------------------- compute and memory

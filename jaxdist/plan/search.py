@@ -44,12 +44,12 @@ from jaxdist.layout.mesh import format_mesh, parse_mesh
 from jaxdist.layout.validate import check_config_on_mesh
 from jaxdist.models.experts import capacity_rows
 from jaxdist.parallel.expert import buffer_rows
-from jaxdist.parallel.schedule import executed_over_ideal, pipeline_spec
+from jaxdist.parallel.pipeline_schedule import executed_over_ideal, pipeline_spec
 from jaxdist.plan.gpu_cost import gpu_program_cost, schedule_kernel_counts
 from jaxdist.plan.gpu_target import compile_for_target, compiler_options, target_config_text
 from jaxdist.plan.hardware import Hardware
 from jaxdist.plan.hlo_cost import program_cost
-from jaxdist.training.compiled import compile_train_step
+from jaxdist.training.aot import compile_train_step
 
 REMATS = ("none", "save_matmuls", "full")
 RECOMPUTE = {"none": 1.0, "save_matmuls": 1.1, "full": 4 / 3}  # training FLOPs with remat / without

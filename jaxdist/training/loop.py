@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxdist.cluster.heartbeat import beat
 from jaxdist.errors import NonFiniteLoss
-from jaxdist.inspect.tracing import StepTracer
+from jaxdist.inspect.trace_capture import StepTracer
 from jaxdist.models import Batch
 from jaxdist.training.energy import IntervalEnergy, energy_fields
 from jaxdist.training.metrics import MetricsLogger

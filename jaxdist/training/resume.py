@@ -256,7 +256,7 @@ def continue_data(batches, restored, config: Config, layout):
             return batches
         except Exception as e:  # noqa: BLE001 - e.g. another worker count: resume by step, saying so
             problem = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    from jaxdist.data.pipeline import make_iterator
+    from jaxdist.data.batches import make_iterator
 
     log.warning(f"data state of checkpoint step {restored.step} not restored ({problem}); data resumed by step {restored.step}")
     batches.close()

@@ -139,7 +139,7 @@ def run(
     """
     import jax
 
-    from jaxdist.data.pipeline import eval_batches, make_iterator
+    from jaxdist.data.batches import eval_batches, make_iterator
     from jaxdist.layout.mesh import format_mesh
     from jaxdist.training.checkpoint import Checkpointer, checkpoint_steps, params_directory, parse_resume
     from jaxdist.training.compile_cache import compile_cache_dir, enable_compile_cache
@@ -253,7 +253,7 @@ def profile_window(trainer, compiled_step, run_dir: Path | None, start_step: int
     import jax
 
     from jaxdist.config import profile_window as parse_window
-    from jaxdist.inspect.tracing import ProfileWindow, StepTracer
+    from jaxdist.inspect.trace_capture import ProfileWindow, StepTracer
 
     config = trainer.config
     if not config.train.profile_steps or run_dir is None:

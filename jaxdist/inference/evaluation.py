@@ -1,6 +1,6 @@
 """A checkpoint's loss and perplexity on held-out data (``python -m jaxdist.eval``).
 
-Each held-out window of ``train.seq_len`` tokens (``jaxdist.data.pipeline.held_out``) is
+Each held-out window of ``train.seq_len`` tokens (``jaxdist.data.batches.held_out``) is
 scored once, in order, in at most ``train.eval_batches`` batches of ``train.global_batch``
 (the last one padded), the same ones for every checkpoint, so two checkpoints compare
 directly. ``tokens`` counts the targets actually scored (predictions across an end of
@@ -18,15 +18,15 @@ import jax
 import numpy as np
 
 from jaxdist.config import Config
-from jaxdist.data.pipeline import eval_batches, held_out
+from jaxdist.data.batches import eval_batches, held_out
 from jaxdist.errors import JaxdistError
-from jaxdist.hf.inference import load
+from jaxdist.inference.loading import load
 
 log = logging.getLogger(__name__)
 
 
 def evaluate(config: Config, step_dir: Path) -> dict[str, Any]:
-    """Score the checkpoint in ``step_dir`` (its ``config`` as ``jaxdist.hf.inference.load_config``
+    """Score the checkpoint in ``step_dir`` (its ``config`` as ``jaxdist.inference.loading.load_config``
     gives it): ``loss`` (mean per scored token), ``perplexity``, ``tokens``, ``batches``,
     ``windows``, ``checkpoint`` and ``step``; one line says so when the split holds
     fewer batches than asked. Raises JaxdistError (one line) for bad data or a split that

@@ -21,7 +21,7 @@ from jaxdist.config import Config
 from jaxdist.data.tokenizers import load_tokenizer
 from jaxdist.errors import JaxdistError
 from jaxdist.hf.files import eos_ids, source_dir
-from jaxdist.hf.inference import load
+from jaxdist.inference.loading import load
 from jaxdist.layout.step_context import StepContext, installed
 from jaxdist.models.llama import KVCache
 
@@ -129,7 +129,7 @@ def generate(
     seed: int,
 ) -> dict[str, Any]:
     """Sample after the prompt from the checkpoint in ``step_dir`` (its ``config`` as
-    ``jaxdist.hf.inference.load_config`` gives it): ``ids`` (the new tokens, the stop id
+    ``jaxdist.inference.loading.load_config`` gives it): ``ids`` (the new tokens, the stop id
     cut off), ``text`` (None without a tokenizer), ``prompt_ids``, ``stop_ids``,
     ``decoded`` (tokens decoded) and ``checkpoint``. Bad input raises JaxdistError before
     the checkpoint is read."""

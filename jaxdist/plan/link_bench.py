@@ -56,21 +56,15 @@ from jaxdist.cluster.heartbeat import beat, install_stack_dump
 from jaxdist.errors import JaxdistError
 from jaxdist.inspect.collectives import collective_ops
 from jaxdist.inspect.hlo import parse_hlo
+from jaxdist.inspect.wire import RING_FACTOR
 from jaxdist.layout.devices import DEFAULT_FAKE_DEVICES, ensure_fake_cpu_devices, forced_host_device_count, gpu_plugin_installed
 from jaxdist.layout.mesh import build_mesh, format_mesh, has_remaining_axis, mesh_device_count, parse_mesh, resolve_mesh
 from jaxdist.plan.cost import collective_time
 from jaxdist.plan.hardware import CPU_LOCAL, Hardware, cpu_local, default_hardware, load_hardware
-from jaxdist.plan.links import link_profile
+from jaxdist.plan.link_profile import link_profile
 from jaxdist.plan.measure import _cached, cpu_count, default_cache, host_string
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-BUS_FACTOR: dict[str, Callable[[int], float]] = {
-    "all-reduce": lambda n: 2 * (n - 1) / n,
-    "all-gather": lambda n: (n - 1) / n,
-    "reduce-scatter": lambda n: (n - 1) / n,
-    "all-to-all": lambda n: (n - 1) / n,
-    "collective-permute": lambda n: 1.0,
-}
 ELEMENT_BYTES = 4  # float32
 DTYPE = "float32"
 
@@ -148,7 +142,7 @@ def local_shapes(kind: str, elements: int, n: int) -> tuple[int, int]:
 
 
 def bus_bandwidth(kind: str, algbw: float, n: int) -> float:
-    return algbw * BUS_FACTOR[kind](n)
+    return algbw * RING_FACTOR[kind](n)
 
 
 # ----------------------------------------------------------------------------- the programs
@@ -305,7 +299,7 @@ def planner_columns(rows: list[dict[str, Any]], hardware: Hardware) -> None:
     bus bandwidth of the time the cost model predicts (``jaxdist.plan.cost.collective_time``)."""
     for row in rows:
         link = getattr(hardware, row["link"])
-        bus_bytes = row["bytes"] * BUS_FACTOR[row["kind"]](row["group_size"])
+        bus_bytes = row["bytes"] * RING_FACTOR[row["kind"]](row["group_size"])
         predicted = collective_time(row["kind"], bus_bytes, row["group_size"], link)
         row |= {
             "datasheet_bytes_per_s": link.bandwidth * link.efficiency,

@@ -69,7 +69,7 @@ def fit_links(rows: Sequence[dict[str, Any]], *, left_out: list[str] | None = No
 
 
 def link_profile(report: dict[str, Any], *, left_out: list[str] | None = None) -> dict[str, Any]:
-    """The file commbench writes for ``report`` (``jaxdist.plan.commbench.run_commbench``'s)."""
+    """The file commbench writes for ``report`` (``jaxdist.plan.link_bench.run_commbench``'s)."""
     header = {k: report[k] for k in ("host", "cores", "jax_version", "platform", "device_kind", "devices", "processes", "mesh")}
     header |= {k: report[k] for k in ("dtype", "iters", "warmup", "threads", "measured_at")}
     links = fit_links(report["results"], left_out=left_out)
