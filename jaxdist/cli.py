@@ -76,13 +76,12 @@ def train_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.Argument
 def resolved_config_yaml(args: argparse.Namespace) -> str:
     """``--print-config``: the config the arguments describe, with what the run derives
     before JAX starts (the vocabulary from the tokenizer, the schedule's length), as YAML."""
-    from jaxdist.data.sources import resolve_vocab
+    from jaxdist.training.run_plan import derive
 
     if getattr(args, "profile_steps", None) is not None:
         args.overrides.append(f"train.profile_steps={args.profile_steps}")
     config = config_from_args(args)
-    resolve_vocab(config)
-    config.train.schedule_steps = config.train.schedule_steps or config.train.steps
+    derive(config)
     return config.to_yaml()
 
 

@@ -9,6 +9,7 @@ starts, so bad input costs no backend start-up and writes nothing.
 
 from __future__ import annotations
 
+import copy as copy_module
 import dataclasses
 import difflib
 import math
@@ -20,32 +21,33 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxdist.config_fields import knob, range_violation
 from jaxdist.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # A config's name becomes a folder under runs/: one path component, nothing that could climb out.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]+")
 
-# A number's valid range, in interval notation: "> 0", ">= 0", "[0, 1)", "(0, 1]", "any" (finite).
-_RANGE = re.compile(r"^\s*(?:(>=|>)\s*(-?[\d.e+-]+)|([\[(])\s*(-?[\d.e+-]+)\s*,\s*(-?[\d.e+-]+)\s*([\])])|any)\s*$")
-
-
-def knob(default: Any, doc: str, valid: str = "", *, factory: Any = None) -> Any:
-    """A config field: its default, one line of documentation (the key reference's), and
-    for numbers the valid range (``> 0``, ``>= 0``, ``[0, 1)``, ``(0, 1]``, ``any``)."""
-    if valid and not _RANGE.match(valid):
-        raise ValueError(f"bad range {valid!r}")
-    metadata = {"doc": doc, "valid": valid}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
-
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+class _Freezable:
+    """A config node that ``freeze`` can make read-only: once a run is resolved
+    (``jaxdist.training.run_plan``), setting a field raises instead of silently changing
+    what the saved config.yaml and the checkpoints record."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set {type(self).__name__}.{name}: the config is frozen once the run is resolved "
+                "(copy it with jaxdist.config.unfrozen to derive another)"
+            )
+        object.__setattr__(self, name, value)
+
+
 @dataclasses.dataclass
-class ModelConfig:
+class ModelConfig(_Freezable):
     kind: Literal["llama", "resnet"] = knob("llama", "the model: a Llama-style decoder (dense or MoE) or a small ResNet")
     vocab_size: int = knob(0, "embedding rows; 0: what the data's tokenizer needs, rounded up to a multiple of 128", ">= 0")
     valid_vocab: int = knob(
@@ -115,7 +117,7 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
-class TrainConfig:
+class TrainConfig(_Freezable):
     steps: int = knob(100, "the last step (--steps)", "> 0")
     schedule_steps: int = knob(0, "length of the learning-rate schedule; 0: train.steps (saved, so a resume can keep it)", ">= 0")
     stop_after_step: int = knob(0, "end this invocation after this step, saving a checkpoint (a planned interruption); 0: off", ">= 0")
@@ -146,9 +148,13 @@ class TrainConfig:
     profile_steps: str = knob("", '"A:B": trace steps A..B into RUN_DIR/profile (--profile-steps)')
     loss_scale: str = knob("dynamic", "model.dtype=float16 only: dynamic (GradScaler's schedule) | a fixed positive number")
 
+    def schedule_length(self) -> int:
+        """Steps the learning-rate schedule spans: ``schedule_steps``, else ``steps``."""
+        return self.schedule_steps or self.steps
+
 
 @dataclasses.dataclass
-class DataConfig:
+class DataConfig(_Freezable):
     source: Literal["stdlib", "text", "tokens", "synthetic"] = knob(
         "stdlib", "stdlib (this Python's own sources, no download) | text (your files) | tokens (prepared shards) | synthetic"
     )
@@ -164,7 +170,7 @@ class DataConfig:
 
 
 @dataclasses.dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Freezable):
     every_steps: int = knob(100, "steps between full checkpoints; 0: only at the end and on preemption", ">= 0")
     every_minutes: float = knob(0.0, "also save when this much time passed since the last save; 0: off", ">= 0")
     keep: int = knob(3, "the newest N full checkpoints are kept", ">= 1")
@@ -174,7 +180,7 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
-class ParallelConfig:
+class ParallelConfig(_Freezable):
     mesh: str = knob("auto", "the device mesh (--mesh): AxB, name=size,... or auto")
     dcn_mesh: str = knob("", 'across-host part of the mesh (--dcn-mesh); "" derives it: data, then fsdp, cross hosts')
     strategy: str = knob("auto", "auto | dp | fsdp | zero1, optionally +tp")
@@ -207,7 +213,7 @@ SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "che
 
 
 @dataclasses.dataclass
-class Config:
+class Config(_Freezable):
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -223,6 +229,29 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _nodes(config: Config) -> list[_Freezable]:
+    return [config, *(getattr(config, section) for section in SECTIONS)]
+
+
+def freeze(config: Config) -> Config:
+    """Make ``config`` read-only (in place) and return it."""
+    for node in _nodes(config):
+        object.__setattr__(node, "_frozen", True)
+    return config
+
+
+def is_frozen(config: Config) -> bool:
+    return bool(config.__dict__.get("_frozen"))
+
+
+def unfrozen(config: Config) -> Config:
+    """A copy of ``config`` that can be changed (the original stays as it is)."""
+    copy = copy_module.deepcopy(config)
+    for node in _nodes(copy):
+        node.__dict__.pop("_frozen", None)
+    return copy
 
 
 def keys() -> dict[str, dataclasses.Field]:
@@ -378,21 +407,6 @@ def _positive_number(text: str) -> bool:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
-
-
-def range_violation(value: float, valid: str) -> str | None:
-    """Why ``value`` is outside ``valid`` (``knob``'s notation), or None when it is inside."""
-    if not math.isfinite(value):
-        return "must be a finite number"
-    bound, low, opening, lo, hi, closing = _RANGE.match(valid).groups()
-    if bound is not None:
-        ok = value >= float(low) if bound == ">=" else value > float(low)
-        return None if ok else f"must be {bound} {low}"
-    if opening is None:  # "any": finite is enough
-        return None
-    above = value >= float(lo) if opening == "[" else value > float(lo)
-    below = value <= float(hi) if closing == "]" else value < float(hi)
-    return None if above and below else f"must be in {opening}{lo}, {hi}{closing}"
 
 
 def _check_ranges(config: Config) -> None:

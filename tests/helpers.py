@@ -46,8 +46,10 @@ def train_losses(mesh: str, overrides: tuple[str, ...] = (), steps: int = 5) -> 
     return tuple(run(config, sizes, None, devices=devices, progress=False).losses)
 
 
+@functools.cache
 def first_batch_grads(mesh: str, *overrides: str):
-    """(trainer, mean loss, gradients as a plain dict) of the first data batch at init."""
+    """(trainer, mean loss, gradients as a plain dict) of the first data batch at init
+    (cached: the reference of many comparisons; callers read it and change nothing)."""
     config = load_config(None, [*TINY, *overrides])
     resolve_vocab(config)
     sizes = parse_mesh(mesh)

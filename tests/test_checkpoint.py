@@ -260,13 +260,14 @@ def test_resume_adapts_microbatches_with_a_pipeline_too(tmp_path, capsys):
     in one line (the pipeline's microbatches used to be left out, and the resume refused)."""
     from jaxdist.cluster.elastic import fit_problem
     from jaxdist.layout.validate import check_config_on_mesh
-    from jaxdist.training.resume import adapt_microbatches_for_resume
+    from jaxdist.training.run_plan import resolve_run
 
     (tmp_path / "checkpoints" / "4").mkdir(parents=True)
     overrides = [*TINY, "train.global_batch=16", "train.microbatches=2", "parallel.pipeline_microbatches=4", "parallel.mesh=data=4,pipe=2"]
     config = load_config(None, overrides)
     assert fit_problem(config, 4, 2, resuming=True) is None  # the elastic launcher agrees (4 processes x 2 devices)
-    adapt_microbatches_for_resume(config, tmp_path, "auto")
-    assert config.train.microbatches == 1
+    plan = resolve_run(config, tmp_path)
+    assert plan.start == "resume" and plan.config.train.microbatches == 1
+    assert config.train.microbatches == 2  # the caller's config is left as given
     assert "train.microbatches 2 -> 1 keeps the global batch 16" in capsys.readouterr().err
-    check_config_on_mesh(config, parse_mesh("data=4,pipe=2"))  # and the run accepts it
+    check_config_on_mesh(plan.config, parse_mesh("data=4,pipe=2"))  # and the run accepts it

@@ -70,7 +70,7 @@ class _Restored:
         self.step, self.data_state, self.data_problem, self.config = step, data_state, data_problem, {}
 
 
-def test_another_worker_count_resumes_by_step_with_a_warning(layout, reference):
+def test_another_worker_count_resumes_by_step_with_a_warning(layout, reference, capsys):
     with_workers = make_iterator(_config("data.workers=1"), layout)
     _assert_same(_inputs(with_workers, 3), reference[:3])
     state = with_workers.get_state()
@@ -79,17 +79,18 @@ def test_another_worker_count_resumes_by_step_with_a_warning(layout, reference):
     iterator = make_iterator(config, layout)
     with pytest.raises(DataStateMismatch, match="data.workers=1"):
         iterator.set_state(state)  # checked by jaxdist: Grain accepts some such states (2 -> 3 workers) and feeds other batches
-    warnings = []
-    resumed = continue_data(iterator, _Restored(3, state), config, layout, warnings.append)
+    capsys.readouterr()
+    resumed = continue_data(iterator, _Restored(3, state), config, layout)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxdist: warning: ")]
     assert len(warnings) == 1 and "data.workers=1" in warnings[0] and "data resumed by step 3" in warnings[0], warnings
     _assert_same(_inputs(resumed, 2), reference[3:5])
     resumed.close()
 
 
-def test_missing_data_state_is_reported(layout, reference):
-    warnings = []
+def test_missing_data_state_is_reported(layout, reference, capsys):
     iterator = make_iterator(_config(), layout)
-    resumed = continue_data(iterator, _Restored(4, None, "saved by 2 process(es), this run has 1"), _config(), layout, warnings.append)
+    resumed = continue_data(iterator, _Restored(4, None, "saved by 2 process(es), this run has 1"), _config(), layout)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxdist: warning: ")]
     assert len(warnings) == 1 and "saved by 2 process(es)" in warnings[0] and "checkpoint step 4" in warnings[0], warnings
     _assert_same(_inputs(resumed, 1), reference[4:5])
     resumed.close()

@@ -202,19 +202,23 @@ def record_tokenizer(config: Config) -> None:
     prepared data's (from its meta.json) when none is given, text is ``byte`` when none is
     given ("" stays for a model whose tokenizer is unknown, e.g. one converted without
     one), and a relative path becomes absolute (a saved config's relative path is read
-    against its run directory)."""
+    against its run directory). A config that already says so is left untouched (a
+    resolved, frozen one included)."""
     d = config.data
-    if d.source == "tokens" and not d.tokenizer and d.path:
-        d.tokenizer = prepared_tokenizer(read_meta(d.path))
-        if d.tokenizer not in ("", "byte") and not Path(d.tokenizer).is_file():
+    tokenizer = d.tokenizer
+    if d.source == "tokens" and not tokenizer and d.path:
+        tokenizer = prepared_tokenizer(read_meta(d.path))
+        if tokenizer not in ("", "byte") and not Path(tokenizer).is_file():
             raise JaxdistError(
-                f"prepared data {d.path} was tokenized with {d.tokenizer}, which is gone; "
+                f"prepared data {d.path} was tokenized with {tokenizer}, which is gone; "
                 "pass data.tokenizer=FILE (that same file) so that the run records its tokenizer"
             )
-    elif d.source in ("stdlib", "text") and not d.tokenizer:
-        d.tokenizer = "byte"
-    if d.tokenizer and d.tokenizer != "byte" and not Path(d.tokenizer).expanduser().is_absolute():
-        d.tokenizer = str(Path(d.tokenizer).expanduser().absolute())
+    elif d.source in ("stdlib", "text") and not tokenizer:
+        tokenizer = "byte"
+    if tokenizer and tokenizer != "byte" and not Path(tokenizer).expanduser().is_absolute():
+        tokenizer = str(Path(tokenizer).expanduser().absolute())
+    if tokenizer != d.tokenizer:
+        d.tokenizer = tokenizer
 
 
 def data_vocab_size(config: Config) -> int:
@@ -239,7 +243,7 @@ def resolve_vocab(config: Config) -> None:
         return
     record_tokenizer(config)  # the run's saved config names the data's tokenizer, for generate and eval
     needed = data_vocab_size(config)
-    if config.model.vocab_size == 0:
+    if config.model.vocab_size == 0:  # a resolved config already has its size
         config.model.vocab_size = pad_vocab(needed)
     elif config.model.vocab_size < needed:
         raise JaxdistError(f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's {needed} ids")

@@ -11,11 +11,6 @@ from jaxdist.config import TrainConfig
 from jaxdist.models import fp8
 
 
-def schedule_length(cfg: TrainConfig) -> int:
-    """Steps the learning-rate schedule spans: ``train.schedule_steps``, else ``train.steps``."""
-    return cfg.schedule_steps or cfg.steps
-
-
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     """The learning rate of the update at optimizer count ``c`` (step ``k = c + 1``).
 
@@ -27,7 +22,7 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     The floor is ``lr x train.min_lr_ratio``, reached at step N and kept after it.
     """
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
-    warmup, total = cfg.warmup_steps, schedule_length(cfg)
+    warmup, total = cfg.warmup_steps, cfg.schedule_length()
     decay_start = max(warmup, total - cfg.decay_fraction * total)  # wsd
 
     def rate(count: jax.Array) -> jax.Array:

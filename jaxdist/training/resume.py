@@ -11,20 +11,20 @@ from pathlib import Path
 
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
-from jaxdist.layout.mesh import parse_mesh
+from jaxdist.layout.mesh import MeshSizes
 
 log = logging.getLogger(__name__)
 
 
-def adapt_microbatches_for_resume(config: Config, run_dir: Path | None, resume: str) -> None:
+def adapt_microbatches_for_resume(config: Config, sizes: MeshSizes | None) -> None:
     """Elastic restart keeps the global batch: when the new mesh cannot split it into the
     configured microbatches (and, on a pipe axis, the pipeline's microbatches), use the
-    largest count that fits (pure Python, before JAX)."""
+    largest count that fits (pure Python, before JAX; ``run_plan.resolve_run`` calls it
+    for a run that resumes)."""
     from jaxdist.layout.validate import batch_shards, fitting_microbatches
-    from jaxdist.training.checkpoint import checkpoint_steps
 
-    sizes, t = parse_mesh(config.parallel.mesh), config.train
-    if sizes is None or run_dir is None or resume == "never" or not checkpoint_steps(run_dir / "checkpoints"):
+    t = config.train
+    if sizes is None:
         return
     fitting = fitting_microbatches(config, sizes)
     if fitting is None or fitting == t.microbatches:
@@ -156,14 +156,12 @@ def schedule_change(restored, config: Config) -> str | None:
     """One line when the learning-rate schedule differs from the checkpoint's: its length
     (a resume with another ``--steps`` re-stretches the decay unless it is pinned), its
     shape, warmup or floor."""
-    from jaxdist.training.optim import schedule_length
-
     saved = restored.config.get("train", {})
     if "steps" not in saved:
         return None
     t = config.train
     before = saved.get("schedule_steps") or saved["steps"]
-    now = schedule_length(t)
+    now = t.schedule_length()
     if before != now:
         return (
             f"jaxdist: the learning-rate schedule now spans {now} steps; checkpoint step {restored.step} was trained on one of {before} "

@@ -1,9 +1,11 @@
 """One training run, from its command line (``train_process``) or as a library (``run``).
 
 ``python -m jaxdist.train`` calls ``train_process``: supervise the run (``--max-restarts``),
-join the process group, size the mesh to the devices, adapt a resume to it, then ``run``:
-the Trainer (``training.step``), the data, the start (fresh, ``--init-from``, ``--resume``),
-the loop. The analysis, the planner and the tools build a Trainer with ``build_trainer``.
+choose the platform, resolve the run once (``training.run_plan``: the mesh, the start, the
+microbatches, the vocabulary; its config frozen from then on), join the process group, then
+``run_resolved``: the Trainer (``training.step``), the data, the start, the loop. ``run`` is
+the same for a library caller. The analysis, the planner and the tools build a Trainer with
+``build_trainer``.
 
 The order matters before JAX starts its backend: the mesh and the config are checked and
 the platform chosen (fake CPU devices, or the GPU flags) first, so errors cost no backend
@@ -23,10 +25,11 @@ import time
 from pathlib import Path
 
 from jaxdist.cli import config_from_args
-from jaxdist.config import Config
+from jaxdist.config import Config, is_frozen
 from jaxdist.errors import EXIT_OK, JaxdistError
 from jaxdist.layout.mesh import MeshSizes, parse_mesh
 from jaxdist.layout.validate import check_config_on_mesh
+from jaxdist.training.run_plan import RunPlan, resolve_run
 
 log = logging.getLogger(__name__)
 
@@ -50,43 +53,46 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
         from jaxdist.cluster.supervise import supervise
 
         return supervise(argv, run_dir, args.max_restarts, args.restart_delay)
-    config, sizes = _join(args, config, run_dir)
+    plan = _join(args, config, run_dir)
     interactive = sys.stderr.isatty()
-    result = run(config, sizes, run_dir, resume=args.resume, progress=interactive, print_lines=not interactive, init_from=args.init_from)
+    result = run_resolved(plan, progress=interactive, print_lines=not interactive)
     if result.losses:
-        t = config.train
+        t = plan.config.train
         end = t.stop_after_step if 0 < t.stop_after_step < t.steps else t.steps
         log.info(f"done at step {end}; loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
     return EXIT_OK
 
 
-def _join(args: argparse.Namespace, config: Config, run_dir: Path) -> tuple[Config, MeshSizes | None]:
-    """Join the process group and size the mesh to its devices (a ``-1`` axis; the
-    microbatches a resume on another mesh needs): (the config, the mesh sizes)."""
+def _join(args: argparse.Namespace, config: Config, run_dir: Path) -> RunPlan:
+    """Choose the platform, resolve the run, join the process group: the run's plan, its
+    mesh sized to the devices (on GPU a ``-1`` axis is sized once the processes have joined)."""
     from jaxdist.cluster.distributed import hide_gloo_lines, initialize, process_group_from
-    from jaxdist.data.sources import resolve_vocab
-    from jaxdist.layout.devices import prepare_devices, settle_remaining_axis
+    from jaxdist.layout.devices import prepare_devices, run_on_cpu_unless_gpu
     from jaxdist.layout.mesh import has_remaining_axis
-    from jaxdist.training.resume import adapt_microbatches_for_resume
 
     group = process_group_from(args)
     hide_gloo_lines(args.log_level, group)  # before initialize: gloo prints at the first collectives
     num_processes = group.num_processes if group and group.num_processes else 1
     quiet = bool(group and group.process_id)  # only process 0 says what a -1 axis became
-    settle_remaining_axis(config, num_processes, quiet=quiet)
-    adapt_microbatches_for_resume(config, run_dir, args.resume)
-    if parse_mesh(config.parallel.mesh) is not None:
-        resolve_vocab(config)  # the tensor axis's check sees the vocab before JAX starts
-    sizes = prepare_devices(config, num_processes)
+    parse_mesh(config.parallel.mesh)  # a malformed mesh is said before anything else
+    run_on_cpu_unless_gpu()  # before anything imports JAX (a weights-only --resume PATH is read with it)
+    plan = resolve_run(config, run_dir, resume=args.resume, init_from=args.init_from, num_processes=num_processes, quiet=quiet)
+    prepare_devices(plan.config, num_processes)
     initialize(group)
-    if has_remaining_axis(sizes):  # GPU: the device count is known now
+    if has_remaining_axis(plan.mesh_sizes):  # GPU: the device count is known now
         import jax
 
-        settle_remaining_axis(config, num_processes, jax.device_count(), quiet=jax.process_index() != 0)
-        adapt_microbatches_for_resume(config, run_dir, args.resume)
-        sizes = parse_mesh(config.parallel.mesh)
-        check_config_on_mesh(config, sizes)
-    return config, sizes
+        plan = resolve_run(
+            config,
+            run_dir,
+            resume=args.resume,
+            init_from=args.init_from,
+            num_processes=num_processes,
+            n_devices=jax.device_count(),
+            quiet=jax.process_index() != 0,
+        )
+        check_config_on_mesh(plan.config, plan.mesh_sizes)
+    return plan
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -106,7 +112,8 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
     from jaxdist.training.step import Trainer
 
     devices = list(jax.devices() if devices is None else devices)
-    resolve_vocab(config)
+    if not is_frozen(config):  # a tool's config (analyze, plan); a run's plan is resolved already
+        resolve_vocab(config)
     task = build_task(config, devices[0].platform, getattr(devices[0], "compute_capability", None))
     if mesh_sizes is None:
         mesh_sizes = auto_mesh(len(devices), task.n_params)
@@ -135,8 +142,15 @@ def run(
     ``checkpoint.params_every_steps``, weights-only ones), resumes per ``resume`` (auto |
     never | STEP | PATH | params:STEP), and saves and raises ``Preempted`` on SIGTERM /
     SIGINT. ``init_from``: a checkpoint whose weights start the run (fresh optimizer,
-    step 0) when the run has no checkpoint of its own.
+    step 0) when the run has no checkpoint of its own. ``config`` is not changed: the run
+    uses its resolved, frozen copy (``run_plan.resolve_run``).
     """
+    plan = resolve_run(config, run_dir, resume=resume, init_from=init_from, mesh_sizes=mesh_sizes)
+    return run_resolved(plan, devices=devices, progress=progress, print_lines=print_lines)
+
+
+def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_lines: bool = False):
+    """Train the resolved run ``plan`` describes (``run``'s work once the plan is made)."""
     import jax
 
     from jaxdist.data.batches import eval_batches, make_iterator
@@ -146,14 +160,12 @@ def run(
     from jaxdist.training.energy import IntervalEnergy, agree_on_meter, open_meter
     from jaxdist.training.loop import LoopHooks, LoopResult, train_loop
     from jaxdist.training.metrics import MetricsLogger, fp8_peak_flops_per_device, peak_flops_per_device
-    from jaxdist.training.optim import schedule_length
     from jaxdist.training.preemption import PreemptionWatcher
-    from jaxdist.training.resume import continue_data, initial_weights, restore_checkpoint, schedule_change, weights_resume
+    from jaxdist.training.resume import continue_data, initial_weights, restore_checkpoint, schedule_change
 
-    resume, init_from, weights_dir = weights_resume(resume, init_from, run_dir)
+    config, run_dir, resume, init_from, weights_dir = plan.config, plan.run_dir, plan.resume, plan.init_from, plan.weights_dir
     compile_cache_dir(config, run_dir)  # refused before anything is written
-    config.train.schedule_steps = schedule_length(config.train)  # config.yaml and checkpoints record what the run uses
-    trainer = build_trainer(config, mesh_sizes, devices)
+    trainer = build_trainer(config, plan.mesh_sizes, devices)
     task, layout, mesh = trainer.task, trainer.layout, trainer.layout.mesh
     devices = list(mesh.devices.flat)
     batches = make_iterator(config, layout)  # opens the data: its errors come before anything is written
