@@ -43,6 +43,7 @@ def test_resume_is_exact(tmp_path, uninterrupted):
 
 
 @pytest.mark.parametrize("new_mesh", ["fsdp=4", "tensor=2,fsdp=2", "data=8"])
+@pytest.mark.heavy
 def test_resume_on_another_mesh(tmp_path, uninterrupted, new_mesh):
     _run(tmp_path, "data=2,fsdp=4", 6)
     resumed = _run(tmp_path, new_mesh)

@@ -120,6 +120,7 @@ def test_restored_iterator_state_continues_identically():
     _assert_same(_take(make_iterator(config, layout, start_step=3), 3), reference[3:])
 
 
+@pytest.mark.heavy
 def test_worker_processes_do_not_change_the_batches():
     layout = _layout()
     in_process = _take(make_iterator(_config(), layout), 4)

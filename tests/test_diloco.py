@@ -45,6 +45,7 @@ def _params(tree) -> dict:
     return jax.tree.map(np.asarray, jax.device_get(nnx.to_pure_dict(tree)))
 
 
+@pytest.mark.heavy
 def test_one_inner_step_with_sgd_is_data_parallelism():
     """Inner SGD from the outer params, averaged delta applied with lr 1: exactly DDP's
     SGD step (the loss sums the same rows; only the reduction order differs)."""

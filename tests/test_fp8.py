@@ -245,6 +245,7 @@ def test_recorded_amaxes_match_the_tensors_per_layer(delayed_setup):
     np.testing.assert_array_equal(observed["attn"]["qkv_dot"]["history"][0, 0, 0], np.abs(np.asarray(normed, np.float32)).max())
 
 
+@pytest.mark.heavy
 def test_microbatches_take_the_max_of_their_amaxes(delayed_setup):
     """train.microbatches=2 records, per tensor, the max of what each microbatch alone records."""
     _, trainer, state, batches = delayed_setup
@@ -312,6 +313,7 @@ def one_device(tmp_path_factory):
     return out, _train(out, "data=1").losses
 
 
+@pytest.mark.heavy
 def test_histories_on_fsdp_and_tensor_match_one_device(one_device, tmp_path):
     reference_dir, reference = one_device
     losses = _train(tmp_path, "fsdp=2,tensor=2").losses
@@ -321,6 +323,7 @@ def test_histories_on_fsdp_and_tensor_match_one_device(one_device, tmp_path):
     assert all(np.all(h[:, :, :STEPS] > 0) for h in jax.tree.leaves(theirs))  # four steps recorded
 
 
+@pytest.mark.heavy
 def test_histories_resume_bitwise_and_onto_another_mesh(one_device, tmp_path):
     reference_dir, reference = one_device
     first = _train(tmp_path / "same", "data=1", stop=2)

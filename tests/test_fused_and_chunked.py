@@ -121,6 +121,7 @@ def test_chunked_loss_matches_whole_sequence_on_a_tensor_mesh(chunk, whole_seque
         _relative_close(g, r)
 
 
+@pytest.mark.heavy
 def test_chunked_loss_under_the_one_f_one_b_pipeline(whole_sequence):
     """The pipeline's last stage calls ``model.head_loss`` inside ``shard_map`` (1F1B takes its gradient there)."""
     overrides = ("model.loss_chunk=12", "parallel.schedule=1f1b", "parallel.pipeline_microbatches=2")
@@ -158,6 +159,7 @@ def _activation_all_reduces_per_layer(*overrides: str) -> float:
     return count / layers
 
 
+@pytest.mark.heavy
 def test_fused_projections_need_two_all_reduces_each_way_per_layer():
     fused = _activation_all_reduces_per_layer()
     separate = _activation_all_reduces_per_layer("model.fused_projections=false")

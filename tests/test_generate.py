@@ -123,6 +123,7 @@ def test_decoding_ends_when_every_sequence_has_ended():
         assert (row[end : int(steps)] == want[end]).all()  # then the stop id again
 
 
+@pytest.mark.heavy
 def test_sampling_is_seeded_and_top_p_keeps_the_nucleus(checkpoint, capsys):
     _, out = checkpoint
     base = ["--checkpoint", str(out), "--prompt-ids", "5,6,7", "--max-new-tokens", "16", "--temperature", "1.5"]

@@ -48,6 +48,7 @@ def tiny_h100():
     return _compile(("model.n_layers=3",))
 
 
+@pytest.mark.heavy
 def test_the_h100_program_has_cudnn_attention_in_every_layer_and_async_gradient_reductions(tiny_h100):
     report, hlo = tiny_h100
     assert report["target"]["compute_capability"] == "9.0" and report["platform"] == "gpu"
@@ -103,6 +104,7 @@ ENTRY %main (x0: f32[64,64]) -> (s32[], f32[64,64]) {
     assert reduce["count"] == 8 and reduce["async"] == 4 and reduce["overlapped_fraction"] == 0.5, reduce
 
 
+@pytest.mark.heavy
 def test_analyze_target_cli_prints_the_report_and_writes_the_hlo(tmp_path, capsys):
     hlo = tmp_path / "step.hlo"
     argv = ["--target", "h100", "--mesh", "data=2", "--gpus", "2", *TINY, "model.dtype=bfloat16", "--json", "--hlo-out", str(hlo)]
@@ -138,6 +140,7 @@ def test_without_the_plugin_analyze_target_says_how_to_install_it(monkeypatch, c
     assert "needs JAX's CUDA plugin: pip install" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_a_machine_with_the_plugin_and_no_gpu_trains_on_fake_cpu_devices(tmp_path):
     """The plugin alone no longer switches jaxdist to its GPU defaults: without a GPU the run
     says so in one line and trains on fake CPU devices (JAX_PLATFORMS left unset, as a user has it)."""

@@ -67,6 +67,7 @@ def _flat(tree) -> np.ndarray:
     return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
 
 
+@pytest.mark.heavy
 def test_gradients_match_float32_within_the_compression_error(capsys):
     """FSDP x TP: one step's gradients against GSPMD's fp32 reduction; topk with fraction 1
     keeps every entry, so it must be exact. (Plain DP is the convergence test's layout.)"""

@@ -53,6 +53,7 @@ def pair(request, tmp_path_factory):
     return model, root
 
 
+@pytest.mark.heavy
 def test_logits_match_transformers_on_a_long_prompt(pair):
     model, root = pair
     ids = np.random.default_rng(0).integers(0, VOCAB, (2, 400))
@@ -195,6 +196,7 @@ def test_transformers_saved_mixtral_converts(tmp_path):
     np.testing.assert_allclose(np.asarray(load_model(tmp_path / "out")(jnp.asarray(ids)))[..., :MIXTRAL_VOCAB], want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.heavy
 def test_a_jaxdist_trained_moe_run_exports_to_transformers_mixtral(tmp_path, caplog):
     from jaxdist.config import load_config
     from jaxdist.layout.mesh import parse_mesh

@@ -223,6 +223,7 @@ def one_device(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh", ["expert=4", "data=2,expert=2,tensor=2", "fsdp=2,expert=4"])
+@pytest.mark.heavy
 def test_moe_training_on_expert_meshes_matches_one_device(one_device, tmp_path, mesh, capfd):
     reference_dir, reference = one_device
     losses = _train(tmp_path, mesh).losses

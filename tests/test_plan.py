@@ -460,6 +460,7 @@ def test_the_table_gives_small_step_times_in_significant_figures():
     assert "1.40 ms" in rows[1] and "12.3 s" in rows[2] and "0.000" not in table and " 0.0 " not in table, table
 
 
+@pytest.mark.heavy
 def test_build_notes_are_said_once_and_cpu_backend_notes_not_for_a_gpu_plan(tmp_path, cpu_compiles, monkeypatch, capsys):
     """Each compiled layout's build prints its notes; the planner says each once, and leaves out of
     an H100 plan the one on how XLA:CPU runs ragged_dot (the plan prices a GPU's grouped GEMM). The

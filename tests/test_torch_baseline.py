@@ -102,6 +102,7 @@ def _tagged_processes(tag: str) -> list:
     return found
 
 
+@pytest.mark.heavy
 def test_two_process_ddp_json():
     tag = uuid.uuid4().hex
     env = {**os.environ, "TORCH_BASELINE_TEST_TAG": tag, "PYTHONPATH": str(ROOT)}
