@@ -73,10 +73,9 @@ def nan_sentinels(monkeypatch):
 EP_MESHES = {1: "data=2", 2: "expert=2,tensor=2", 4: "fsdp=2,expert=4"}
 
 
-@pytest.mark.parametrize("routing", ["random", "empty experts", "all to one"])
-@pytest.mark.parametrize("ep", [1, 2, 4])
-def test_experts_match_a_dense_loop_with_their_gradients(ep, routing, nan_sentinels):
-    kernel = _kernel(EP_MESHES[ep])
+def assert_matches_dense_loop(kernel, routing: str):
+    """``kernel``'s output and the gradients of the input, the gates and both expert weights
+    against the dense loop over experts; returns the gradients."""
     x = jax.random.normal(jax.random.key(2), (B, T, D))
     ids, gates = _routing(routing)
     w_gate_up, w_down = _weights()
@@ -92,6 +91,13 @@ def test_experts_match_a_dense_loop_with_their_gradients(ep, routing, nan_sentin
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for name, got, want in zip(("input", "gates", "gate/up weights", "down weights"), grads, ref_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+    return grads
+
+
+@pytest.mark.parametrize("routing", ["random", "empty experts", "all to one"])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_experts_match_a_dense_loop_with_their_gradients(ep, routing, nan_sentinels):
+    grads = assert_matches_dense_loop(_kernel(EP_MESHES[ep]), routing)
     if routing == "empty experts":  # experts nobody chose get exactly zero gradient
         unused = [e for e in range(E) if e not in (1, 2, 5)]
         assert not np.any(np.asarray(grads[2])[unused]) and not np.any(np.asarray(grads[3])[unused])

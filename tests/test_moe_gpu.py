@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_moe import EP_MESHES, _kernel, _routing, _weights, dense_loop, nan_sentinels  # noqa: F401 - the fixture
+from test_moe import EP_MESHES, _kernel, assert_matches_dense_loop, nan_sentinels  # noqa: F401 - the fixture
 
 from jaxdist.models import experts as experts_lib
 
@@ -73,22 +73,7 @@ def test_experts_on_the_grouped_gemm_match_the_dense_loop(ep, routing, nan_senti
     gradients of the input, the gates and both expert weights, on one device's experts, on
     expert=2 with their width split over tensor=2 and on fsdp=2,expert=4 (the weight gradients
     summed over the axes the weights do not vary over)."""
-    kernel = _kernel(EP_MESHES[ep], compute=experts_lib.expert_compute("gpu", interpret=True))
-    x = jax.random.normal(jax.random.key(2), (B, T, D))
-    ids, gates = _routing(routing)
-    w_gate_up, w_down = _weights()
-    cotangent = jax.random.normal(jax.random.key(3), (B, T, D))
-
-    def objective(fn):
-        return lambda x, gates, w1, w2: jnp.sum(fn(x, ids, gates, w1, w2) * cotangent)
-
-    ours = jax.jit(jax.value_and_grad(objective(lambda *a: kernel(*a, 0.0)[0]), argnums=(0, 1, 2, 3)))
-    reference = jax.jit(jax.value_and_grad(objective(dense_loop), argnums=(0, 1, 2, 3)))
-    (value, grads), (ref_value, ref_grads) = ours(x, gates, w_gate_up, w_down), reference(x, gates, w_gate_up, w_down)
-    assert np.isfinite(value)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for name, got, want in zip(("input", "gates", "gate/up weights", "down weights"), grads, ref_grads, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+    assert_matches_dense_loop(_kernel(EP_MESHES[ep], compute=experts_lib.expert_compute("gpu", interpret=True)), routing)
 
 
 def test_the_kernel_choice_and_the_one_line_where_experts_run_densely(monkeypatch):

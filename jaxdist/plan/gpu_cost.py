@@ -98,16 +98,6 @@ def _fmha_flops(instruction: Instruction, kind: str, module: HloModule) -> float
     return FMHA_FLOPS[kind] * elements * head[0][-1] * (1 - CAUSAL_SKIP * causal)
 
 
-def _cublas_flops(instruction: Instruction, module: HloModule) -> float:
-    """A cuBLAS GEMM's FLOPs: 2 x result elements x the contracted size (its backend config's dimension numbers)."""
-    out = dims(instruction.shape)
-    lhs = dims(_operand_shape(instruction.operands[0], module)) if instruction.operands else []
-    contracting = _GEMM_CONTRACTING_RE.search(instruction.attributes)
-    if not out or not lhs or not contracting:
-        return 0.0
-    return 2.0 * math.prod(out[0]) * math.prod(lhs[0][d] for d in _numbers(contracting.group(1)))
-
-
 def kernel_work(instruction: Instruction, kind: str, module: HloModule) -> tuple[float, float]:
     """(FLOPs, bytes read and written) of one launch of a kernel of ``kind``."""
     op = instruction.opcode
@@ -119,7 +109,7 @@ def kernel_work(instruction: Instruction, kind: str, module: HloModule) -> tuple
             return _fmha_flops(instruction, kind, module), nbytes
         if kind == "grouped_gemm":  # jaxdist's Pallas grouped GEMM: each row once (gpu_program.grouped_gemm_flops)
             return grouped_gemm_flops(instruction.shape, [_operand_shape(o, module) for o in instruction.operands]), nbytes
-        return (_cublas_flops(instruction, module) if target.startswith("__cublas$") else 0.0), nbytes
+        return (dot_flops(instruction, module, _GEMM_CONTRACTING_RE) if target.startswith("__cublas$") else 0.0), nbytes
     if op == "copy-start":
         return 0.0, 2.0 * sum(shape_bytes(_operand_shape(o, module)) for o in instruction.operands)
     flops = 0.0

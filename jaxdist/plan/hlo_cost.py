@@ -195,14 +195,15 @@ def dot_batch(instruction: Instruction, module: HloModule) -> int:
     return max(math.prod(lhs[0][int(i)] for i in match.group(1).split(",") if i), 1)
 
 
-def dot_flops(instruction: Instruction, module: HloModule) -> float:
-    """2 x output elements x the contracted dimensions' size."""
+def dot_flops(instruction: Instruction, module: HloModule, contracting: re.Pattern = _CONTRACTING_RE) -> float:
+    """2 x output elements x the contracted dimensions' size (``contracting`` finds the lhs's
+    contracted dimensions: a dot's attribute by default, a cuBLAS call's backend config on a GPU)."""
     out = dims(instruction.shape)
     lhs = dims(_operand_shape(instruction.operands[0], module)) if instruction.operands else []
-    match = _CONTRACTING_RE.search(instruction.attributes)
+    match = contracting.search(instruction.attributes)
     if not out or not lhs or not match:
         return 0.0
-    contracted = math.prod(lhs[0][int(i)] for i in match.group(1).split(",") if i)
+    contracted = math.prod(lhs[0][int(i)] for i in re.findall(r"\d+", match.group(1)))
     return 2.0 * math.prod(out[0]) * contracted
 
 
