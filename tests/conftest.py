@@ -30,6 +30,12 @@ os.environ["XLA_FLAGS"] = " ".join(
     ]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU sizes its execution thread pool max(NPROC or the core count, devices): on 2 cores,
+# exactly one thread per fake device. A host callback that runs a computation of its own
+# (Pallas' interpreter inside a shard_map, tests/test_moe_gpu.py) then waits for a thread that
+# every device's execution holds, and hangs the worker about one run in two on 8 devices. One
+# spare thread removes the deadlock.
+os.environ.setdefault("NPROC", "9")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"

@@ -24,7 +24,10 @@ These kernels do each routed row's work once (up to the rows of one tile per gro
 tests), in a host callback per device (the interpreter cannot trace inside a ``shard_map``
 that checks which mesh axes values vary over) and with the operands padded so no block reads
 past an array (a GPU's masked loads never touch those addresses; the interpreter would clamp
-the block instead). What the interpreter cannot check is the Triton lowering itself: the
+the block instead). The callback runs a computation of its own, so XLA:CPU needs a thread
+beyond one per device (``NPROC`` above the device count; ``tests/conftest.py`` sets it):
+with exactly one per device, every device's execution holds one and the callbacks wait
+forever. What the interpreter cannot check is the Triton lowering itself: the
 kernels are compiled for GPU targets in ``tests/test_moe_gpu.py`` but have not run on a GPU here.
 """
 
