@@ -38,7 +38,7 @@ CONFIG = (
     "checkpoint.params_every_steps=5",
 )
 TOKENS_PER_STEP = 16 * 32  # TINY: global batch 16 x seq_len 32 targets
-LUMP_J, LUMP_S = 1e4, 0.3  # what each eval and save costs on the fake meter
+LUMP_J, LUMP_S = 1e4, 1.0  # what each eval and save costs on the fake meter
 
 
 def step_joules(step: int) -> float:
