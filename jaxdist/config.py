@@ -160,7 +160,11 @@ class DataConfig(_Freezable):
     )
     path: str = knob("", "text: files, globs or a directory; tokens: a `jaxdist.data prepare` output directory")
     tokenizer: str = knob("", '"" or byte: byte-level; or a Hugging Face tokenizer.json / SentencePiece .model file')
-    text_unit: Literal["file", "line"] = knob("file", "text: one document per file | per line")
+    text_unit: Literal["file", "line"] = knob("file", "text: one document per file | per line (JSON Lines / Parquet: one per record)")
+    text_field: str = knob("text", "text: the field (JSON Lines) or column (Parquet) that holds a record's text")
+    bad_records: Literal["stop", "skip"] = knob(
+        "stop", "text: a record without the field, not UTF-8 or in a truncated file stops the read | is skipped and counted"
+    )
     workers: int = knob(0, "Grain worker processes (0: read in the training process)", ">= 0")
     prefetch: int = knob(2, "global batches read ahead onto the devices", ">= 0")
     eval_fraction: float = knob(0.01, "the held-out tail of the corpus", "(0, 1)")

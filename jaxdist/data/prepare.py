@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing
 import os
 import shutil
@@ -42,6 +43,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 from tqdm import tqdm
 
+from jaxdist.data.records import BAD_RECORDS, RecordReading
 from jaxdist.data.text import UNITS, expand_inputs, iter_document_blocks
 from jaxdist.data.tokenizers import Tokenizer, load_tokenizer
 from jaxdist.errors import JaxdistError
@@ -53,6 +55,8 @@ META_FILE = "meta.json"
 _CHUNK_CHARS = 1 << 20  # documents are tokenized in chunks of about this many characters
 _CHUNK_DOCS = 8192
 _FLUSH_TOKENS = 1 << 22  # bin writer buffers this many tokens between writes
+
+log = logging.getLogger(__name__)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -74,8 +78,11 @@ def prepare(
     workers: int = 0,
     overwrite: bool = False,
     progress: bool = True,
+    text_field: str = "text",
+    bad_records: str = "stop",
 ) -> dict:
-    """Tokenize ``inputs`` into the prepared-data directory ``output``; returns its meta."""
+    """Tokenize ``inputs`` into the prepared-data directory ``output``; returns its meta.
+    JSON Lines and Parquet inputs give a document per record, its text in ``text_field``."""
     if fmt not in FORMATS:
         raise JaxdistError(f"unknown format '{fmt}' (expected one of: {', '.join(FORMATS)})")
     if unit not in UNITS:
@@ -84,6 +91,7 @@ def prepare(
         raise JaxdistError(f"shard_tokens must be >= 1, got {shard_tokens}")
     if workers < 0:
         raise JaxdistError(f"workers must be >= 0, got {workers}")
+    records = RecordReading(text_field, bad_records)
     tokenizer = load_tokenizer(tokenizer_path)
     dtype = token_dtype(tokenizer.vocab_size)
     out = Path(output).expanduser().absolute()
@@ -98,9 +106,11 @@ def prepare(
         _make_dir(tmp)
         writer = (_BinWriter if fmt == "bin" else _ArrayRecordWriter)(tmp, dtype, tokenizer.eod_id, shard_tokens)
         with _progress_bar(input_bytes, progress) as bar:
-            for flat, lengths in _encoded_batches(tokenizer, files, unit, workers, bar):
+            for flat, lengths in _encoded_batches(tokenizer, files, unit, records, workers, bar):
                 writer.add(flat, lengths)
         shards = writer.close()
+        if records.skipped:
+            log.warning(records.summary())
         if not shards:
             raise JaxdistError(f"input is empty: no text in {len(files)} file(s) matching {_describe_inputs(inputs)}")
         meta = {
@@ -115,6 +125,7 @@ def prepare(
             "tokens": sum(s["tokens"] for s in shards),
             "shards": shards,
             "unit": unit,
+            "skipped_records": records.skipped,
             "input_files": len(files),
             "input_bytes": input_bytes,
         }
@@ -296,9 +307,11 @@ class _ArrayRecordWriter(_ShardWriter):
 # -- tokenization --------------------------------------------------------------------------
 
 
-def _encoded_batches(tokenizer: Tokenizer, files: list[Path], unit: str, workers: int, bar) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _encoded_batches(
+    tokenizer: Tokenizer, files: list[Path], unit: str, records: RecordReading, workers: int, bar
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``(ids, lengths)`` for chunks of documents, in input order; ``workers`` > 1 tokenizes in a process pool."""
-    chunks = _document_chunks(files, unit, bar)
+    chunks = _document_chunks(files, unit, records, bar)
     if workers <= 1 or tokenizer.path is None:  # the byte tokenizer is faster in-process
         for chunk in chunks:
             yield tokenizer.encode_flat(chunk)
@@ -314,10 +327,10 @@ def _encoded_batches(tokenizer: Tokenizer, files: list[Path], unit: str, workers
             yield pending.popleft().get()
 
 
-def _document_chunks(files: list[Path], unit: str, bar) -> Iterator[list[str]]:
+def _document_chunks(files: list[Path], unit: str, records: RecordReading, bar) -> Iterator[list[str]]:
     chunk: list[str] = []
     chars = 0
-    for documents, nbytes in iter_document_blocks(files, unit):
+    for documents, nbytes in iter_document_blocks(files, unit, records):
         bar.update(nbytes)
         for start in range(0, len(documents), _CHUNK_DOCS):
             part = documents[start : start + _CHUNK_DOCS]
@@ -435,7 +448,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format", default="bin", choices=FORMATS, help="bin: flat token arrays (default); arrayrecord: a record per document"
     )
-    parser.add_argument("--unit", default="file", choices=UNITS, help="a document is a whole file (default) or one line")
+    parser.add_argument(
+        "--unit",
+        default="file",
+        choices=UNITS,
+        help="a document is a whole file (default) or one line; a record in .jsonl[.gz|.zst] / .parquet",
+    )
+    parser.add_argument(
+        "--text-field", default="text", metavar="NAME", help="the JSON Lines field / Parquet column with the text (default text)"
+    )
+    parser.add_argument(
+        "--bad-records",
+        default="stop",
+        choices=BAD_RECORDS,
+        help="a record without the field, not UTF-8 or cut short: stop (default) or skip and count",
+    )
     parser.add_argument(
         "--shard-tokens", type=_positive_int, default=DEFAULT_SHARD_TOKENS, metavar="N", help="tokens per shard (default 2**26)"
     )
@@ -456,6 +483,8 @@ def run_cli(args: argparse.Namespace) -> dict:
         workers=args.workers,
         overwrite=args.overwrite,
         progress=True,
+        text_field=args.text_field,
+        bad_records=args.bad_records,
     )
     seconds = time.perf_counter() - start
     mb = meta["input_bytes"] / 1e6

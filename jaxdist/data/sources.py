@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import sysconfig
 from pathlib import Path
 from typing import Protocol
@@ -19,9 +20,12 @@ from array_record.python.array_record_module import ArrayRecordReader
 
 from jaxdist.config import Config
 from jaxdist.data.prepare import lengths_file, read_meta
+from jaxdist.data.records import RecordReading
 from jaxdist.data.text import expand_inputs, iter_documents
 from jaxdist.data.tokenizers import file_sha256, load_tokenizer
 from jaxdist.errors import JaxdistError
+
+log = logging.getLogger(__name__)
 
 
 class TokenStream(Protocol):
@@ -131,9 +135,14 @@ def _encode_documents(documents, tokenizer) -> np.ndarray:
 
 
 @functools.cache
-def _text_corpus(name: str, files: tuple[Path, ...], tokenizer_path: str, unit: str) -> Corpus:
+def _text_corpus(
+    name: str, files: tuple[Path, ...], tokenizer_path: str, unit: str, field: str = "text", bad_records: str = "stop"
+) -> Corpus:
     tokenizer = load_tokenizer(tokenizer_path or None)
-    tokens = _encode_documents(iter_documents(list(files), unit), tokenizer)
+    records = RecordReading(field, bad_records)
+    tokens = _encode_documents(iter_documents(list(files), unit, records), tokenizer)
+    if records.skipped:
+        log.warning(records.summary())
     return Corpus(name, ArrayStream(tokens), tokenizer.vocab_size, tokenizer.eod_id, int(tokens.max()))
 
 
@@ -188,7 +197,7 @@ def open_corpus(config: Config) -> Corpus:
     if d.source == "text":
         if not d.path:
             raise JaxdistError("data.source=text needs data.path (files, globs or a directory)")
-        return _text_corpus(f"text:{d.path}", tuple(expand_inputs(d.path)), tokenizer, d.text_unit)
+        return _text_corpus(f"text:{d.path}", tuple(expand_inputs(d.path)), tokenizer, d.text_unit, d.text_field, d.bad_records)
     if d.source == "tokens":
         if not d.path:
             raise JaxdistError("data.source=tokens needs data.path (a directory written by `python -m jaxdist.data prepare`)")

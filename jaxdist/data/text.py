@@ -9,12 +9,15 @@ the document order depends only on the set of files.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+from jaxdist.data.records import RecordReading, is_record_file, record_blocks
 from jaxdist.errors import JaxdistError
 
+log = logging.getLogger(__name__)
 UNITS = ("file", "line")
 _GLOB_CHARS = frozenset("*?[")
 
@@ -73,27 +76,41 @@ def _size(path: Path) -> int:
         raise JaxdistError(f"cannot read input file {path}: {e.strerror}") from None
 
 
-def iter_documents(files: Iterable[str | os.PathLike], unit: str = "file") -> Iterator[str]:
-    """Documents in order: one per file (``unit="file"``) or per line (``"line"``, newline removed).
+def iter_documents(files: Iterable[str | os.PathLike], unit: str = "file", records: RecordReading | None = None) -> Iterator[str]:
+    """Documents in order: one per file (``unit="file"``) or per line (``"line"``, newline
+    removed); in JSON Lines and Parquet files (``data.records``) one per record, whatever the unit.
 
-    UTF-8 (undecodable bytes become U+FFFD). Documents with nothing but whitespace are skipped.
+    UTF-8 (undecodable bytes become U+FFFD; a record's must be UTF-8). Documents with nothing
+    but whitespace are skipped.
     """
-    for documents, _ in iter_document_blocks(files, unit):
+    for documents, _ in iter_document_blocks(files, unit, records):
         yield from documents
 
 
-def iter_document_blocks(files: Iterable[str | os.PathLike], unit: str = "file") -> Iterator[tuple[list[str], int]]:
+def iter_document_blocks(
+    files: Iterable[str | os.PathLike], unit: str = "file", records: RecordReading | None = None
+) -> Iterator[tuple[list[str], int]]:
     """``iter_documents`` in blocks: ``(documents, input bytes they came from)``.
 
-    A block is a file (``unit="file"``) or the lines of about ``_BLOCK_BYTES`` of one
-    file; it may hold no documents. The byte counts add up to the input size.
+    A block is a file (``unit="file"``), the lines of about ``_BLOCK_BYTES`` of one file, or
+    a run of records; it may hold no documents. The byte counts add up to the input size.
+    ``records`` says how record files are read and collects what was skipped.
     """
     if unit not in UNITS:
         raise JaxdistError(f"unknown unit '{unit}' (expected one of: {', '.join(UNITS)})")
+    records = records or RecordReading()
+    said = False
     for file in files:
         path = Path(file)
         try:
-            if unit == "file":
+            if is_record_file(path):
+                if unit == "line" and not said:
+                    log.info(
+                        f"{path.name}: a record is a document whatever the unit (data.text_unit=line reads only plain text files by line)"
+                    )
+                    said = True
+                yield from record_blocks(path, records)
+            elif unit == "file":
                 data = path.read_bytes()
                 text = data.decode("utf-8", errors="replace")
                 yield ([text] if text and not text.isspace() else []), len(data)
