@@ -17,6 +17,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import pytest
+
 # Tests compile cheaply: the suite is compile-bound (a tiny model's train step compiles in
 # seconds and runs in milliseconds). LLVM's optimisation off and XLA:CPU's older loop emitters
 # instead of its MLIR fusion emitters together halve XLA:CPU's compile time (a train step on
@@ -112,3 +114,27 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session):
     if session.config.getoption("--record-file-seconds") and not hasattr(session.config, "workerinput") and _seconds:
         FILE_SECONDS.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_seconds.items(), key=lambda kv: -kv[1])}, indent=1) + "\n")
+
+
+_bucket_numbers = iter(range(10**6))
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 server on 127.0.0.1 for this worker's session (tests/s3_server.py)."""
+    pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install -e '.[dev]')")
+    pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev]')")
+    from s3_server import s3_server
+
+    with s3_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A new, empty bucket on the session's S3 server: its ``s3://`` URL."""
+    import s3fs
+
+    name = f"jaxdist-test-{os.getpid()}-{next(_bucket_numbers)}"
+    s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True).mkdir(name)
+    return f"s3://{name}"

@@ -43,15 +43,13 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 from tqdm import tqdm
 
+from jaxdist.data.prepared import FORMATS, META_FILE, VERSION, lengths_file, read_meta  # noqa: F401 - read_meta: the public entry
 from jaxdist.data.records import BAD_RECORDS, RecordReading
 from jaxdist.data.text import UNITS, expand_inputs, iter_document_blocks
 from jaxdist.data.tokenizers import Tokenizer, load_tokenizer
 from jaxdist.errors import JaxdistError
 
-VERSION = 1
-FORMATS = ("bin", "arrayrecord")
 DEFAULT_SHARD_TOKENS = 2**26
-META_FILE = "meta.json"
 _CHUNK_CHARS = 1 << 20  # documents are tokenized in chunks of about this many characters
 _CHUNK_DOCS = 8192
 _FLUSH_TOKENS = 1 << 22  # bin writer buffers this many tokens between writes
@@ -138,54 +136,6 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return meta
-
-
-def read_meta(directory: str | os.PathLike) -> dict:
-    """The meta of a prepared-data directory, after checking that its shards are all there."""
-    d = Path(directory)
-    meta_path = d / META_FILE
-    if not meta_path.is_file():
-        raise JaxdistError(f"{d} is not a prepared data directory (no {META_FILE})")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise JaxdistError(f"corrupt prepared data {d}: cannot read {META_FILE} ({e})") from None
-    if not isinstance(meta, dict) or meta.get("version") != VERSION:
-        version = meta.get("version") if isinstance(meta, dict) else None
-        raise JaxdistError(f"unsupported prepared data {d}: version {version!r} (this jaxdist reads version {VERSION})")
-    missing = [k for k in ("format", "dtype", "vocab_size", "eod_id", "documents", "tokens", "shards") if k not in meta]
-    if missing:
-        raise JaxdistError(f"corrupt prepared data {d}: {META_FILE} lacks {', '.join(missing)}")
-    if meta["format"] not in FORMATS or meta["dtype"] not in ("uint16", "uint32"):
-        raise JaxdistError(f"corrupt prepared data {d}: format {meta['format']!r}, dtype {meta['dtype']!r}")
-    itemsize = np.dtype(meta["dtype"]).itemsize
-    for shard in meta["shards"]:
-        path = d / shard["path"]
-        if not path.is_file():
-            raise JaxdistError(f"corrupt prepared data {d}: shard {shard['path']} is missing")
-        if meta["format"] == "bin":
-            size, expected = path.stat().st_size, shard["tokens"] * itemsize
-            if size != expected:
-                raise JaxdistError(f"corrupt prepared data {d}: shard {shard['path']} has {size} bytes, expected {expected}")
-        else:
-            lengths_name = shard.get("lengths", lengths_file(shard["path"]))
-            try:
-                lengths = np.load(d / lengths_name)
-            except (OSError, ValueError) as e:
-                raise JaxdistError(f"corrupt prepared data {d}: cannot read {lengths_name} ({e})") from None
-            if len(lengths) != shard["documents"] or int(lengths.sum()) != shard["tokens"]:
-                raise JaxdistError(
-                    f"corrupt prepared data {d}: {lengths_name} has {len(lengths)} documents / {int(lengths.sum())} tokens, "
-                    f"expected {shard['documents']} / {shard['tokens']}"
-                )
-    if sum(s["tokens"] for s in meta["shards"]) != meta["tokens"]:
-        raise JaxdistError(f"corrupt prepared data {d}: shard token counts do not add up to {meta['tokens']}")
-    return meta
-
-
-def lengths_file(record_file: str) -> str:
-    """``docs-00000.array_record`` -> ``docs-00000.lengths.npy``."""
-    return record_file.removesuffix(".array_record") + ".lengths.npy"
 
 
 # -- writers -------------------------------------------------------------------------------

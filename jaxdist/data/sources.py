@@ -8,10 +8,12 @@ memory-mapped ``.bin`` shards, or from ArrayRecord shards indexed by their lengt
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
 import sysconfig
+import threading
 from pathlib import Path
 from typing import Protocol
 
@@ -19,11 +21,12 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
 from jaxdist.config import Config
-from jaxdist.data.prepare import lengths_file, read_meta
+from jaxdist.data.prepared import lengths_file, read_meta
 from jaxdist.data.records import RecordReading
 from jaxdist.data.text import expand_inputs, iter_documents
 from jaxdist.data.tokenizers import file_sha256, load_tokenizer
 from jaxdist.errors import JaxdistError
+from jaxdist.storage.remote import Folder, is_remote, redact
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,57 @@ class MemmapShard:
 
     def __getstate__(self) -> dict:
         return {"path": self.path, "dtype": self.dtype, "n_tokens": self.n_tokens}
+
+
+class RemoteShard:
+    """A flat ``.bin`` token file in object storage, read by range requests of ``BLOCK_TOKENS``
+    tokens, the newest ``CACHE_BLOCKS`` of them kept in memory (a packed window usually lies in
+    one block; pickles as its URL, for Grain's worker processes)."""
+
+    BLOCK_TOKENS = 1 << 16
+    CACHE_BLOCKS = 64
+
+    def __init__(self, location: str, name: str, dtype: str, n_tokens: int):
+        self.location, self.name, self.dtype, self.n_tokens = location, name, dtype, n_tokens
+        self._blocks: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @functools.cached_property
+    def _folder(self) -> Folder:
+        return Folder(self.location)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        first, last = start // self.BLOCK_TOKENS, (stop - 1) // self.BLOCK_TOKENS
+        pieces = [self._block(b) for b in range(first, last + 1)]
+        flat = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        offset = start - first * self.BLOCK_TOKENS
+        return flat[offset : offset + stop - start]
+
+    def _block(self, index: int) -> np.ndarray:
+        with self._lock:
+            if index in self._blocks:
+                self._blocks.move_to_end(index)
+                return self._blocks[index]
+        itemsize = np.dtype(self.dtype).itemsize
+        lo, hi = index * self.BLOCK_TOKENS, min((index + 1) * self.BLOCK_TOKENS, self.n_tokens)
+        data = self._folder.read_bytes(self.name, lo * itemsize, hi * itemsize)
+        if len(data) != (hi - lo) * itemsize:
+            raise JaxdistError(
+                f"prepared data {self._folder}: shard {self.name} is shorter than its metadata says "
+                f"({lo * itemsize + len(data)} bytes, expected {self.n_tokens * itemsize})"
+            )
+        block = np.frombuffer(data, dtype=self.dtype)
+        with self._lock:
+            self._blocks[index] = block
+            while len(self._blocks) > self.CACHE_BLOCKS:
+                self._blocks.popitem(last=False)
+        return block
+
+    def __getstate__(self) -> dict:
+        return {"location": self.location, "name": self.name, "dtype": self.dtype, "n_tokens": self.n_tokens}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
 
 
 class ArrayRecordShard:
@@ -149,6 +203,10 @@ def _text_corpus(
 def _prepared_corpus(path: str, tokenizer: str) -> Corpus:
     meta = read_meta(path)
     check_prepared_tokenizer(meta, path, tokenizer)
+    if is_remote(path):  # read_meta refuses ArrayRecord there
+        location = path.rstrip("/")
+        shards = [RemoteShard(location, s["path"], meta["dtype"], s["tokens"]) for s in meta["shards"]]
+        return Corpus(f"tokens:{redact(location)}", ShardedStream(shards), meta["vocab_size"], meta["eod_id"], meta["max_token_id"])
     root = Path(path)
     shards: list[TokenStream] = []
     for shard in meta["shards"]:

@@ -1,0 +1,41 @@
+"""A real S3 server on loopback for the tests: moto's (``moto[server]``, the one s3fs's own
+suite runs against), on 127.0.0.1 and a free port, with throwaway credentials in the
+standard variables. It answers range reads, multipart uploads, conditional writes and
+paginated listings as AWS does."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "jaxdist-test-key-id",
+    "AWS_SECRET_ACCESS_KEY": "jaxdist-test-secret-3f9a",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """Start the server, set the variables every client reads (``AWS_ENDPOINT_URL`` and the
+    credentials), yield the endpoint; stop it and restore the variables after."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
+    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,138 @@
+"""Prepared token shards read from object storage (``data.source=tokens data.path=s3://...``),
+against a real S3 server on loopback (tests/s3_server.py): every batch equals the one read from
+the same shards on local disk, and a run trains to the same losses; bad input is one line, in
+bounded time, and never shows a credential."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdist.config import load_config
+from jaxdist.data.batches import make_iterator
+from jaxdist.data.prepare import prepare, read_meta
+from jaxdist.data.sources import RemoteShard, open_corpus, resolve_vocab
+from jaxdist.errors import JaxdistError
+from jaxdist.layout.mesh import parse_mesh
+from jaxdist.storage.remote import Folder, redact
+from jaxdist.training.run import run
+
+from helpers import TINY, data_layout
+
+pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev]')")
+
+DOCUMENTS = [f"document {i}: " + "tokens in object storage " * (1 + i % 9) for i in range(400)]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A corpus prepared on local disk in three shards."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for i, document in enumerate(DOCUMENTS):
+        (folder / f"doc_{i:04d}.txt").write_text(document)
+    out = folder.parent / "prepared"
+    prepare(str(folder / "*.txt"), out, progress=False, shard_tokens=9000)
+    return out
+
+
+def _upload(local, url):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"], skip_instance_cache=True)
+    for path in sorted(local.iterdir()):
+        fs.put_file(str(path), f"{url.removeprefix('s3://')}/{path.name}")
+    return fs
+
+
+def _batches(path, steps, mesh="data=2,fsdp=2"):
+    config = load_config(None, ["train.global_batch=8", "train.seq_len=32", "data.source=tokens", f"data.path={path}"])
+    resolve_vocab(config)
+    iterator = make_iterator(config, data_layout(mesh))
+    try:
+        return [jax.device_get(next(iterator)) for _ in range(steps)]
+    finally:
+        iterator.close()
+
+
+def test_every_batch_from_s3_equals_the_local_shards(prepared, s3_bucket, monkeypatch):
+    url = f"{s3_bucket}/prepared"
+    _upload(prepared, url)
+    assert len(read_meta(url)["shards"]) >= 3
+    monkeypatch.setattr(RemoteShard, "BLOCK_TOKENS", 97)  # windows straddle blocks and shards
+    local, remote = _batches(prepared, 12), _batches(url, 12)
+    for step, (a, b) in enumerate(zip(local, remote, strict=True)):
+        assert a.keys() == b.keys() and a.keys() >= {"inputs", "targets"}
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=f"step {step + 1} {key}")
+
+
+def test_a_run_on_s3_shards_trains_to_the_local_losses(prepared, s3_bucket):
+    url = f"{s3_bucket}/prepared"
+    _upload(prepared, url)
+
+    def losses(path):
+        config = load_config(None, [*TINY, "train.steps=3", "data.source=tokens", f"data.path={path}"])
+        return run(config, parse_mesh("data=2"), None, devices=jax.devices()[:2], progress=False).losses
+
+    assert losses(url) == losses(prepared)
+
+
+def test_arrayrecord_shards_in_object_storage_are_one_line(tmp_path, s3_bucket):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("a document")
+    prepare(str(tmp_path / "docs"), tmp_path / "ar", fmt="arrayrecord", progress=False)
+    _upload(tmp_path / "ar", f"{s3_bucket}/ar")
+    with pytest.raises(JaxdistError, match="ArrayRecord shards cannot be read from object storage; prepare it with --format bin"):
+        read_meta(f"{s3_bucket}/ar")
+
+
+def test_a_shard_shorter_than_its_metadata_is_refused(prepared, s3_bucket, tmp_path):
+    import shutil
+
+    short = tmp_path / "short"
+    shutil.copytree(prepared, short)
+    shard = sorted(short.glob("tokens-*.bin"))[1]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    _upload(short, f"{s3_bucket}/short")
+    with pytest.raises(JaxdistError, match=rf"shard {shard.name} has \d+ bytes, expected \d+"):
+        read_meta(f"{s3_bucket}/short")
+    meta = read_meta(prepared)  # and an object cut after it was listed: the range read says so
+    _upload(short, f"{s3_bucket}/cut")
+    tokens = meta["shards"][1]["tokens"]
+    remote = RemoteShard(f"{s3_bucket}/cut", shard.name, meta["dtype"], tokens)
+    with pytest.raises(JaxdistError, match="is shorter than its metadata says"):
+        remote.read(tokens - 3, tokens)
+
+
+def test_a_missing_bucket_or_folder_is_one_line(s3_bucket):
+    with pytest.raises(JaxdistError, match=r"s3://jaxdist-no-such-bucket/x: no such bucket"):
+        read_meta("s3://jaxdist-no-such-bucket/x")
+    with pytest.raises(JaxdistError, match=rf"{s3_bucket}/nothing is not a prepared data directory"):
+        read_meta(f"{s3_bucket}/nothing")
+
+
+def test_an_unreachable_endpoint_is_one_line_in_bounded_time(s3_endpoint, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    start = time.monotonic()
+    with pytest.raises(JaxdistError, match=rf"cannot reach http://127.0.0.1:{port} after \d+ attempts") as error:
+        Folder("s3://bucket/prepared").sizes()
+    assert time.monotonic() - start < 30 and "\n" not in str(error.value)
+
+
+def test_no_credential_reaches_a_message(s3_bucket):
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    key = os.environ["AWS_ACCESS_KEY_ID"]
+    assert redact(f"s3://{key}:{secret}@bucket/x") == "s3://bucket/x"
+    assert secret not in redact(f"failed with {secret} in it")
+    with pytest.raises(JaxdistError) as error:
+        open_corpus(load_config(None, ["data.source=tokens", f"data.path=s3://{key}:{secret}@jaxdist-no-such-bucket/x"]))
+    assert secret not in str(error.value) and key not in str(error.value)
