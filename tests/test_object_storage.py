@@ -1,7 +1,8 @@
-"""Prepared token shards read from object storage (``data.source=tokens data.path=s3://...``),
-against a real S3 server on loopback (tests/s3_server.py): every batch equals the one read from
-the same shards on local disk, and a run trains to the same losses; bad input is one line, in
-bounded time, and never shows a credential."""
+"""Object storage against a real S3 server on loopback (tests/s3_server.py): prepared token
+shards read from ``s3://`` give every batch of the same shards on local disk and a run trains to
+the same losses; ``prepare`` reads Parquet / JSON Lines from ``s3://`` and writes its shards
+there, meta.json last, so a prepare killed half way is invisible and the next one replaces it;
+bad input is one line, in bounded time, and never shows a credential."""
 
 from __future__ import annotations
 
@@ -39,10 +40,14 @@ def prepared(tmp_path_factory):
     return out
 
 
-def _upload(local, url):
+def _s3fs():
     import s3fs
 
-    fs = s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"], skip_instance_cache=True)
+    return s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"], skip_instance_cache=True)
+
+
+def _upload(local, url):
+    fs = _s3fs()
     for path in sorted(local.iterdir()):
         fs.put_file(str(path), f"{url.removeprefix('s3://')}/{path.name}")
     return fs
@@ -136,3 +141,91 @@ def test_no_credential_reaches_a_message(s3_bucket):
     with pytest.raises(JaxdistError) as error:
         open_corpus(load_config(None, ["data.source=tokens", f"data.path=s3://{key}:{secret}@jaxdist-no-such-bucket/x"]))
     assert secret not in str(error.value) and key not in str(error.value)
+
+
+def test_prepare_reads_parquet_and_jsonl_gz_from_s3_and_writes_shards_there(tmp_path, s3_bucket, monkeypatch):
+    """prepare --input s3://.../* --output s3://...: the shards equal a local prepare of the
+    same files; each shard leaves local disk once uploaded and meta.json is uploaded last."""
+    import gzip
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jaxdist.data import remote_output
+
+    local = tmp_path / "in"
+    local.mkdir()
+    pq.write_table(pa.table({"text": DOCUMENTS[:200]}), local / "a.parquet", row_group_size=50)
+    (local / "b.jsonl.gz").write_bytes(gzip.compress(b"".join(json.dumps({"text": d}).encode() + b"\n" for d in DOCUMENTS[200:])))
+    _upload(local, f"{s3_bucket}/raw")
+    uploads = []
+    shard_closed, commit = remote_output.RemoteOutput.shard_closed, remote_output.RemoteOutput.commit
+
+    def watched_shard(self, local_dir, name):
+        shard_closed(self, local_dir, name)
+        uploads.append((name, sorted(p.name for p in local_dir.glob("tokens-*.bin"))))
+
+    def watched_commit(self, local_dir):
+        assert "meta.json" not in self.folder.sizes()  # nothing reads the folder before its meta
+        commit(self, local_dir)
+        uploads.append(("meta.json", []))
+
+    monkeypatch.setattr(remote_output.RemoteOutput, "shard_closed", watched_shard)
+    monkeypatch.setattr(remote_output.RemoteOutput, "commit", watched_commit)
+    meta = prepare(f"{s3_bucket}/raw/*", f"{s3_bucket}/prepared", progress=False, shard_tokens=9000)
+    expected = prepare(str(local / "*"), tmp_path / "local", progress=False, shard_tokens=9000)
+    assert meta["shards"] == expected["shards"] and meta["documents"] == len(DOCUMENTS)
+    assert [name for name, _ in uploads] == [s["path"] for s in meta["shards"]] + ["meta.json"]
+    assert all(not left for _, left in uploads)  # no shard stays on local disk after its upload
+    fs = _s3fs()
+    for shard in meta["shards"]:
+        assert (
+            fs.cat_file(f"{s3_bucket.removeprefix('s3://')}/prepared/{shard['path']}") == (tmp_path / "local" / shard["path"]).read_bytes()
+        )
+    with pytest.raises(JaxdistError, match="is not empty"):
+        prepare(f"{s3_bucket}/raw/*", f"{s3_bucket}/prepared", progress=False)
+
+
+def test_a_prepare_killed_mid_upload_is_invisible_and_replaced_by_the_next(tmp_path, s3_bucket, monkeypatch):
+    from jaxdist.data import remote_output
+
+    (tmp_path / "in").mkdir()
+    for i, document in enumerate(DOCUMENTS):
+        (tmp_path / "in" / f"doc_{i:04d}.txt").write_text(document)
+    shard_closed = remote_output.RemoteOutput.shard_closed
+    calls = iter(range(100))
+
+    def dies_on_the_second(self, local_dir, name):
+        if next(calls) == 1:
+            raise KeyboardInterrupt  # as a kill would stop it: between two uploads
+        shard_closed(self, local_dir, name)
+
+    monkeypatch.setattr(remote_output.RemoteOutput, "shard_closed", dies_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(tmp_path / "in"), f"{s3_bucket}/prepared", progress=False, shard_tokens=9000)
+    assert Folder(f"{s3_bucket}/prepared").sizes().keys() == {"tokens-00000.bin"}
+    with pytest.raises(JaxdistError, match="not a prepared data directory"):
+        read_meta(f"{s3_bucket}/prepared")
+    monkeypatch.undo()
+    meta = prepare(str(tmp_path / "in"), f"{s3_bucket}/prepared", progress=False, shard_tokens=9000)
+    assert read_meta(f"{s3_bucket}/prepared") == meta
+
+
+def test_the_text_source_reads_a_glob_of_records_in_s3_like_the_local_files(tmp_path, s3_bucket):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    local = tmp_path / "in"
+    local.mkdir()
+    pq.write_table(pa.table({"body": DOCUMENTS[:150]}), local / "a.parquet", row_group_size=40)
+    pq.write_table(pa.table({"body": DOCUMENTS[150:]}), local / "b.parquet", row_group_size=40)
+    _upload(local, f"{s3_bucket}/raw")
+
+    def stream(path):
+        corpus = open_corpus(load_config(None, ["data.source=text", f"data.path={path}", "data.text_field=body"]))
+        return corpus.stream.read(0, corpus.stream.n_tokens)
+
+    np.testing.assert_array_equal(stream(f"{s3_bucket}/raw/*.parquet"), stream(local / "*.parquet"))
+    with pytest.raises(JaxdistError, match=rf"no input files match '{s3_bucket}/raw/\*.jsonl'"):
+        stream(f"{s3_bucket}/raw/*.jsonl")

@@ -34,9 +34,10 @@ import multiprocessing
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,9 +46,11 @@ from tqdm import tqdm
 
 from jaxdist.data.prepared import FORMATS, META_FILE, VERSION, lengths_file, read_meta  # noqa: F401 - read_meta: the public entry
 from jaxdist.data.records import BAD_RECORDS, RecordReading
+from jaxdist.data.remote_output import RemoteOutput
 from jaxdist.data.text import UNITS, expand_inputs, iter_document_blocks
 from jaxdist.data.tokenizers import Tokenizer, load_tokenizer
 from jaxdist.errors import JaxdistError
+from jaxdist.storage.remote import is_remote, redact, size_of
 
 DEFAULT_SHARD_TOKENS = 2**26
 _CHUNK_CHARS = 1 << 20  # documents are tokenized in chunks of about this many characters
@@ -92,17 +95,28 @@ def prepare(
     records = RecordReading(text_field, bad_records)
     tokenizer = load_tokenizer(tokenizer_path)
     dtype = token_dtype(tokenizer.vocab_size)
-    out = Path(output).expanduser().absolute()
-    files = [f for f in expand_inputs(inputs) if out not in f.parents]  # never re-read earlier output
+    remote = is_remote(output)
+    out = str(output).rstrip("/") if remote else Path(output).expanduser().absolute()
+    files = [f for f in expand_inputs(inputs) if remote or is_remote(f) or out not in f.parents]  # never re-read earlier output
     if not files:
         raise JaxdistError(f"input is empty: every file matching {_describe_inputs(inputs)} is inside the output {out}")
-    input_bytes = sum(f.stat().st_size for f in files)
-    _check_output(out, overwrite)
-
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    input_bytes = sum(size_of(f) for f in files)
+    if remote:
+        if fmt != "bin":
+            raise JaxdistError(
+                f"prepare --output {redact(out)}: object storage takes the bin format only (ArrayRecord cannot be read there)"
+            )
+        target = RemoteOutput(out, overwrite)
+        tmp = Path(tempfile.mkdtemp(prefix="jaxdist-prepare-"))  # one shard at a time
+    else:
+        _check_output(out, overwrite)
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     try:
-        _make_dir(tmp)
+        if not remote:
+            _make_dir(tmp)
         writer = (_BinWriter if fmt == "bin" else _ArrayRecordWriter)(tmp, dtype, tokenizer.eod_id, shard_tokens)
+        if remote:
+            writer.on_shard_closed = lambda name: target.shard_closed(tmp, name)
         with _progress_bar(input_bytes, progress) as bar:
             for flat, lengths in _encoded_batches(tokenizer, files, unit, records, workers, bar):
                 writer.add(flat, lengths)
@@ -128,10 +142,14 @@ def prepare(
             "input_bytes": input_bytes,
         }
         _write_json(tmp / META_FILE, meta)
-        _publish(tmp, out, overwrite)
+        if remote:
+            target.commit(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            _publish(tmp, out, overwrite)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise JaxdistError(f"cannot write prepared data {out}: {e.strerror or e}") from None
+        raise JaxdistError(f"cannot write prepared data {redact(str(out))}: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -147,6 +165,7 @@ class _ShardWriter:
     def __init__(self, directory: Path, dtype: np.dtype, eod_id: int, shard_tokens: int):
         self.directory, self.dtype, self.eod_id, self.shard_tokens = directory, dtype, eod_id, shard_tokens
         self.shards: list[dict] = []
+        self.on_shard_closed: Callable[[str], None] | None = None  # the shard's file name, once it is complete
         self.max_token_id = -1
         self._open = False
 
@@ -204,6 +223,8 @@ class _ShardWriter:
     def _close_shard(self) -> None:
         self._finish_shard()
         self._open = False
+        if self.on_shard_closed is not None:
+            self.on_shard_closed(self.shards[-1]["path"])
 
 
 class _BinWriter(_ShardWriter):
@@ -441,7 +462,7 @@ def run_cli(args: argparse.Namespace) -> dict:
     print(
         f"jaxdist: prepared {meta['documents']} documents, {meta['tokens']} tokens, {len(meta['shards'])} shards "
         f"({meta['format']}, {meta['dtype']}) from {mb:.1f} MB input in {seconds:.2f} s ({mb / max(seconds, 1e-9):.1f} MB/s) "
-        f"-> {Path(args.output)}",
+        f"-> {redact(args.output)}",
         flush=True,
     )
     return meta

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jaxdist.errors import JaxdistError
+from jaxdist.storage.remote import open_binary, size_of
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET_SUFFIXES = (".parquet",)
@@ -48,7 +49,7 @@ class RecordReading:
         if not self.field:
             raise JaxdistError("the text field of JSON Lines / Parquet records must not be empty")
 
-    def bad(self, path: Path, record: int, why: str) -> None:
+    def bad(self, path: Path | str, record: int, why: str) -> None:
         where = f"{path}: record {record}: {why}"
         if self.bad_records == "stop":
             raise JaxdistError(f"{where} (data.bad_records=skip skips such records and counts them)")
@@ -62,37 +63,38 @@ class RecordReading:
         return f"skipped {self.skipped} bad record(s) (data.bad_records=skip); the first: {self.first_skipped}"
 
 
-def record_blocks(path: Path, reading: RecordReading) -> Iterator[tuple[list[str], int]]:
-    """``(documents, input bytes)`` blocks of one record file; the byte counts add up to its size."""
-    size = path.stat().st_size
+def record_blocks(path: Path | str, reading: RecordReading) -> Iterator[tuple[list[str], int]]:
+    """``(documents, input bytes)`` blocks of one record file (a path or a URL); the byte counts
+    add up to its size."""
+    size = size_of(path)
     blocks = _parquet_blocks(path, reading) if str(path).lower().endswith(PARQUET_SUFFIXES) else _jsonl_blocks(path, reading)
     for documents in blocks:
         yield documents, 0
     yield [], size
 
 
-def _open_jsonl(path: Path):
-    """A binary file object with ``readline`` over the decompressed lines."""
+def _decompressed(raw, path: Path | str):
+    """A binary file object with ``readline`` over the decompressed lines of ``raw``."""
     name = str(path).lower()
     if name.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return gzip.GzipFile(fileobj=raw, mode="rb")
     if name.endswith(".zst"):
-        return io.BufferedReader(_ZstdFrames(path))
-    return open(path, "rb")
+        return io.BufferedReader(_ZstdFrames(raw, path))
+    return raw
 
 
 class _ZstdFrames(io.RawIOBase):
     """Zstandard frames, one after another, as a raw stream. zstandard's own stream reader
     returns end-of-file on a file cut inside a frame; this raises ``EOFError`` there, as gzip does."""
 
-    def __init__(self, path: Path):
+    def __init__(self, raw, path: Path | str):
         try:
             import zstandard
         except ImportError:
             raise JaxdistError(f"{path}: reading .zst needs the zstandard package (pip install 'jaxdist[storage]')") from None
         self._new = zstandard.ZstdDecompressor().decompressobj
         self._error = zstandard.ZstdError
-        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
+        self._file = raw
         self._frame = self._new()
         self._pending = b""
         self._started = False  # the current frame has consumed input
@@ -121,15 +123,11 @@ class _ZstdFrames(io.RawIOBase):
         self._pending = self._pending[n:]
         return n
 
-    def close(self) -> None:
-        self._file.close()
-        super().close()
 
-
-def _jsonl_blocks(path: Path, reading: RecordReading) -> Iterator[list[str]]:
+def _jsonl_blocks(path: Path | str, reading: RecordReading) -> Iterator[list[str]]:
     documents: list[str] = []
     record = 0
-    with _open_jsonl(path) as lines:
+    with open_binary(path) as raw, _decompressed(raw, path) as lines:
         while True:
             try:
                 line = lines.readline()
@@ -175,13 +173,18 @@ def _text_of_line(line: bytes, field: str) -> str | _Bad:
     return text
 
 
-def _parquet_blocks(path: Path, reading: RecordReading) -> Iterator[list[str]]:
+def _parquet_blocks(path: Path | str, reading: RecordReading) -> Iterator[list[str]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise JaxdistError(f"{path}: reading Parquet needs the pyarrow package (pip install 'jaxdist[storage]')") from None
+    with open_binary(path) as source:
+        yield from _row_groups(path, source, pq, reading)
+
+
+def _row_groups(path: Path | str, source, pq, reading: RecordReading) -> Iterator[list[str]]:
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(source)
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid/OSError for a file that is not Parquet
         raise JaxdistError(f"{path}: not a readable Parquet file ({e})") from None
     names = parquet.schema_arrow.names

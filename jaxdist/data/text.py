@@ -16,6 +16,7 @@ from pathlib import Path
 
 from jaxdist.data.records import RecordReading, is_record_file, record_blocks
 from jaxdist.errors import JaxdistError
+from jaxdist.storage.remote import expand_remote, is_remote, open_binary, size_of
 
 log = logging.getLogger(__name__)
 UNITS = ("file", "line")
@@ -28,18 +29,19 @@ def split_patterns(patterns: str | os.PathLike | Sequence[str | os.PathLike]) ->
     return [p for p in out if p]
 
 
-def expand_inputs(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
-    """Input files for ``patterns``; an error if a pattern matches nothing or every file is empty."""
+def expand_inputs(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path | str]:
+    """Input files for ``patterns``; an error if a pattern matches nothing or every file is empty.
+    A URL (``s3://bucket/corpus/*.parquet``) gives URLs, listed through object storage."""
     parts = split_patterns(patterns)
     if not parts:
         raise JaxdistError("no input files given")
     files: set[str] = set()
     for pattern in parts:
-        matched = _expand_one(os.path.expanduser(pattern))
+        matched = expand_remote(pattern) if is_remote(pattern) else _expand_one(os.path.expanduser(pattern))
         if not matched:
             raise JaxdistError(f"no input files match '{pattern}'")
         files.update(matched)
-    paths = [Path(p) for p in sorted(files)]
+    paths = [p if is_remote(p) else Path(p) for p in sorted(files)]
     if sum(_size(p) for p in paths) == 0:
         shown = ", ".join(str(p) for p in paths[:3]) + (f", ... ({len(paths)} files)" if len(paths) > 3 else "")
         raise JaxdistError(f"input is empty: {shown}")
@@ -69,9 +71,9 @@ def _raise_walk_error(error: OSError) -> None:
     raise JaxdistError(f"cannot read input directory {error.filename}: {error.strerror}")
 
 
-def _size(path: Path) -> int:
+def _size(path: Path | str) -> int:
     try:
-        return path.stat().st_size
+        return size_of(path)
     except OSError as e:
         raise JaxdistError(f"cannot read input file {path}: {e.strerror}") from None
 
@@ -101,7 +103,7 @@ def iter_document_blocks(
     records = records or RecordReading()
     said = False
     for file in files:
-        path = Path(file)
+        path = file if is_remote(file) else Path(file)
         try:
             if is_record_file(path):
                 if unit == "line" and not said:
@@ -111,7 +113,8 @@ def iter_document_blocks(
                     said = True
                 yield from record_blocks(path, records)
             elif unit == "file":
-                data = path.read_bytes()
+                with open_binary(path) as f:
+                    data = f.read()
                 text = data.decode("utf-8", errors="replace")
                 yield ([text] if text and not text.isspace() else []), len(data)
             else:
@@ -123,11 +126,11 @@ def iter_document_blocks(
 _BLOCK_BYTES = 1 << 23
 
 
-def _line_blocks(path: Path) -> Iterator[tuple[list[str], int]]:
+def _line_blocks(path: Path | str) -> Iterator[tuple[list[str], int]]:
     """Lines of ``path`` read in large blocks cut after a newline (a newline byte never sits
     inside a UTF-8 character, so each block decodes on its own)."""
     partial: list[bytes] = []  # the start of a line that continues in the next block
-    with open(path, "rb") as f:
+    with open_binary(path) as f:
         while block := f.read(_BLOCK_BYTES):
             cut = block.rfind(b"\n") + 1
             if cut == 0:

@@ -105,6 +105,21 @@ class Folder:
         except Exception as e:  # noqa: BLE001 - the storage client's errors, made one line
             raise storage_error(self.url(name), e) from None
 
+    def put_file(self, local: str | os.PathLike, name: str) -> None:
+        """Upload ``local`` as ``name`` (remote folders only; large files go in parts)."""
+        try:
+            self._fs.put_file(str(local), f"{self._root}/{name}")
+        except Exception as e:  # noqa: BLE001
+            raise storage_error(self.url(name), e) from None
+
+    def remove(self, name: str) -> None:
+        try:
+            self._fs.rm_file(f"{self._root}/{name}")
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            raise storage_error(self.url(name), e) from None
+
     def sizes(self) -> dict[str, int]:
         """{name: bytes} of the files directly in the folder (one listing)."""
         if not self.remote:
@@ -119,3 +134,42 @@ class Folder:
         except Exception as e:  # noqa: BLE001
             raise storage_error(self.location, e) from None
         return {e["name"].rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries if e.get("type") == "file"}
+
+
+def open_binary(location: str | os.PathLike):
+    """A file opened for binary reading, local or remote (a remote one reads by range requests,
+    so seeking, as Parquet's row groups need, fetches only what is read)."""
+    if not is_remote(location):
+        return open(location, "rb")  # noqa: SIM115 - the caller's context manager closes it
+    fs, path = filesystem(str(location))
+    try:
+        return fs.open(path, "rb", block_size=1 << 22)
+    except Exception as e:  # noqa: BLE001
+        raise storage_error(str(location), e) from None
+
+
+def size_of(location: str | os.PathLike) -> int:
+    if not is_remote(location):
+        return os.stat(location).st_size
+    fs, path = filesystem(str(location))
+    try:
+        return int(fs.size(path))
+    except Exception as e:  # noqa: BLE001
+        raise storage_error(str(location), e) from None
+
+
+def expand_remote(pattern: str) -> list[str]:
+    """The files a URL names: itself, every file below it (a folder; hidden ones skipped) or
+    those a glob matches, as URLs."""
+    fs, path = filesystem(pattern)
+    scheme = pattern.split("://", 1)[0]
+    try:
+        if any(c in path for c in "*?["):
+            found = [p for p in fs.glob(path) if not fs.isdir(p)]
+        elif fs.isdir(path):
+            found = [p for p in fs.find(path) if not any(part.startswith(".") for part in p[len(path) :].split("/"))]
+        else:
+            found = [path] if fs.exists(path) else []
+    except Exception as e:  # noqa: BLE001
+        raise storage_error(pattern, e) from None
+    return [f"{scheme}://{p}" for p in found]
