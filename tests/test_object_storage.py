@@ -75,6 +75,20 @@ def test_every_batch_from_s3_equals_the_local_shards(prepared, s3_bucket, monkey
             np.testing.assert_array_equal(a[key], b[key], err_msg=f"step {step + 1} {key}")
 
 
+def test_remote_shards_are_read_by_grain_threads_local_ones_are_not(prepared, s3_bucket):
+    from jaxdist.data.batches import example_source, read_threads
+
+    url = f"{s3_bucket}/prepared"
+    _upload(prepared, url)
+
+    def source(path):
+        config = load_config(None, ["train.seq_len=32", "data.source=tokens", f"data.path={path}"])
+        resolve_vocab(config)
+        return example_source(config, "train")
+
+    assert read_threads(source(url), prefetch=2) == 2 and read_threads(source(prepared), prefetch=2) == 0
+
+
 def test_a_run_on_s3_shards_trains_to_the_local_losses(prepared, s3_bucket):
     url = f"{s3_bucket}/prepared"
     _upload(prepared, url)

@@ -140,11 +140,12 @@ def batches_dataset(source: Any, part: ProcessSlice, *, seed: int, shuffle: bool
 
 
 def read_threads(source: Any, prefetch: int) -> int:
-    """Grain's read threads: only for a source whose reads wait (``SlowReads``: storage
-    latency), where threads overlap the waits. Packing and synthetic examples are Python
-    that holds the GIL: threads beside the read-ahead thread only take it from the loop
-    (measured: experiments/data_throughput.py)."""
-    return max(1, min(prefetch, 8)) if isinstance(source, SlowReads) else 0
+    """Grain's read threads: only for a source whose reads wait (``SlowReads``: simulated
+    storage latency; token shards in object storage), where threads overlap the waits. Packing
+    and synthetic examples are Python that holds the GIL: threads beside the read-ahead thread
+    only take it from the loop (measured: experiments/data_throughput.py)."""
+    waits = isinstance(source, SlowReads) or getattr(getattr(source, "stream", None), "reads_wait", False)
+    return max(1, min(prefetch, 8)) if waits else 0
 
 
 def _mark_absl_flags_parsed() -> None:

@@ -55,6 +55,7 @@ class ShardedStream:
         self.shards = shards
         self.offsets = np.cumsum([0] + [s.n_tokens for s in shards])
         self.n_tokens = int(self.offsets[-1])
+        self.reads_wait = any(getattr(s, "reads_wait", False) for s in shards)  # on a network: Grain's read threads overlap the waits
 
     def read(self, start: int, stop: int) -> np.ndarray:
         first = int(np.searchsorted(self.offsets, start, side="right")) - 1
@@ -91,6 +92,7 @@ class RemoteShard:
 
     BLOCK_TOKENS = 1 << 16
     CACHE_BLOCKS = 64
+    reads_wait = True
 
     def __init__(self, location: str, name: str, dtype: str, n_tokens: int):
         self.location, self.name, self.dtype, self.n_tokens = location, name, dtype, n_tokens
