@@ -1,6 +1,6 @@
 """Is the input pipeline ever the bottleneck?
 
-    python experiments/data_throughput.py [--steps 50] [--batches 200] [--repeats 3] [--code DIR] [--only-wait]
+    python experiments/data_throughput.py [--steps 50] [--batches 200] [--repeats 3] [--code DIR] [--only-wait] [--only-store]
 
 Prints (1) loader tokens/s (Grain, standard-library corpus, packing + document masks,
 global arrays on 8 fake devices) with 0, 1 and 2 worker processes, next to the tokens/s
@@ -9,7 +9,9 @@ training run of `small` and of `tiny` (goal < 2%); (2b) the same on `--mesh data
 a user runs it (`python -m jaxdist.train`, 2 fake CPU devices, `train.log_every=1`): `tiny`
 on the packed default corpus and on `data.source=synthetic` (60 steps, the first 10 left
 out) and `small` (goal < 1%), each the median of `--repeats` runs; `--code DIR` runs that
-CLI from another checkout (before/after a change); (3) `prepare` throughput in MB/s.
+CLI from another checkout (before/after a change); (3) `prepare` throughput in MB/s; (4) the
+data wait of `tiny` on prepared shards read from local disk and from an S3 server on loopback
+(`--only-store`: that table alone).
 """
 
 from __future__ import annotations
@@ -94,6 +96,52 @@ def cli_wait_table(code: Path, repeats: int, small_batch: int, small_steps: int)
         print(f"| {name} | {steps} ({skip}) | {step:.4f} | {wait:.5f} | {share:.2%} | {shares} |", flush=True)
 
 
+def store_table(steps: int, repeats: int) -> None:
+    """(4) tiny on prepared .bin shards read from local disk and from an S3 server on loopback
+    (moto's, in its own process), data=8: the data wait share side by side."""
+    import socket
+
+    import s3fs
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    try:
+        fs = s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+        for _ in range(100):  # the server starts in about a second
+            try:
+                fs.mkdir("bench")
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.1)
+        local = Path(tempfile.mkdtemp()) / "stdlib"
+        prepare([str(f) for f in stdlib_files()[:400]], str(local), progress=False, shard_tokens=2**20)
+        for f in sorted(local.iterdir()):
+            fs.put_file(str(f), f"bench/stdlib/{f.name}")
+        print(
+            f"\n(4) data wait of tiny on data=8 over {steps} steps (first excluded), prepared shards local vs S3 on loopback; median of {repeats}"
+        )
+        print("| shards | median step s | median data_wait s | wait / step time |")
+        print("| --- | --- | --- | --- |")
+        for name, path in (("local disk", str(local)), ("s3:// (moto, loopback)", "s3://bench/stdlib")):
+            runs = [wait_share("tiny", steps, ["data.source=tokens", f"data.path={path}"]) for _ in range(repeats)]
+            step, wait, share = (statistics.median(r[i] for r in runs) for i in range(3))
+            print(f"| {name} | {step:.4f} | {wait:.5f} | {share:.2%} |", flush=True)
+        shutil.rmtree(local.parent)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=50)
@@ -103,8 +151,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per data=2 case (the CPU may be shared: medians)")
     parser.add_argument("--code", type=Path, default=Path(__file__).resolve().parents[1], help="checkout whose CLI the data=2 runs use")
     parser.add_argument("--only-wait", action="store_true", help="only the data=2 data-wait table (2b)")
+    parser.add_argument("--only-store", action="store_true", help="only the local vs S3 shards table (4; needs the storage and dev extras)")
     args = parser.parse_args()
     print(f"hardware: {jax.devices()[0].device_kind}, {jax.device_count()} devices, {os.cpu_count()} cores; jax {jax.__version__}")
+    print(f"threads: XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    if args.only_store:
+        store_table(args.steps, args.repeats)
+        return
     if args.only_wait:
         cli_wait_table(args.code.resolve(), args.repeats, args.small_batch, args.small_steps)
         return
@@ -140,6 +193,7 @@ def main() -> None:
     shutil.rmtree(out.parent)
     print(f"{len(files)} files, {megabytes:.1f} MB -> {meta['tokens']:,} tokens in {seconds:.2f} s: {megabytes / seconds:.1f} MB/s")
     sys.stdout.flush()
+    store_table(args.steps, args.repeats)
 
 
 if __name__ == "__main__":
