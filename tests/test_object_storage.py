@@ -89,15 +89,53 @@ def test_remote_shards_are_read_by_grain_threads_local_ones_are_not(prepared, s3
     assert read_threads(source(url), prefetch=2) == 2 and read_threads(source(prepared), prefetch=2) == 0
 
 
+def _local_losses(prepared, steps=3):
+    config = load_config(None, [*TINY, f"train.steps={steps}", "data.source=tokens", f"data.path={prepared}"])
+    return run(config, parse_mesh("data=2"), None, devices=jax.devices()[:2], progress=False).losses
+
+
 def test_a_run_on_s3_shards_trains_to_the_local_losses(prepared, s3_bucket):
     url = f"{s3_bucket}/prepared"
     _upload(prepared, url)
+    config = load_config(None, [*TINY, "train.steps=3", "data.source=tokens", f"data.path={url}"])
+    remote = run(config, parse_mesh("data=2"), None, devices=jax.devices()[:2], progress=False).losses
+    assert remote == _local_losses(prepared)
 
-    def losses(path):
-        config = load_config(None, [*TINY, "train.steps=3", "data.source=tokens", f"data.path={path}"])
-        return run(config, parse_mesh("data=2"), None, devices=jax.devices()[:2], progress=False).losses
 
-    assert losses(url) == losses(prepared)
+@pytest.mark.heavy
+def test_two_processes_on_s3_shards_train_like_one_on_local_shards(prepared, s3_bucket, tmp_path):
+    """Each process reads its own rows of every batch by range requests; together they train
+    as one process on the same shards on local disk does (the launcher, 2 x 1 device)."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import subprocess_env
+
+    url = f"{s3_bucket}/prepared"
+    _upload(prepared, url)
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, "train.steps=3", "data.source=tokens", f"data.path={url}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxdist.launch",
+        "--nproc",
+        "2",
+        "--devices-per-proc",
+        "1",
+        "--",
+        "--mesh",
+        "data=2",
+        "--run-dir",
+        str(run_dir),
+        *overrides,
+    ]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines if "loss" in x and "step" in x]
+    np.testing.assert_allclose(losses, _local_losses(prepared), rtol=1e-6)
 
 
 def test_arrayrecord_shards_in_object_storage_are_one_line(tmp_path, s3_bucket):
