@@ -165,6 +165,10 @@ class DataConfig(_Freezable):
     bad_records: Literal["stop", "skip"] = knob(
         "stop", "text: a record without the field, not UTF-8 or in a truncated file stops the read | is skipped and counted"
     )
+    cache_dir: str = knob(
+        "", 'tokens in object storage: a local folder keeping the blocks read, across runs and processes ("": memory only)'
+    )
+    cache_gb: float = knob(10.0, "the size limit of data.cache_dir (least recently used blocks removed first)", "> 0")
     workers: int = knob(0, "Grain worker processes (0: read in the training process)", ">= 0")
     prefetch: int = knob(2, "global batches read ahead onto the devices", ">= 0")
     eval_fraction: float = knob(0.01, "the held-out tail of the corpus", "(0, 1)")

@@ -46,6 +46,16 @@ def train_losses(mesh: str, overrides: tuple[str, ...] = (), steps: int = 5) -> 
     return tuple(run(config, sizes, None, devices=devices, progress=False).losses)
 
 
+def first_batch(config, layout):
+    """The first global batch; the iterator is closed (an open one keeps a read-ahead thread
+    and its batches alive for the rest of the session)."""
+    iterator = make_iterator(config, layout)
+    try:
+        return next(iterator)
+    finally:
+        iterator.close()
+
+
 @functools.cache
 def first_batch_grads(mesh: str, *overrides: str):
     """(trainer, mean loss, gradients as a plain dict) of the first data batch at init
@@ -55,7 +65,7 @@ def first_batch_grads(mesh: str, *overrides: str):
     sizes = parse_mesh(mesh)
     trainer = build_trainer(config, sizes, jax.devices()[: mesh_device_count(sizes)])
     state = trainer.init_state(0)
-    batch = next(make_iterator(config, trainer.layout))
+    batch = first_batch(config, trainer.layout)
     loss, grads = jax.jit(trainer.loss_and_grads)(state.params, batch)
     return trainer, float(loss), jax.device_get(nnx.to_pure_dict(grads))
 

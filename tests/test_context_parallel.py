@@ -14,13 +14,12 @@ import pytest
 from flax import nnx
 
 from jaxdist.config import load_config
-from jaxdist.data.batches import make_iterator
 from jaxdist.data.sources import resolve_vocab
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh
 from jaxdist.training.aot import analyze
 from jaxdist.training.run import build_trainer, run
 
-from helpers import TINY, train_losses
+from helpers import TINY, first_batch, train_losses
 
 STEPS = 4
 RING = ("parallel.context_strategy=ring",)
@@ -77,11 +76,11 @@ def test_each_context_shard_holds_chunks_r_and_2n_minus_1_minus_r():
     of every token array is chunks r and 7-r of the sequence (targets stay paired with
     their inputs, positions are carried), and without load balancing it is chunk r."""
     config, plain = _trainer("data=1")
-    reference = jax.device_get(next(make_iterator(config, plain.layout)))
+    reference = jax.device_get(first_batch(config, plain.layout))
     seq, chunk = config.train.seq_len, config.train.seq_len // 8
     for balance, expected in ((True, lambda r: [r, 7 - r]), (False, lambda r: [2 * r, 2 * r + 1])):
         config, trainer = _trainer("context=4", f"parallel.context_load_balance={str(balance).lower()}")
-        batch = next(make_iterator(config, trainer.layout))
+        batch = first_batch(config, trainer.layout)
         assert set(batch) == {*reference, "positions"}
         for key in batch:
             want_full = reference[key] if key in reference else np.broadcast_to(np.arange(seq), reference["inputs"].shape)

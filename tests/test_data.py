@@ -15,6 +15,7 @@ from jaxdist.train import main
 
 from helpers import data_config as _config
 from helpers import data_layout as _layout
+from helpers import first_batch
 
 EOD = 999
 
@@ -102,7 +103,7 @@ def _assert_same(a, b):
 
 def test_stdlib_batches_are_global_arrays_in_the_batch_sharding():
     layout = _layout()
-    batch = next(make_iterator(_config(), layout))
+    batch = first_batch(_config(), layout)
     assert set(batch) == {"inputs", "targets", "loss_mask", "segment_ids", "positions"}
     assert batch["inputs"].shape == (8, 32) and batch["inputs"].sharding.is_equivalent_to(layout.batch_sharding(2), 2)
     assert int(batch["inputs"].max()) < 257

@@ -19,7 +19,7 @@ from jaxdist import convert
 from jaxdist import eval as eval_cli
 from jaxdist.hf import import_export as hf_convert
 
-from helpers import load_model
+from helpers import first_batch, load_model
 
 VARIANTS = {
     # GQA 8/2, Llama 3 rope scaling, a vocab 128 does not divide, untied head, fp32, a tokenizer
@@ -74,10 +74,9 @@ def test_to_hf_reproduces_every_tensor(converted, variant, tmp_path):
 
 def _first_batch_loss(hf_dir: Path, config, sizes) -> float:
     """The Hugging Face model's mean loss (numpy) on the run's first batch."""
-    from jaxdist.data.batches import make_iterator
     from jaxdist.training.run import build_trainer
 
-    first = next(make_iterator(config, build_trainer(config, sizes).layout))
+    first = first_batch(config, build_trainer(config, sizes).layout)
     inputs, targets = (np.asarray(jax.device_get(first[k])) for k in ("inputs", "targets"))
     return ref.mean_loss(*ref.read_llama(hf_dir), inputs, targets, np.ones(targets.shape))
 

@@ -24,7 +24,7 @@ from jaxdist.models.moe import MoE, one_device_kernel, route
 from jaxdist.parallel.expert import ExpertParallel
 from jaxdist.training.run import run
 
-from helpers import TINY
+from helpers import TINY, first_batch
 
 E, K, D, F = 8, 2, 8, 16  # experts, top-k, model width, expert width
 B, T = 8, 4  # batch rows x tokens: 32 tokens
@@ -271,7 +271,6 @@ def test_the_sign_rule_raises_the_bias_of_under_loaded_experts():
 
 
 def test_eval_loss_is_the_data_loss_without_the_balancing_terms():
-    from jaxdist.data.batches import make_iterator
     from jaxdist.data.sources import resolve_vocab
     from jaxdist.training.run import build_trainer
 
@@ -280,7 +279,7 @@ def test_eval_loss_is_the_data_loss_without_the_balancing_terms():
         resolve_vocab(config)
         trainer = build_trainer(config, parse_mesh("expert=2"), jax.devices()[:2])
         params = trainer.init_state(0).params
-        loss_sum, weight = np.asarray(trainer.eval_step(params, next(make_iterator(config, trainer.layout))))
+        loss_sum, weight = np.asarray(trainer.eval_step(params, first_batch(config, trainer.layout)))
         return float(loss_sum / weight)
 
     heavy = eval_loss("model.moe_aux_loss_coef=1.0", "model.moe_z_loss_coef=1.0")  # would add ~1 + z to the loss
@@ -295,7 +294,6 @@ BALANCE = (*TINY, *MOE, "train.global_batch=8", "data.source=synthetic")
 @functools.cache
 def _first_step(microbatches: int):
     """(initial params, the batch, metrics and router bias after one step) at ``microbatches``."""
-    from jaxdist.data.batches import make_iterator
     from jaxdist.data.sources import resolve_vocab
     from jaxdist.training.run import build_trainer
 
@@ -303,7 +301,7 @@ def _first_step(microbatches: int):
     resolve_vocab(config)
     trainer = build_trainer(config, parse_mesh("data=1"), jax.devices()[:1])
     state = trainer.init_state(0)
-    batch = next(make_iterator(config, trainer.layout))
+    batch = first_batch(config, trainer.layout)
     params = jax.device_get(state.params)  # before the step donates them
     state, metrics = trainer.train_step(state, batch)
     bias = np.asarray(nnx.to_pure_dict(jax.device_get(state.params))["blocks"]["mlp"]["bias"])

@@ -53,8 +53,8 @@ def _upload(local, url):
     return fs
 
 
-def _batches(path, steps, mesh="data=2,fsdp=2"):
-    config = load_config(None, ["train.global_batch=8", "train.seq_len=32", "data.source=tokens", f"data.path={path}"])
+def _batches(path, steps, mesh="data=2,fsdp=2", *overrides):
+    config = load_config(None, ["train.global_batch=8", "train.seq_len=32", "data.source=tokens", f"data.path={path}", *overrides])
     resolve_vocab(config)
     iterator = make_iterator(config, data_layout(mesh))
     try:
@@ -281,3 +281,92 @@ def test_the_text_source_reads_a_glob_of_records_in_s3_like_the_local_files(tmp_
     np.testing.assert_array_equal(stream(f"{s3_bucket}/raw/*.parquet"), stream(local / "*.parquet"))
     with pytest.raises(JaxdistError, match=rf"no input files match '{s3_bucket}/raw/\*.jsonl'"):
         stream(f"{s3_bucket}/raw/*.jsonl")
+
+
+def test_a_server_that_stops_mid_run_ends_the_run_in_one_line_not_a_hang(prepared, tmp_path, monkeypatch):
+    """moto's server in its own process, killed once step 2's metrics are fetched; the blocks
+    are small and few are cached, so the next batches need requests: they are retried, then the
+    run ends with one line naming the object, in bounded time."""
+    import socket
+    import subprocess
+    import sys
+
+    from jaxdist.training.step import Trainer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "stopping-server-key")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "stopping-server-secret")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _s3fs().mkdir("stopping")
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                assert time.monotonic() < deadline, "moto's server did not start"
+                time.sleep(0.2)
+        _upload(prepared, "s3://stopping/prepared")
+        monkeypatch.setattr(RemoteShard, "BLOCK_TOKENS", 64)
+        monkeypatch.setattr(RemoteShard, "CACHE_BLOCKS", 2)
+        fetch, fetched = Trainer.fetch_metrics, []
+
+        def fetch_then_stop(self, pending):
+            out = fetch(self, pending)
+            fetched.extend(out)
+            if len(fetched) >= 2 and server.poll() is None:
+                server.kill()
+                server.wait()
+            return out
+
+        monkeypatch.setattr(Trainer, "fetch_metrics", fetch_then_stop)
+        config = load_config(
+            None, [*TINY, "train.steps=200", "train.log_every=1", "data.source=tokens", "data.path=s3://stopping/prepared"]
+        )
+        start = time.monotonic()
+        with pytest.raises(
+            JaxdistError, match=r"s3://stopping/prepared/tokens-\d+\.bin: cannot reach http://127.0.0.1:\d+ after 3 attempts"
+        ) as error:
+            run(config, parse_mesh("data=2"), tmp_path / "run", devices=jax.devices()[:2], progress=False)
+        assert time.monotonic() - start < 120 and "\n" not in str(error.value) and 2 <= len(fetched) < 200
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_the_disk_cache_serves_a_second_run_without_requests_and_stays_under_its_limit(prepared, s3_bucket, tmp_path, monkeypatch):
+    """data.cache_dir: a second reader (another run, another process) gets every block from
+    local disk and the batches are the local shards'; a small data.cache_gb keeps the folder
+    under it, least recently used blocks removed first."""
+    url = f"{s3_bucket}/prepared"
+    _upload(prepared, url)
+    monkeypatch.setattr(RemoteShard, "BLOCK_TOKENS", 256)
+    cache = tmp_path / "cache"
+    first = _batches(url, 16, "data=2", "data.cache_dir=" + str(cache))[:6]  # past what the second reads ahead
+    assert list(cache.glob("*.blk"))
+
+    read_bytes = Folder.read_bytes
+
+    def no_requests(self, name, *args, **kwargs):
+        assert not name.endswith(".bin"), "a request for a block on disk"
+        return read_bytes(self, name, *args, **kwargs)  # meta.json is read each time
+
+    monkeypatch.setattr(Folder, "read_bytes", no_requests)
+    second = _batches(url, 6, "data=2", "data.cache_dir=" + str(cache))
+    local = _batches(prepared, 6, "data=2")
+    for a, b, c in zip(first, second, local, strict=True):
+        for key in c:
+            np.testing.assert_array_equal(a[key], c[key])
+            np.testing.assert_array_equal(b[key], c[key])
+    monkeypatch.undo()
+    monkeypatch.setattr(RemoteShard, "BLOCK_TOKENS", 256)
+    small = tmp_path / "small"
+    limit = 20 * 256 * 2  # 20 blocks of uint16 tokens
+    _batches(url, 20, "data=2", f"data.cache_dir={small}", f"data.cache_gb={limit / 1e9}")
+    used = sum(p.stat().st_size for p in small.glob("*.blk"))
+    assert 0 < used <= limit

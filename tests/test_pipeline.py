@@ -14,7 +14,7 @@ from jaxdist.data.sources import resolve_vocab
 from jaxdist.errors import MeshError
 from jaxdist.layout.mesh import parse_mesh
 
-from helpers import TINY, first_batch_grads, train_losses
+from helpers import TINY, first_batch, first_batch_grads, train_losses
 
 pytestmark = pytest.mark.heavy
 
@@ -66,7 +66,6 @@ def test_one_f_one_b_carries_the_float16_loss_scale_into_its_backward():
     underflow, a large one (65536) does not, so the error must grow as the scale shrinks
     -- for 1F1B as for GPipe. 1F1B ran its backward from the unscaled loss and multiplied
     the scale in at the end, so its error did not move with the scale (0.0015 at both)."""
-    from jaxdist.data.batches import make_iterator
     from jaxdist.layout.mesh import mesh_device_count
     from jaxdist.training.run import build_trainer
 
@@ -75,7 +74,7 @@ def test_one_f_one_b_carries_the_float16_loss_scale_into_its_backward():
         resolve_vocab(config)
         sizes = parse_mesh(mesh)
         trainer = build_trainer(config, sizes, jax.devices()[: mesh_device_count(sizes)])
-        batch = next(make_iterator(config, trainer.layout))
+        batch = first_batch(config, trainer.layout)
         _, grads = jax.jit(lambda p, b: trainer.loss_and_grads(p, b, loss_scale=scale))(trainer.init_state(0).params, batch)
         return np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(grads))])
 

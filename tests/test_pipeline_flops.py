@@ -6,13 +6,12 @@ import jax
 import pytest
 
 from jaxdist.config import load_config
-from jaxdist.data.batches import make_iterator
 from jaxdist.data.sources import resolve_vocab
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh
 from jaxdist.plan.hlo_cost import program_cost
 from jaxdist.training.run import build_trainer
 
-from helpers import TINY
+from helpers import TINY, first_batch
 
 pytestmark = pytest.mark.heavy
 
@@ -33,7 +32,7 @@ def _matmul_flops(mesh: str, *overrides: str) -> tuple[float, object]:
     sizes = parse_mesh(mesh)
     trainer = build_trainer(config, sizes, jax.devices()[: mesh_device_count(sizes)])
     state = trainer.init_state(0)
-    batch = next(make_iterator(config, trainer.layout))
+    batch = first_batch(config, trainer.layout)
     compiled = jax.jit(trainer.loss_and_grads).lower(state.params, batch).compile()
     return program_cost(compiled.as_text()).matmul_flops, config
 

@@ -96,14 +96,15 @@ class _ZstdFrames(io.RawIOBase):
         self._error = zstandard.ZstdError
         self._file = raw
         self._frame = self._new()
-        self._pending = b""
+        self._pending, self._offset = b"", 0  # decompressed bytes, and how many were handed out
         self._started = False  # the current frame has consumed input
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        while not self._pending:
+        while self._offset >= len(self._pending):  # all handed out: decompress the next chunk
+            self._pending, self._offset = b"", 0
             chunk = self._file.read(1 << 20)
             if not chunk:
                 if self._started and not self._frame.eof:
@@ -118,9 +119,9 @@ class _ZstdFrames(io.RawIOBase):
                 except self._error as e:
                     raise EOFError(f"corrupt zstd data ({e})") from None
                 chunk = self._frame.unused_data if self._frame.eof else b""
-        n = min(len(buffer), len(self._pending))
-        buffer[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
+        n = min(len(buffer), len(self._pending) - self._offset)
+        buffer[:n] = self._pending[self._offset : self._offset + n]  # an offset, not a shrinking copy
+        self._offset += n
         return n
 
 

@@ -26,6 +26,7 @@ from jaxdist.data.records import RecordReading
 from jaxdist.data.text import expand_inputs, iter_documents
 from jaxdist.data.tokenizers import file_sha256, load_tokenizer
 from jaxdist.errors import JaxdistError
+from jaxdist.storage.block_cache import BlockCache
 from jaxdist.storage.remote import Folder, is_remote, redact
 
 log = logging.getLogger(__name__)
@@ -94,14 +95,29 @@ class RemoteShard:
     CACHE_BLOCKS = 64
     reads_wait = True
 
-    def __init__(self, location: str, name: str, dtype: str, n_tokens: int):
+    def __init__(self, location: str, name: str, dtype: str, n_tokens: int, version: str = "", cache: tuple[str, int] | None = None):
         self.location, self.name, self.dtype, self.n_tokens = location, name, dtype, n_tokens
+        self.version, self.cache = version, cache  # cache: (data.cache_dir, its limit in bytes)
         self._blocks: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     @functools.cached_property
     def _folder(self) -> Folder:
         return Folder(self.location)
+
+    @functools.cached_property
+    def _disk(self) -> BlockCache | None:
+        return BlockCache(*self.cache) if self.cache else None
+
+    def _fetch(self, index: int, lo: int, hi: int) -> bytes:
+        itemsize = np.dtype(self.dtype).itemsize
+        key = BlockCache.key(f"{self.location}/{self.name}", self.version, self.BLOCK_TOKENS, index)
+        if self._disk is not None and (data := self._disk.get(key)) is not None and len(data) == (hi - lo) * itemsize:
+            return data
+        data = self._folder.read_bytes(self.name, lo * itemsize, hi * itemsize)
+        if self._disk is not None and len(data) == (hi - lo) * itemsize:
+            self._disk.put(key, data)
+        return data
 
     def read(self, start: int, stop: int) -> np.ndarray:
         first, last = start // self.BLOCK_TOKENS, (stop - 1) // self.BLOCK_TOKENS
@@ -117,7 +133,7 @@ class RemoteShard:
                 return self._blocks[index]
         itemsize = np.dtype(self.dtype).itemsize
         lo, hi = index * self.BLOCK_TOKENS, min((index + 1) * self.BLOCK_TOKENS, self.n_tokens)
-        data = self._folder.read_bytes(self.name, lo * itemsize, hi * itemsize)
+        data = self._fetch(index, lo, hi)
         if len(data) != (hi - lo) * itemsize:
             raise JaxdistError(
                 f"prepared data {self._folder}: shard {self.name} is shorter than its metadata says "
@@ -131,7 +147,7 @@ class RemoteShard:
         return block
 
     def __getstate__(self) -> dict:
-        return {"location": self.location, "name": self.name, "dtype": self.dtype, "n_tokens": self.n_tokens}
+        return {k: getattr(self, k) for k in ("location", "name", "dtype", "n_tokens", "version", "cache")}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
@@ -202,12 +218,14 @@ def _text_corpus(
     return Corpus(name, ArrayStream(tokens), tokenizer.vocab_size, tokenizer.eod_id, int(tokens.max()))
 
 
-def _prepared_corpus(path: str, tokenizer: str) -> Corpus:
+def _prepared_corpus(path: str, tokenizer: str, cache_dir: str = "", cache_gb: float = 0.0) -> Corpus:
     meta = read_meta(path)
     check_prepared_tokenizer(meta, path, tokenizer)
     if is_remote(path):  # read_meta refuses ArrayRecord there
         location = path.rstrip("/")
-        shards = [RemoteShard(location, s["path"], meta["dtype"], s["tokens"]) for s in meta["shards"]]
+        versions = {name: version for name, (_, version) in Folder(location).listing().items()}
+        cache = (cache_dir, int(cache_gb * 1e9)) if cache_dir else None
+        shards = [RemoteShard(location, s["path"], meta["dtype"], s["tokens"], versions.get(s["path"], ""), cache) for s in meta["shards"]]
         return Corpus(f"tokens:{redact(location)}", ShardedStream(shards), meta["vocab_size"], meta["eod_id"], meta["max_token_id"])
     root = Path(path)
     shards: list[TokenStream] = []
@@ -261,7 +279,9 @@ def open_corpus(config: Config) -> Corpus:
     if d.source == "tokens":
         if not d.path:
             raise JaxdistError("data.source=tokens needs data.path (a directory written by `python -m jaxdist.data prepare`)")
-        return _prepared_corpus(d.path, d.tokenizer)
+        if d.cache_dir and not is_remote(d.path):
+            log.info(f"data.cache_dir has no effect on local shards ({d.path}): they are read in place")
+        return _prepared_corpus(d.path, d.tokenizer, d.cache_dir, d.cache_gb)
     raise ValueError(f"no corpus for data.source={d.source!r}")
 
 

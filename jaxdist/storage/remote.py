@@ -122,9 +122,16 @@ class Folder:
 
     def sizes(self) -> dict[str, int]:
         """{name: bytes} of the files directly in the folder (one listing)."""
+        return {name: size for name, (size, _) in self.listing().items()}
+
+    def listing(self) -> dict[str, tuple[int, str]]:
+        """{name: (bytes, version)} of the files directly in the folder (one listing); the
+        version is the object's ETag (remote) or modification time (local)."""
         if not self.remote:
             root = Path(self.location)
-            return {p.name: p.stat().st_size for p in root.iterdir() if p.is_file()} if root.is_dir() else {}
+            if not root.is_dir():
+                return {}
+            return {p.name: (p.stat().st_size, str(p.stat().st_mtime_ns)) for p in root.iterdir() if p.is_file()}
         try:
             entries = self._fs.ls(self._root, detail=True, refresh=True)
         except FileNotFoundError as e:
@@ -133,7 +140,11 @@ class Folder:
             return {}
         except Exception as e:  # noqa: BLE001
             raise storage_error(self.location, e) from None
-        return {e["name"].rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries if e.get("type") == "file"}
+        return {
+            e["name"].rsplit("/", 1)[-1]: (int(e.get("size") or 0), str(e.get("ETag") or e.get("etag") or e.get("mtime") or ""))
+            for e in entries
+            if e.get("type") == "file"
+        }
 
 
 def open_binary(location: str | os.PathLike):
