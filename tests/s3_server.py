@@ -39,3 +39,43 @@ def s3_server() -> Iterator[str]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (now)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def s3_server_process(bucket: str) -> Iterator[tuple[object, str]]:
+    """moto's server in a process of its own (a test may kill it), with ``bucket`` made:
+    ``(the process, its endpoint)``; killed at the end. The caller sets the variables."""
+    import subprocess
+    import sys
+    import time
+
+    import s3fs
+
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    port = endpoint.rsplit(":", 1)[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                s3fs.S3FileSystem(endpoint_url=endpoint, key="k", secret="s", skip_instance_cache=True).mkdir(bucket)
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.monotonic() > deadline:
+                    raise RuntimeError("moto's server did not start within 60 s") from None
+                time.sleep(0.2)
+        yield server, endpoint
+    finally:
+        server.kill()
+        server.wait()

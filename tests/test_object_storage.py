@@ -23,6 +23,7 @@ from jaxdist.storage.remote import Folder, redact
 from jaxdist.training.run import run
 
 from helpers import TINY, data_layout
+from s3_server import free_port, s3_server_process
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev]')")
 
@@ -173,11 +174,7 @@ def test_a_missing_bucket_or_folder_is_one_line(s3_bucket):
 
 
 def test_an_unreachable_endpoint_is_one_line_in_bounded_time(s3_endpoint, monkeypatch):
-    import socket
-
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     start = time.monotonic()
     with pytest.raises(JaxdistError, match=rf"cannot reach http://127.0.0.1:{port} after \d+ attempts") as error:
@@ -287,30 +284,12 @@ def test_a_server_that_stops_mid_run_ends_the_run_in_one_line_not_a_hang(prepare
     """moto's server in its own process, killed once step 2's metrics are fetched; the blocks
     are small and few are cached, so the next batches need requests: they are retried, then the
     run ends with one line naming the object, in bounded time."""
-    import socket
-    import subprocess
-    import sys
-
     from jaxdist.training.step import Trainer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    with s3_server_process("stopping") as (server, endpoint):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "stopping-server-key")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "stopping-server-secret")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                _s3fs().mkdir("stopping")
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                assert time.monotonic() < deadline, "moto's server did not start"
-                time.sleep(0.2)
         _upload(prepared, "s3://stopping/prepared")
         monkeypatch.setattr(RemoteShard, "BLOCK_TOKENS", 64)
         monkeypatch.setattr(RemoteShard, "CACHE_BLOCKS", 2)
@@ -334,9 +313,6 @@ def test_a_server_that_stops_mid_run_ends_the_run_in_one_line_not_a_hang(prepare
         ) as error:
             run(config, parse_mesh("data=2"), tmp_path / "run", devices=jax.devices()[:2], progress=False)
         assert time.monotonic() - start < 120 and "\n" not in str(error.value) and 2 <= len(fetched) < 200
-    finally:
-        server.kill()
-        server.wait()
 
 
 def test_the_disk_cache_serves_a_second_run_without_requests_and_stays_under_its_limit(prepared, s3_bucket, tmp_path, monkeypatch):

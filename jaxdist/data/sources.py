@@ -26,7 +26,7 @@ from jaxdist.data.records import RecordReading
 from jaxdist.data.text import expand_inputs, iter_documents
 from jaxdist.data.tokenizers import file_sha256, load_tokenizer
 from jaxdist.errors import JaxdistError
-from jaxdist.storage.block_cache import BlockCache
+from jaxdist.storage.block_cache import BlockCache, block_cache
 from jaxdist.storage.remote import Folder, is_remote, redact
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class RemoteShard:
 
     @functools.cached_property
     def _disk(self) -> BlockCache | None:
-        return BlockCache(*self.cache) if self.cache else None
+        return block_cache(*self.cache) if self.cache else None
 
     def _fetch(self, index: int, lo: int, hi: int) -> bytes:
         itemsize = np.dtype(self.dtype).itemsize

@@ -15,6 +15,18 @@ import os
 import threading
 from pathlib import Path
 
+_shared: dict[tuple[str, int], BlockCache] = {}
+_shared_lock = threading.Lock()
+
+
+def block_cache(directory: str | os.PathLike, limit_bytes: int) -> BlockCache:
+    """The process's one cache of ``directory``: every shard's blocks count against one limit."""
+    key = (str(Path(directory).expanduser().resolve()), int(limit_bytes))
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = BlockCache(*key)
+        return _shared[key]
+
 
 class BlockCache:
     def __init__(self, directory: str | os.PathLike, limit_bytes: int):
