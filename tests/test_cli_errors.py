@@ -149,6 +149,7 @@ NUMERIC_KEYS = {
     **dict.fromkeys(["train.eval_every", "train.peak_flops"], (True, False)),
     **dict.fromkeys(["data.workers", "data.prefetch", "data.synthetic_latency_ms"], (True, False)),
     "data.eval_fraction": (False, False),
+    "data.cache_gb": (False, False),
     **dict.fromkeys(
         ["checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_best", "checkpoint.params_every_steps"], (True, False)
     ),
