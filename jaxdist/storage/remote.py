@@ -68,7 +68,7 @@ def storage_error(url: str, error: BaseException) -> JaxdistError:
     name = type(error).__name__
     if isinstance(error, FileNotFoundError):
         why = "no such bucket" if "bucket" in str(error).lower() else "no such object"
-    elif isinstance(error, PermissionError) or name in ("ClientError", "NoCredentialsError") and "denied" in str(error).lower():
+    elif isinstance(error, PermissionError) or (name == "ClientError" and "denied" in str(error).lower()):
         why = "access denied: check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
     elif name in ("NoCredentialsError", "PartialCredentialsError"):
         why = "no credentials: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
