@@ -185,6 +185,10 @@ class CheckpointConfig(_Freezable):
     keep_best: int = knob(0, "also keep the best N by eval loss", ">= 0")
     params_every_steps: int = knob(0, "weights-only checkpoints (RUN_DIR/params/STEP) between the full ones; 0: off", ">= 0")
     async_save: bool = knob(True, "write checkpoints in the background while training continues")
+    local_dir: str = knob("", "save here first (NVMe, /dev/shm), copy finished checkpoints to the run dir behind the run; needed for s3://")
+    remote_every_steps: int = knob(
+        0, "with local_dir: steps from one copied checkpoint to the next (0: every one; the last always)", ">= 0"
+    )
 
 
 @dataclasses.dataclass

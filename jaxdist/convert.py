@@ -27,13 +27,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineArgumentParser)
     source = commands.add_parser("from-hf", help="a Hugging Face Llama or Mixtral directory -> a jaxdist weights checkpoint")
-    source.add_argument("hf_dir", type=Path)
-    source.add_argument("out", type=Path)
+    source.add_argument("hf_dir", type=local_path, help="a local folder")
+    source.add_argument("out", type=local_path, help="a local folder")
     target = commands.add_parser(
         "to-hf", help="a jaxdist checkpoint or run directory -> a Hugging Face directory (Mixtral for an MoE model)"
     )
-    target.add_argument("checkpoint", type=Path)
-    target.add_argument("out", type=Path)
+    target.add_argument("checkpoint", help="local, or a URL (s3://...: its newest complete step is fetched)")
+    target.add_argument("out", type=local_path, help="a local folder")
     target.add_argument("--dtype", default="auto", choices=DTYPES, help="tensor dtype (auto: the imported model's, else float32)")
     for command in (parser, source, target):  # before or after the command's name
         command.add_argument(
@@ -43,6 +43,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
             help="what reaches stderr (default info)",
         )
     return parser
+
+
+def local_path(text: str) -> Path:
+    """A folder argument that must be local (argparse turns the error into one line)."""
+    from jaxdist.storage.remote import is_remote, redact
+
+    if is_remote(text):
+        raise argparse.ArgumentTypeError(f"{redact(text)}: must be a local folder (copy it to or from object storage yourself)")
+    return Path(text)
 
 
 @errors.command

@@ -146,7 +146,7 @@ from jaxdist.cluster.node_launch import NodePlan, check_local_address, route_add
 from jaxdist.cluster.rendezvous import check_name
 from jaxdist.cluster.supervise import child_argv
 from jaxdist.errors import JaxdistError, OneLineArgumentParser
-from jaxdist.training.run import default_run_dir
+from jaxdist.training.run import run_directories
 
 log = logging.getLogger(__name__)
 
@@ -341,11 +341,11 @@ def elastic_plan(args: argparse.Namespace) -> ElasticPlan:
     if train.profile_steps is not None:
         train.overrides.append(f"train.profile_steps={train.profile_steps}")
     config = config_from_args(train)
-    run_dir = Path(train.run_dir) if train.run_dir else default_run_dir(config)
+    run_dir, durable = run_directories(train.run_dir, config)  # the launcher's records go to the local tier
     return ElasticPlan(
         config=config,
         run_dir=run_dir,
-        child_args=child_argv(list(args.train_args), run_dir),  # the launcher restarts: no --max-restarts inside
+        child_args=child_argv(list(args.train_args), durable or run_dir),  # the launcher restarts: no --max-restarts inside
         first_resume=train.resume,
         max_nproc=args.nproc,
         min_nproc=args.min_nproc,
@@ -369,10 +369,11 @@ def node_plan(args: argparse.Namespace) -> NodePlan:
     elastic.mesh_for(config, args.min_nodes * args.nproc_per_node, args.devices_per_proc)  # --mesh auto: one line here
     address = args.coordinator_bind or route_address(args.etcd_host, args.etcd_port)  # the first endpoint's route
     check_local_address(address)
+    run_dir, durable = run_directories(train.run_dir, config)
     return NodePlan(
         config=config,
-        run_dir=Path(train.run_dir),
-        child_args=child_argv(list(args.train_args), Path(train.run_dir)),
+        run_dir=run_dir,
+        child_args=child_argv(list(args.train_args), durable or run_dir),
         first_resume=train.resume,
         min_nodes=args.min_nodes,
         max_nodes=args.max_nodes,
@@ -407,7 +408,7 @@ def finished_plain(args: argparse.Namespace) -> tuple[int, str] | None:
         config = config_from_args(train)
     except (JaxdistError, SystemExit):
         return None
-    step = elastic.finished_step(config, Path(train.run_dir), train.resume)
+    step = elastic.finished_step(config, run_directories(train.run_dir, config)[0], train.resume)
     return None if step is None else (step, elastic.finished_line(config, step))
 
 

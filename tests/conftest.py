@@ -74,6 +74,7 @@ def pytest_configure(config):
     os.environ[CACHE_ENV] = _OWN_CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # small programs too: most of the suite's are
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    os.environ.setdefault("JAXDIST_CACHE", os.path.join(_OWN_CACHE, "jaxdist"))  # fetched checkpoints: never the user's home
 
 
 def pytest_unconfigure(config):

@@ -151,7 +151,14 @@ NUMERIC_KEYS = {
     "data.eval_fraction": (False, False),
     "data.cache_gb": (False, False),
     **dict.fromkeys(
-        ["checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_best", "checkpoint.params_every_steps"], (True, False)
+        [
+            "checkpoint.every_steps",
+            "checkpoint.every_minutes",
+            "checkpoint.keep_best",
+            "checkpoint.params_every_steps",
+            "checkpoint.remote_every_steps",
+        ],
+        (True, False),
     ),
     "checkpoint.keep": (False, False),
     **dict.fromkeys(["parallel.virtual_stages", "parallel.grad_topk_fraction", "parallel.diloco_outer_lr"], (False, False)),

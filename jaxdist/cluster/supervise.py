@@ -30,7 +30,7 @@ MAX_DELAY_S = 300.0
 log = logging.getLogger(__name__)
 
 
-def child_argv(argv: list[str], run_dir: Path) -> list[str]:
+def child_argv(argv: list[str], run_dir: Path | str) -> list[str]:
     """The same arguments without the supervisor's own, with --run-dir and --resume auto."""
     out, skip = [], False
     for i, arg in enumerate(argv):
@@ -53,7 +53,7 @@ def user_resume(argv: list[str]) -> str | None:
     return parser.parse_known_args(argv)[0].resume
 
 
-def supervise(argv: list[str], run_dir: Path, max_restarts: int, delay: float) -> int:
+def supervise(argv: list[str], run_dir: Path | str, max_restarts: int, delay: float) -> int:
     args = child_argv(argv, run_dir)
     first_resume = user_resume(argv)
     if first_resume is not None:  # honour --resume on the first start only

@@ -267,7 +267,7 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True) -> Path:
 # to-hf
 
 
-def to_hf(checkpoint: Path, out: Path, *, dtype: str = "auto") -> Path:
+def to_hf(checkpoint: str | Path, out: Path, *, dtype: str = "auto") -> Path:
     """Export the checkpoint's parameters as a Hugging Face Llama directory (Mixtral for an MoE model)."""
     step_dir = find_checkpoint(checkpoint)
     config = checkpoint_config(step_dir)

@@ -276,6 +276,8 @@ def unused_keys(config: Config, sizes: MeshSizes) -> list[str]:
         for key in ("diloco_outer_lr", "diloco_outer_momentum", "diloco_reduce"):
             if changed("parallel", key):
                 found.append((f"parallel.{key}", "parallel.diloco_inner_steps=0 (DiLoCo is off)"))
+    if not config.checkpoint.local_dir and changed("checkpoint", "remote_every_steps"):
+        found.append(("checkpoint.remote_every_steps", "checkpoint.local_dir unset (checkpoints are saved to the run directory directly)"))
     return [f"jaxdist: warning: {key}={_show(config, key)} has no effect with {why}" for key, why in found]
 
 

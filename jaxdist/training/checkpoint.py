@@ -225,6 +225,7 @@ class Checkpointer:
             is_saving_in_progress=False, reached_preemption=False, multiprocessing_options=ocp.options.MultiprocessingOptions()
         )
         self._last_save_time = time.monotonic()
+        self.replicator = None  # checkpoint_tiers.Replicator: copies saved steps to the durable tier (process 0)
         self.reload()
 
     def reload(self) -> None:
@@ -306,6 +307,8 @@ class Checkpointer:
             raise CheckpointError(self._failure(step, e)) from None
         self._last_save_time = time.monotonic()
         self.last_saved_step = step
+        if self.replicator is not None:
+            self.replicator.submit(step)
 
     def wait(self) -> None:
         """Block until every started save (of both kinds) has committed."""
@@ -318,6 +321,9 @@ class Checkpointer:
                 self.params_manager.wait_until_finished()
             except Exception as e:  # noqa: BLE001
                 raise CheckpointError(f"saving a weights-only checkpoint in {self.params_dir} failed ({_first_line(e)})") from None
+        if self.replicator is not None and self.last_saved_step is not None:
+            self.replicator.submit(self.last_saved_step, last=True)  # the last save is always copied
+            self.replicator.wait()
 
     def _failure(self, step: int | None, error: Exception) -> str:
         committed = [s for s in checkpoint_steps(self.directory) if s != step]
@@ -327,6 +333,8 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+        if self.replicator is not None:
+            self.replicator.close()
         if self.params_manager is not None:
             self.params_manager.close()
 

@@ -164,14 +164,14 @@ def schedule_change(restored, config: Config) -> str | None:
     now = t.schedule_length()
     if before != now:
         return (
-            f"jaxdist: the learning-rate schedule now spans {now} steps; checkpoint step {restored.step} was trained on one of {before} "
+            f"the learning-rate schedule now spans {now} steps; checkpoint step {restored.step} was trained on one of {before} "
             f"(set train.schedule_steps={before} to keep it)"
         )
     shape = ("schedule", "warmup_steps", "min_lr_ratio", "decay_fraction", "lr")
     changed = [f"train.{k} {saved[k]} -> {getattr(t, k)}" for k in shape if k in saved and saved[k] != getattr(t, k)]
     if not changed:
         return None
-    return f"jaxdist: the learning-rate schedule changed since checkpoint step {restored.step} ({', '.join(changed)}); the new one applies from here"
+    return f"the learning-rate schedule changed since checkpoint step {restored.step} ({', '.join(changed)}); the new one applies from here"
 
 
 PARAMS_RESUME = "params:"  # --resume params:STEP: this run's weights-only checkpoint STEP

@@ -48,12 +48,16 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
     if args.profile_steps is not None:
         args.overrides.append(f"train.profile_steps={args.profile_steps}")
     config = config_from_args(args)
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
+    run_dir, durable = run_directories(args.run_dir, config)
     if args.max_restarts > 0 and not os.environ.get(SUPERVISED_ENV):
         from jaxdist.cluster.supervise import supervise
 
-        return supervise(argv, run_dir, args.max_restarts, args.restart_delay)
-    plan = _join(args, config, run_dir)
+        return supervise(argv, durable or run_dir, args.max_restarts, args.restart_delay)
+    if durable:
+        from jaxdist.training.checkpoint_tiers import prepare_local_tier
+
+        prepare_local_tier(run_dir, durable, args.resume)
+    plan = _join(args, config, run_dir, durable)
     interactive = sys.stderr.isatty()
     result = run_resolved(plan, progress=interactive, print_lines=not interactive)
     if result.losses:
@@ -63,7 +67,15 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
     return EXIT_OK
 
 
-def _join(args: argparse.Namespace, config: Config, run_dir: Path) -> RunPlan:
+def run_directories(run_dir: str | None, config: Config) -> tuple[Path, str | None]:
+    """(the folder the run writes to, the durable tier its checkpoints are copied to or None)
+    for ``--run-dir`` (None: a new ``runs/NAME-TIME``) and ``checkpoint.local_dir``."""
+    from jaxdist.training.checkpoint_tiers import run_tiers
+
+    return run_tiers(run_dir or str(default_run_dir(config)), config.checkpoint.local_dir)
+
+
+def _join(args: argparse.Namespace, config: Config, run_dir: Path, durable: str | None = None) -> RunPlan:
     """Choose the platform, resolve the run, join the process group: the run's plan, its
     mesh sized to the devices (on GPU a ``-1`` axis is sized once the processes have joined)."""
     from jaxdist.cluster.distributed import hide_gloo_lines, initialize, process_group_from
@@ -76,7 +88,9 @@ def _join(args: argparse.Namespace, config: Config, run_dir: Path) -> RunPlan:
     quiet = bool(group and group.process_id)  # only process 0 says what a -1 axis became
     parse_mesh(config.parallel.mesh)  # a malformed mesh is said before anything else
     run_on_cpu_unless_gpu()  # before anything imports JAX (a weights-only --resume PATH is read with it)
-    plan = resolve_run(config, run_dir, resume=args.resume, init_from=args.init_from, num_processes=num_processes, quiet=quiet)
+    plan = resolve_run(
+        config, run_dir, resume=args.resume, init_from=args.init_from, num_processes=num_processes, quiet=quiet, durable_dir=durable
+    )
     prepare_devices(plan.config, num_processes)
     initialize(group)
     if has_remaining_axis(plan.mesh_sizes):  # GPU: the device count is known now
@@ -90,6 +104,7 @@ def _join(args: argparse.Namespace, config: Config, run_dir: Path) -> RunPlan:
             num_processes=num_processes,
             n_devices=jax.device_count(),
             quiet=jax.process_index() != 0,
+            durable_dir=durable,
         )
         check_config_on_mesh(plan.config, plan.mesh_sizes)
     return plan
@@ -128,7 +143,7 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
 def run(
     config: Config,
     mesh_sizes: MeshSizes | None,
-    run_dir: Path | None,
+    run_dir: Path | str | None,
     *,
     devices=None,
     progress: bool = True,
@@ -143,9 +158,17 @@ def run(
     never | STEP | PATH | params:STEP), and saves and raises ``Preempted`` on SIGTERM /
     SIGINT. ``init_from``: a checkpoint whose weights start the run (fresh optimizer,
     step 0) when the run has no checkpoint of its own. ``config`` is not changed: the run
-    uses its resolved, frozen copy (``run_plan.resolve_run``).
+    uses its resolved, frozen copy (``run_plan.resolve_run``). ``run_dir`` may be a URL
+    (with ``checkpoint.local_dir``: ``training.checkpoint_tiers``).
     """
-    plan = resolve_run(config, run_dir, resume=resume, init_from=init_from, mesh_sizes=mesh_sizes)
+    durable = None
+    if run_dir is not None:
+        run_dir, durable = run_directories(str(run_dir), config)
+        if durable:
+            from jaxdist.training.checkpoint_tiers import prepare_local_tier
+
+            prepare_local_tier(run_dir, durable, resume)
+    plan = resolve_run(config, run_dir, resume=resume, init_from=init_from, mesh_sizes=mesh_sizes, durable_dir=durable)
     return run_resolved(plan, devices=devices, progress=progress, print_lines=print_lines)
 
 
@@ -155,7 +178,9 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
 
     from jaxdist.data.batches import eval_batches, make_iterator
     from jaxdist.layout.mesh import format_mesh
+    from jaxdist.storage.remote import redact
     from jaxdist.training.checkpoint import Checkpointer, checkpoint_steps, params_directory, parse_resume
+    from jaxdist.training.checkpoint_tiers import durable_steps, replicator_for
     from jaxdist.training.compile_cache import compile_cache_dir, enable_compile_cache
     from jaxdist.training.energy import IntervalEnergy, agree_on_meter, open_meter
     from jaxdist.training.loop import LoopHooks, LoopResult, train_loop
@@ -173,6 +198,8 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
         mode, _, _ = parse_resume(resume, run_dir / "checkpoints")
         if mode == "never" and (checkpoint_steps(run_dir / "checkpoints") or checkpoint_steps(params_directory(run_dir / "checkpoints"))):
             raise JaxdistError(f"--resume never: {run_dir} already has checkpoints; choose another --run-dir")
+        if mode == "never" and plan.durable_dir and durable_steps(plan.durable_dir):
+            raise JaxdistError(f"--resume never: {redact(plan.durable_dir)} already has checkpoints; choose another --run-dir")
     if weights_dir is not None or (init_from and (run_dir is None or not checkpoint_steps(run_dir / "checkpoints"))):
         from jaxdist.training.weights import check_params_fit, find_checkpoint
 
@@ -184,6 +211,8 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
         if is_main:
             create_run_dir(run_dir)
         checkpointer = Checkpointer(run_dir / "checkpoints", config.checkpoint, params_dir=params_directory(run_dir / "checkpoints"))
+        if plan.durable_dir:
+            checkpointer.replicator = replicator_for(run_dir, plan.durable_dir, config.checkpoint)
     enable_compile_cache(config, run_dir)
     t = config.train
     logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress, print_lines=print_lines)
@@ -212,9 +241,10 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                 if change:
                     log.info(change)
                 logger.advance(restored.step)
+            where = f"{redact(plan.durable_dir)} (saved first to {run_dir})" if plan.durable_dir else run_dir
             log.info(
                 f"{config.name} | {trainer.n_params / 1e6:.2f}M params | mesh {format_mesh(dict(mesh.shape))} "
-                f"({mesh.size} {devices[0].platform}) | strategy {layout.strategy} | run dir {run_dir}"
+                f"({mesh.size} {devices[0].platform}) | strategy {layout.strategy} | run dir {where}"
             )
             first = next(batches)
             compile_start = time.perf_counter()

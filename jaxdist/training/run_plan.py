@@ -46,6 +46,7 @@ class RunPlan:
     resume: str  # --resume as the run uses it: auto | never | STEP | PATH (weights-only ones are taken apart)
     init_from: str | None  # the checkpoint whose weights start a fresh run
     weights_dir: Path | None  # the weights-only step directory a weights-only start continues from
+    durable_dir: str | None = None  # with checkpoint.local_dir: the run directory checkpoints are copied to (run_dir is the local tier)
 
 
 def derive(config: Config) -> None:
@@ -65,11 +66,13 @@ def resolve_run(
     num_processes: int = 1,
     n_devices: int | None = None,
     quiet: bool = False,
+    durable_dir: str | None = None,
 ) -> RunPlan:
     """The run ``config`` describes, resolved and frozen. ``mesh_sizes``: a library caller's
     mesh (else ``parallel.mesh``); ``n_devices``: the devices a ``-1`` axis fills (None: known
     before JAX starts on CPU, left unsized on GPU); ``quiet``: not process 0 (only it says
-    what a ``-1`` axis became)."""
+    what a ``-1`` axis became); ``durable_dir``: the durable tier behind the local ``run_dir``
+    (``checkpoint_tiers.run_tiers``), already prepared (``prepare_local_tier``)."""
     config = unfrozen(config)
     if mesh_sizes is None:
         settle_remaining_axis(config, num_processes, n_devices, quiet=quiet)
@@ -87,4 +90,4 @@ def resolve_run(
     if own:  # this run's own checkpoints, perhaps saved on another mesh
         adapt_microbatches_for_resume(config, mesh_sizes)
     derive(config)
-    return RunPlan(freeze(config), mesh_sizes, run_dir, start, resume, init_from, weights_dir)
+    return RunPlan(freeze(config), mesh_sizes, run_dir, start, resume, init_from, weights_dir, durable_dir)

@@ -22,7 +22,14 @@ log = logging.getLogger(__name__)
 
 def find_checkpoint(path: str | Path) -> Path:
     """The step directory ``path`` names: a step directory itself, a checkpoints
-    directory or a run directory (their newest step)."""
+    directory or a run directory (their newest step); in object storage, its newest complete
+    copy fetched into a local cache (``checkpoint_tiers.fetch_checkpoint``)."""
+    from jaxdist.storage.remote import is_remote
+
+    if is_remote(path):
+        from jaxdist.training.checkpoint_tiers import fetch_checkpoint
+
+        return fetch_checkpoint(str(path))
     path = Path(path).absolute()  # Orbax wants absolute paths
     if path.name.isdigit() and (path / "state").is_dir():
         return path
