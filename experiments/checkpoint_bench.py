@@ -1,6 +1,7 @@
 """What does a checkpoint cost the training loop?
 
     python experiments/checkpoint_bench.py [--repeats 3] [--mesh fsdp=8]
+    python experiments/checkpoint_bench.py --store [--models small,large]   # local disk vs a copy to s3
 
 For `small` and a larger model (~206M parameters, a 2.0 GB full checkpoint) on fake CPU
 devices, for both kinds of checkpoint -- full (params + AdamW moments + step, the
@@ -9,7 +10,8 @@ params) -- the time the loop is blocked by an async save (the stall) against a
 synchronous save of the same state (goal: stall <= 10% of the sync save), the time the
 async save takes to commit in the background, restore time into the shardings (a full
 state; the params for weights-only), and the bytes written per checkpoint. Medians of
-``--repeats``.
+``--repeats``. ``--store``: the loop's step time with saves to local disk against saves
+copied to an S3 server on loopback behind the run (the two-tier checkpoints).
 """
 
 from __future__ import annotations
@@ -95,15 +97,78 @@ def bench(name: str, mesh: str, repeats: int, root: Path) -> dict[str, dict]:
     return out
 
 
+def store_bench(name: str, mesh: str, steps: int, every: int, root: Path) -> None:
+    """The loop with a full save every ``every`` steps: no checkpoint, saved to local disk, and
+    saved to local disk then copied to an S3 server on loopback (``checkpoint.local_dir`` with
+    an ``s3://`` run directory): the median step with and without a save in it, and the copies."""
+    from local_s3 import local_s3
+
+    from jaxdist.training.checkpoint_tiers import Replicator
+
+    preset, overrides = MODELS[name]
+    config = load_config(preset, ["data.source=synthetic", "train.global_batch=8", "train.seq_len=64", *overrides])
+    config.checkpoint.keep = 2
+    trainer = build_trainer(config, parse_mesh(mesh))
+    batches = make_iterator(config, trainer.layout)
+    batch = next(batches)
+    batches.close()
+    step_fn = trainer.compile_step(trainer.init_state(0), batch)
+    print(f"\n{name} ({trainer.n_params / 1e6:.0f}M params) on {mesh}: {steps} steps, a full save every {every}; medians")
+    print("| checkpoints | step s (no save) | step s (with a save) | stall s | copy to s3 s (median) | end wait s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    with local_s3("bench"):
+        for mode in ("none", "local disk", "local disk + s3 copy"):
+            state = trainer.init_state(0)
+            checkpointer = None
+            if mode != "none":
+                directory = root / f"store-{mode.replace(' ', '-').replace('+', '')}"
+                checkpointer = Checkpointer(directory / "checkpoints", config.checkpoint)
+                if mode.endswith("copy"):
+                    checkpointer.replicator = Replicator(directory, f"s3://bench/{directory.name}", 0, config.checkpoint.keep)
+            plain, saving = [], []
+            for step in range(1, steps + 1):
+                start = time.perf_counter()
+                state, metrics = step_fn(state, batch)
+                jax.block_until_ready(metrics)
+                save = checkpointer is not None and step % every == 0
+                if save:
+                    checkpointer.save(step, state, {"next_index": step}, config.to_dict())
+                (saving if save else plain).append(time.perf_counter() - start)
+            start = time.perf_counter()
+            copies = []
+            if checkpointer is not None:
+                checkpointer.wait()
+                copies = list(checkpointer.replicator.copy_seconds.values()) if checkpointer.replicator else []
+                checkpointer.close()
+            end_wait = time.perf_counter() - start
+            with_save = statistics.median(saving) if saving else float("nan")
+            copy = f"{statistics.median(copies):.2f} ({len(copies)} copies)" if copies else "-"
+            print(
+                f"| {mode} | {statistics.median(plain):.3f} | {with_save:.3f} | {with_save - statistics.median(plain):.3f} | {copy} | "
+                f"{end_wait:.2f} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mesh", default="fsdp=8")
     parser.add_argument("--models", default="small,large")
+    parser.add_argument("--store", action="store_true", help="only the loop's stall saving to local disk vs copying to s3 (moto)")
+    parser.add_argument("--store-steps", type=int, default=40)
     args = parser.parse_args()
     print(
         f"hardware: {jax.devices()[0].device_kind}, {jax.device_count()} devices, {os.cpu_count()} cores; jax {jax.__version__}; mesh {args.mesh}"
     )
+    if args.store:
+        root = Path(tempfile.mkdtemp(prefix="jaxdist-ckpt-bench-"))
+        try:
+            for name in args.models.split(","):
+                store_bench(name, args.mesh, args.store_steps, 5, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
     root = Path(tempfile.mkdtemp(prefix="jaxdist-ckpt-bench-"))
     print(
         "| model | params | kind | bytes/checkpoint | sync save s | async stall s | stall / sync (goal <= 10%) | async commit s | restore s |"

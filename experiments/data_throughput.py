@@ -99,30 +99,11 @@ def cli_wait_table(code: Path, repeats: int, small_batch: int, small_steps: int)
 def store_table(steps: int, repeats: int) -> None:
     """(4) tiny on prepared .bin shards read from local disk and from an S3 server on loopback
     (moto's, in its own process), data=8: the data wait share side by side."""
-    import socket
-
     import s3fs
+    from local_s3 import local_s3
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    os.environ.update(
-        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-    )
-    try:
+    with local_s3("bench"):
         fs = s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"])
-        for _ in range(100):  # the server starts in about a second
-            try:
-                fs.mkdir("bench")
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                time.sleep(0.1)
         local = Path(tempfile.mkdtemp()) / "stdlib"
         prepare([str(f) for f in stdlib_files()[:400]], str(local), progress=False, shard_tokens=2**20)
         for f in sorted(local.iterdir()):
@@ -137,9 +118,6 @@ def store_table(steps: int, repeats: int) -> None:
             step, wait, share = (statistics.median(r[i] for r in runs) for i in range(3))
             print(f"| {name} | {step:.4f} | {wait:.5f} | {share:.2%} |", flush=True)
         shutil.rmtree(local.parent)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def main() -> None:

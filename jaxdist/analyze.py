@@ -27,7 +27,7 @@ from jaxdist.layout.devices import prepare_devices, settle_remaining_axis
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh
 from jaxdist.plan.gpu_target import compile_for_target, prepare_target, target_hardware, target_report
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("jaxdist.analyze")  # not __name__: run as -m it is __main__, outside jaxdist's logger
 
 
 def build_arg_parser():

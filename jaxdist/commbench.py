@@ -31,7 +31,7 @@ from jaxdist.cluster.distributed import process_group_from
 from jaxdist.errors import EXIT_OK, JaxdistError, OneLineArgumentParser
 from jaxdist.layout.devices import run_on_cpu_unless_gpu
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("jaxdist.commbench")  # not __name__: run as -m it is __main__, outside jaxdist's logger
 
 DEFAULT_SIZES = "1K:64M"
 

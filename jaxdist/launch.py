@@ -148,7 +148,7 @@ from jaxdist.cluster.supervise import child_argv
 from jaxdist.errors import JaxdistError, OneLineArgumentParser
 from jaxdist.training.run import run_directories
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("jaxdist.launch")  # not __name__: run as -m it is __main__, outside jaxdist's logger
 
 DEFAULT_MAX_RESTARTS = 3
 MODULES = ("jaxdist.train", "jaxdist.commbench")  # --module: the programs a plain launch can run

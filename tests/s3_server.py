@@ -51,25 +51,37 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def s3_server_process(bucket: str) -> Iterator[tuple[object, str]]:
+def s3_server_process(bucket: str, *, check_credentials: bool = False) -> Iterator[tuple[object, str]]:
     """moto's server in a process of its own (a test may kill it), with ``bucket`` made:
-    ``(the process, its endpoint)``; killed at the end. The caller sets the variables."""
+    ``(the process, its endpoint)``; killed at the end. The caller sets the variables.
+    ``check_credentials``: every request must be signed with a key the server knows (it knows
+    none, so every key is wrong, and no bucket is made)."""
     import subprocess
     import sys
     import time
+    import urllib.error
+    import urllib.request
 
     import s3fs
 
     endpoint = f"http://127.0.0.1:{free_port()}"
     port = endpoint.rsplit(":", 1)[1]
     server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", port],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0" if check_credentials else "inf"},
     )
     try:
         deadline = time.monotonic() + 60
         while True:
             try:
-                s3fs.S3FileSystem(endpoint_url=endpoint, key="k", secret="s", skip_instance_cache=True).mkdir(bucket)
+                if check_credentials:
+                    urllib.request.urlopen(endpoint, timeout=5)  # noqa: S310 - loopback: any answer means it is up
+                else:
+                    s3fs.S3FileSystem(endpoint_url=endpoint, key="k", secret="s", skip_instance_cache=True).mkdir(bucket)
+                break
+            except urllib.error.HTTPError:  # it answered (refusing the unsigned request): up
                 break
             except Exception:  # noqa: BLE001 - not up yet
                 if time.monotonic() > deadline:

@@ -105,12 +105,35 @@ def _copying(fs, root: str) -> int | None:
     return max(partial) if partial else None
 
 
+def _corpus_in_s3(tmp_path, bucket, fs) -> tuple[str, str]:
+    """A Parquet and a JSON Lines (gzip) corpus in s3://, prepared into s3://; the same files
+    prepared on local disk: (the s3 shards' URL, the local shards' folder)."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jaxdist.data.prepare import prepare
+
+    documents = [f"record {i}: " + "checkpoints in tiers " * (1 + i % 7) for i in range(300)]
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    pq.write_table(pa.table({"text": documents[:150]}), raw / "a.parquet", row_group_size=40)
+    (raw / "b.jsonl.gz").write_bytes(gzip.compress(b"".join(json.dumps({"text": d}).encode() + b"\n" for d in documents[150:])))
+    for path in raw.iterdir():
+        fs.put_file(str(path), f"{bucket.removeprefix('s3://')}/raw/{path.name}")
+    prepare(f"{bucket}/raw/*", f"{bucket}/prepared", progress=False, shard_tokens=4000)
+    prepare(str(raw / "*"), tmp_path / "prepared", progress=False, shard_tokens=4000)
+    return f"{bucket}/prepared", str(tmp_path / "prepared")
+
+
 @pytest.mark.heavy
 def test_a_copy_cut_by_sigkill_is_never_restored_and_the_next_run_finishes_or_discards_it(s3_bucket, tmp_path):
-    """The training process is SIGKILLed while a step's objects are going up. The durable tier's
-    previous step stays complete and the step in flight has no marker. On the same node (its
-    local tier has the step) the next run finishes the copy; on a new node it discards the part
-    and resumes from the previous complete step, to the uninterrupted run's losses."""
+    """On a Parquet + JSON Lines corpus prepared from s3:// into s3://, the training process is
+    SIGKILLed while a step's objects are going up. The durable tier's previous step stays
+    complete and the step in flight has no marker. On the same node (its local tier has the
+    step) the next run finishes the copy; on a new node it discards the part and resumes from
+    the previous complete step, to the losses of the same run on local files (1e-6)."""
     import s3fs
 
     from jaxdist.training.checkpoint_tiers import prepare_local_tier
@@ -118,7 +141,9 @@ def test_a_copy_cut_by_sigkill_is_never_restored_and_the_next_run_finishes_or_di
     url = f"{s3_bucket}/killed"
     fs = s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"], skip_instance_cache=True)
     root = url.removeprefix("s3://")
-    overrides = [*TINY, "train.steps=400", "checkpoint.every_steps=2", "checkpoint.keep=100"]
+    remote_data, local_data = _corpus_in_s3(tmp_path, s3_bucket, fs)
+    data = ["data.source=tokens"]
+    overrides = [*TINY, *data, f"data.path={remote_data}", "train.steps=400", "checkpoint.every_steps=2", "checkpoint.keep=100"]
     cmd = [
         sys.executable,
         "-m",
@@ -158,9 +183,9 @@ def test_a_copy_cut_by_sigkill_is_never_restored_and_the_next_run_finishes_or_di
     resumed = load_config(None, [*overrides, f"train.stop_after_step={cut + 2}", f"checkpoint.local_dir={tmp_path / 'b'}"])
     later = run(resumed, parse_mesh("data=2"), f"{url}-copy", devices=jax.devices()[:2], progress=False).losses
     assert DurableTier(f"{url}-copy").steps()[1] == []  # the part was discarded (and step cut saved anew)
-    whole = load_config(None, [*TINY, f"train.steps={cut + 2}", "train.schedule_steps=400"])
-    reference = run(whole, parse_mesh("data=2"), None, devices=jax.devices()[:2], progress=False).losses
-    np.testing.assert_allclose(later, reference[cut - 2 :], rtol=1e-5)
+    whole = load_config(None, [*TINY, *data, f"data.path={local_data}", f"train.steps={cut + 2}", "train.schedule_steps=400"])
+    reference = run(whole, parse_mesh("data=2"), tmp_path / "local-run", devices=jax.devices()[:2], progress=False).losses
+    np.testing.assert_allclose(later, reference[cut - 2 :], rtol=1e-6)
 
 
 def test_bad_tier_settings_are_one_line(tmp_path):

@@ -97,6 +97,7 @@ def test_a_finished_run_says_so_and_compiles_nothing(tmp_path, capsys, monkeypat
     assert rerun("train.steps=4", "train.stop_after_step=2").losses == []
     assert capsys.readouterr().err.splitlines()[-1] == "jaxdist: already at step 2 (train.stop_after_step=2): nothing to train"
     assert (tmp_path / "config.yaml").read_text() == config_yaml  # nothing written
+    assert not list(tmp_path.glob("tensorboard/*"))  # not even an empty event file
     with pytest.raises(Compiled):  # training left: more steps
         rerun("train.steps=3")
     with pytest.raises(Compiled):  # an older step is not finished

@@ -128,3 +128,20 @@ def test_a100_refuses_fp8_in_one_line(capsys):
         build_task(config, "gpu", "8.0")  # what jaxdist.train's build_trainer passes for a real A100
     assert build_task(config, "gpu", "9.0") is not None and build_task(config, "gpu", "8.9") is not None
     assert build_task(_config("off"), "gpu", "8.0") is not None
+
+
+def test_current_scalings_synchronous_amax_all_reduces_are_said_in_one_line(program):
+    """What XLA cannot hide is said at compile time (the run's line and ``analyze --target``'s
+    notes), counted from the schedule; delayed scaling, whose all-reduces are hidden, says nothing."""
+    from jaxdist.inspect.gpu_program import collective_schedule
+    from jaxdist.models.fp8 import amax_sync_note
+
+    config, module = program
+    all_reduce = collective_schedule(module)["all-reduce"]
+    note = amax_sync_note(config.model, all_reduce)
+    if config.model.fp8 == "current":
+        synchronous = all_reduce["count"] - all_reduce["async"]
+        assert synchronous >= sum(not a for a in _amax_all_reduces(module)) > 0
+        assert note.startswith(f"model.fp8=current: {synchronous} of {all_reduce['count']} all-reduces per step run synchronously")
+    else:
+        assert note is None

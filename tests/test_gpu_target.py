@@ -166,3 +166,20 @@ def test_pipeline_stages_run_cudnn_attention(schedule):
     assert report["kernels"]["attention_cudnn_fwd"] == report["kernels"]["attention_cudnn_bwd"] == layers_per_stage * steps, report[
         "kernels"
     ]
+
+
+def test_a_program_that_does_not_fit_says_so_in_one_line_when_run_as_a_module(tmp_path):
+    """``python -m jaxdist.analyze`` (the module is ``__main__`` then): the line that a program
+    does not fit reaches stderr, with the amount (it went to a logger outside jaxdist's)."""
+    import subprocess
+    import sys
+
+    from helpers import subprocess_env
+
+    env = {**subprocess_env(), "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.00001", "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jaxdist.analyze", "--target", "h100", "--mesh", "data=2", "--gpus", "2", *TINY, "--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if "does not fit" in line]
+    assert len(lines) == 1 and "does not fit H100" in lines[0] and "GiB" in lines[0], proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["fits"] is False

@@ -101,6 +101,17 @@ def test_no_module_is_over_500_lines():
     assert not long, long
 
 
+def test_a_module_run_as_main_logs_under_its_own_name():
+    """Run as ``python -m jaxdist.X``, a module's ``__name__`` is ``__main__``: a logger named by
+    it is outside ``jaxdist``'s, and its lines never reach stderr."""
+    runnable = {
+        name: path for name, path in _modules().items() if path.name == "__main__.py" or '__name__ == "__main__"' in path.read_text()
+    }
+    assert "jaxdist.analyze" in runnable and "jaxdist.plan.measure" in runnable
+    bad = sorted(name for name, path in runnable.items() if "getLogger(__name__)" in path.read_text())
+    assert not bad, bad
+
+
 def test_the_graph_sees_function_level_imports():
     """The walk must catch an import hidden inside a function (a lazy import is still an
     edge): jaxdist.train imports the training library only inside main()."""

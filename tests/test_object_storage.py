@@ -346,3 +346,26 @@ def test_the_disk_cache_serves_a_second_run_without_requests_and_stays_under_its
     _batches(url, 20, "data=2", f"data.cache_dir={small}", f"data.cache_gb={limit / 1e9}")
     used = sum(p.stat().st_size for p in small.glob("*.blk"))
     assert 0 < used <= limit
+
+
+def test_wrong_credentials_are_one_line_that_shows_none_of_them(prepared, tmp_path, monkeypatch):
+    """A server that checks signatures (moto's, with authentication on) refuses every key: the
+    shards, a tiered run directory and a checkpoint URL are each one line saying so, with no
+    key or secret in it."""
+    from jaxdist.data.prepared import read_meta
+    from jaxdist.training.checkpoint_tiers import fetch_checkpoint, prepare_local_tier
+
+    with s3_server_process("locked", check_credentials=True) as (_, endpoint):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrong-key-id-7f3e")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-9c1d")
+        attempts = [
+            lambda: read_meta("s3://locked/prepared"),
+            lambda: prepare_local_tier(tmp_path / "local", "s3://locked/run", "auto"),
+            lambda: fetch_checkpoint("s3://locked/run/checkpoints/2"),
+        ]
+        for attempt in attempts:
+            with pytest.raises(JaxdistError, match=r"s3://locked/\S*: access denied: check the credentials") as error:
+                attempt()
+            message = str(error.value)
+            assert "\n" not in message and "wrong-key-id" not in message and "wrong-secret" not in message

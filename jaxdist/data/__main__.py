@@ -21,7 +21,7 @@ from jaxdist.errors import EXIT_OK, OneLineArgumentParser
 
 EXIT_INTERRUPTED = 130
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("jaxdist.data")  # not __name__: run as -m it is __main__, outside jaxdist's logger
 
 
 def build_arg_parser(prog: str = "python -m jaxdist.data") -> argparse.ArgumentParser:

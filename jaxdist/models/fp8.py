@@ -332,3 +332,23 @@ def say_fp8_gemms(cfg, gemm_fp8: int, microbatches: int = 1) -> None:
     note = fp8_gemm_note(cfg, gemm_fp8, microbatches)
     if note:
         log.warning(note)
+
+
+def amax_sync_note(cfg, all_reduce: dict) -> str | None:
+    """One line for current scaling when the compiled step's all-reduces (``all_reduce``:
+    ``inspect.gpu_program.collective_schedule``'s entry) run synchronously: each quantisation
+    waits for its tensor's amax, reduced across devices, and XLA:GPU cannot hide that wait."""
+    sync = all_reduce.get("count", 0) - all_reduce.get("async", 0)
+    if cfg.fp8 != "current" or sync <= 0:
+        return None
+    return (
+        f"model.fp8=current: {sync} of {all_reduce['count']} all-reduces per step run synchronously (each quantisation waits "
+        "for its tensor's amax across devices); model.fp8=delayed takes them off the critical path"
+    )
+
+
+def say_amax_sync(cfg, all_reduce: dict) -> None:
+    """``amax_sync_note`` as a warning line, when there is one."""
+    note = amax_sync_note(cfg, all_reduce)
+    if note:
+        log.warning(note)

@@ -43,7 +43,7 @@ from jaxdist.plan.gpu_target import TARGETS, allowed_memory, prepare_target
 
 GIB = 2**30
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("jaxdist.plan")  # not __name__: run as -m it is __main__, outside jaxdist's logger
 # plan(), _gpu_target() and _price() import the modules that import JAX themselves: this one is
 # imported before main() chooses the platform (prepare_compiler).
 

@@ -196,6 +196,7 @@ def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict
     ``memory_per_device_bytes.peak``, ``fits`` (and ``fits_note``), ``kernels``, each
     collective kind's ``async`` and ``overlapped_fraction``, and ``xla_flags``."""
     from jaxdist.inspect.step_report import build_report  # imports JAX (see the module doc)
+    from jaxdist.models.fp8 import amax_sync_note
 
     report = build_report(trainer, compiled)
     module = parse_hlo(compiled.as_text())
@@ -222,4 +223,7 @@ def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict
             report["collectives"][kind]["overlapped_fraction"] = schedule["overlapped_fraction"]
     report["xla_flags"] = xla_flags_in_force(options)
     report["notes"] = [note for note in report["notes"] if "xla_flops_per_device" not in note]
+    amax_note = amax_sync_note(trainer.config.model, collective_schedule(module).get("all-reduce", {}))
+    if amax_note:
+        report["notes"].append(amax_note)
     return report

@@ -46,7 +46,7 @@ from jaxdist.plan.hlo_cost import program_cost
 CACHE_FILE = "cpu-local.json"
 ENV_CACHE_DIR = "JAXDIST_CACHE_DIR"
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("jaxdist.plan.measure")  # not __name__: run as -m it is __main__, outside jaxdist's logger
 
 # Sizes and repeats per mode. Matmuls: square sides; memory: fp32 array bytes;
 # collectives: all-reduce buffer bytes per device.

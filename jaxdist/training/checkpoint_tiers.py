@@ -232,6 +232,7 @@ class Replicator:
         self.last_copied = complete[-1] if complete else None
         self._queued_after: int | None = self.last_copied
         self.failure: _Failure | None = None
+        self.copy_seconds: dict[int, float] = {}  # step -> seconds its copy took
         self._queue: queue.Queue = queue.Queue()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._work, name="jaxdist-checkpoint-copy", daemon=True)
@@ -289,7 +290,7 @@ class Replicator:
             seconds = self.tier.upload_step(snapshot, step)
         finally:
             shutil.rmtree(snapshot, ignore_errors=True)
-        self.last_copied = step
+        self.last_copied, self.copy_seconds[step] = step, seconds
         complete, _ = self.tier.steps()
         for old in complete[: max(0, len(complete) - self.keep)]:
             self.tier.remove_step(old)

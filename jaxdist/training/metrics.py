@@ -94,9 +94,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
-        from tensorboardX import SummaryWriter
-
-        self._tb = SummaryWriter(logdir=str(run_dir / "tensorboard"))
+        self._tb_dir = run_dir / "tensorboard"  # opened at the first line (a finished run, rerun, writes no empty event file)
         if progress:
             from tqdm import tqdm
 
@@ -107,6 +105,10 @@ class MetricsLogger:
             return
         record = {"step": step, **{k: _plain(v) for k, v in values.items()}}
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")  # strict JSON: unknown is null
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=str(self._tb_dir))
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float):
                 self._tb.add_scalar(key, value, step)

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxdist.config import Config
-from jaxdist.inspect.gpu_program import kernel_counts
+from jaxdist.inspect.gpu_program import collective_schedule, kernel_counts
 from jaxdist.layout.mesh import INNER_BATCH_AXES
 from jaxdist.layout.sharding import Layout
 from jaxdist.layout.step_context import StepContext, installed
@@ -249,6 +249,7 @@ class Trainer:
         if self.config.model.fp8 != "off" and self.layout.mesh.devices.flat[0].platform == "gpu":
             # XLA runs an fp8 dot it cannot give an fp8 GEMM in f16, silently: count what it made
             fp8.say_fp8_gemms(self.config.model, kernel_counts(compiled.as_text())["gemm_fp8"], self.microbatches)
+            fp8.say_amax_sync(self.config.model, collective_schedule(compiled.as_text()).get("all-reduce", {}))
         link = slow_link.SlowLink.from_config(self.config.parallel, self.replicas.link_axis)
         return self.replicas.host_step(compiled, state, self.layout.mesh, int(jax.device_get(state.step)), link, self.state_layout)
 
