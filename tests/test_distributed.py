@@ -18,7 +18,7 @@ import pytest
 from jaxdist.cluster.launcher import free_port
 from jaxdist.config import load_config
 from jaxdist.layout.mesh import parse_mesh
-from jaxdist.layout.xla_flags import with_gpu_defaults
+from jaxdist.layout.xla_flags import COLLECTIVE_TIMEOUTS, with_collective_timeouts, with_gpu_defaults
 from jaxdist.training.checkpoint import checkpoint_steps
 from jaxdist.training.compile_cache import enable_compile_cache
 from jaxdist.training.preemption import EXIT_PREEMPTED
@@ -288,10 +288,56 @@ def test_unreachable_coordinator_is_a_clear_error(tmp_path):
 
 def test_gpu_flag_set_parses_on_this_jaxlib():
     """XLA aborts on a flag it does not know: start a backend with every default set."""
-    env = {**_env(), "XLA_FLAGS": with_gpu_defaults(""), "JAX_PLATFORMS": "cpu"}
+    env = {**_env(), "XLA_FLAGS": with_collective_timeouts(with_gpu_defaults(""), 60, 600), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "-c", "import jax; print(len(jax.devices()))"], env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert env["XLA_FLAGS"].count("--xla_gpu_") >= 5
+    assert env["XLA_FLAGS"].count("--xla_gpu_") >= 5 and all(f"--{name}=" in env["XLA_FLAGS"] for name in COLLECTIVE_TIMEOUTS)
     assert with_gpu_defaults("--xla_gpu_enable_latency_hiding_scheduler=false").count("latency_hiding") == 1  # the user's value wins
+
+
+_STOPPED_PEER = """
+import os, signal, sys, time
+import jax, numpy as np
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("d",))
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), np.ones((1, 4), np.float32))
+total = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P()))
+total(x).block_until_ready()
+if jax.process_index() == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)  # alive but gone: never enters the next all-reduce
+start = time.monotonic()
+try:
+    total(x + 1).block_until_ready()
+    print("NO ERROR", flush=True)
+except Exception as e:
+    print(f"FAILED AFTER {time.monotonic() - start:.1f} {str(e).splitlines()[0][:200]}", flush=True)
+os._exit(0)  # the coordination service's shutdown would wait for the stopped peer
+"""
+
+
+def test_a_collective_whose_peer_is_gone_fails_within_the_stated_time():
+    """The launcher's collective timeouts (sized from --hang-timeout) put first in XLA_FLAGS, even
+    behind a token XLA stops reading at: process 0's all-reduce with a stopped peer fails after
+    the timeout (5 s here), not XLA's 30 minutes."""
+    flags = with_collective_timeouts("--xla_force_host_platform_device_count=1 intra_op_parallelism_threads=1", 5, 60)
+    env = {**_env(), "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    address = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _STOPPED_PEER, address, str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        for i in range(2)
+    ]
+    try:
+        out = procs[0].communicate(timeout=120)[0]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    line = next(x for x in out.splitlines() if x.startswith(("FAILED AFTER", "NO ERROR")))
+    assert line.startswith("FAILED AFTER") and "Timed out" in line, line
+    assert 4.5 <= float(line.split()[2]) < 30, line

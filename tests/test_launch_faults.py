@@ -745,3 +745,25 @@ def test_the_hang_watch_knows_a_process_is_past_its_first_step_without_seeing_it
     stall = watch.stalled([True])
     assert stall is not None and (stall.rank, stall.step, stall.first, stall.limit_s) == (0, 8, False, 5)
     os.close(writer.fd)
+
+
+def test_the_launchers_processes_get_collective_timeouts_sized_from_the_hang_limits(monkeypatch):
+    """Each process's XLA_FLAGS begin with the collective timeouts: twice --hang-timeout (at least
+    a minute, so the hang watch names a stalled rank first); the first collective's from
+    --first-step-timeout; none without a hang watch; a value the user set is kept."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_collective_call_terminate_timeout_seconds=7 intra_op_parallelism_threads=1")
+    watched = launcher.Launcher(2, [], 1, hang=launcher.HangLimits(300, 900))
+    unwatched = launcher.Launcher(2, [], 1)
+    try:
+        flags = watched._env(0)["XLA_FLAGS"].split()
+        assert flags[:3] == [
+            "--xla_cpu_collective_timeout_seconds=600",
+            "--xla_gpu_nccl_termination_timeout_seconds=600",
+            "--xla_gpu_first_collective_call_terminate_timeout_seconds=1800",
+        ]
+        assert "--xla_cpu_collective_call_terminate_timeout_seconds=7" in flags
+        assert launcher.collective_timeouts(launcher.HangLimits(5, 0)) == (60.0, 60.0)
+        assert "collective_timeout" not in unwatched._env(0)["XLA_FLAGS"]
+    finally:
+        watched.close()
+        unwatched.close()

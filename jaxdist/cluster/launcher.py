@@ -40,6 +40,7 @@ from jaxdist.cluster.distributed import (
 from jaxdist.cluster.heartbeat import DUMP_SIGNAL, ENV_DIR, ProgressWatch, Stall
 from jaxdist.cluster.lifetime import die_with_parent
 from jaxdist.errors import EXIT_PREEMPTED, JaxdistError
+from jaxdist.layout.xla_flags import with_collective_timeouts
 
 LOOPBACK = "127.0.0.1"  # where the coordinator listens: the processes all run on this machine
 GRACE_S = 10.0  # after asking the others to stop, how long before they are killed
@@ -103,6 +104,14 @@ class HangLimits:
     first_step_timeout_s: float
 
 
+def collective_timeouts(hang: HangLimits) -> tuple[float, float]:
+    """(each collective's, the first one's) timeout in seconds: twice the hang limits and at least
+    a minute, so the hang watch names a stalled rank (with every rank's stacks) before a
+    collective waiting on it gives up; the collective timeout is the bound where no watch acts."""
+    first = hang.first_step_timeout_s or hang.hang_timeout_s
+    return max(60.0, 2 * hang.hang_timeout_s), max(60.0, 2 * first)
+
+
 @dataclasses.dataclass
 class Placement:
     """Where a set sits in a run that spans nodes."""
@@ -150,6 +159,7 @@ class Launcher:
         self.host, port_text = placement.coordinator.rsplit(":", 1)
         self.port = int(port_text)
         self.beats = Path(tempfile.mkdtemp(prefix="jaxdist-beats-"))
+        self.hang = hang
         self.watch = ProgressWatch(self.beats, nproc, hang.hang_timeout_s, hang.first_step_timeout_s, self.first_id) if hang else None
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
@@ -170,6 +180,9 @@ class Launcher:
         if self.devices_per_proc:
             flags = " ".join(t for t in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in t)
             env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={self.devices_per_proc}".strip()
+        if self.hang is not None:  # a collective whose peer is gone fails, not after XLA's 30 minutes
+            each, first = collective_timeouts(self.hang)
+            env["XLA_FLAGS"] = with_collective_timeouts(env.get("XLA_FLAGS", ""), each, first)
         return env
 
     def start(self) -> None:

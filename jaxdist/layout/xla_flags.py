@@ -1,4 +1,5 @@
-"""XLA flags jaxdist sets on GPUs: overlap communication with compute.
+"""XLA flags jaxdist sets: on GPUs, overlap communication with compute; under the launcher,
+bounded collectives (``with_collective_timeouts``).
 
 Applied only where a CUDA plugin is installed, before the backend starts, and only for
 flags the user has not set in ``XLA_FLAGS`` (theirs win). ``JAXDIST_XLA_DEFAULTS=0``
@@ -8,6 +9,7 @@ not know aborts the process, so ``tests/test_distributed.py`` starts a backend w
 
 from __future__ import annotations
 
+import math
 import os
 
 GPU_FLAGS: dict[str, str] = {
@@ -68,3 +70,25 @@ def with_gpu_defaults(xla_flags: str, config=None) -> str:
 def apply_gpu_defaults(config=None) -> None:
     if os.environ.get("JAXDIST_XLA_DEFAULTS", "1") != "0":
         os.environ["XLA_FLAGS"] = with_gpu_defaults(os.environ.get("XLA_FLAGS", ""), config)
+
+
+# A collective whose peer is gone fails after this long instead of XLA's 30 minutes (jaxlib
+# 0.10.2's names, found in its flag parser; tests/test_distributed.py starts a backend with
+# them, so a jaxlib that renames one fails there). The launcher sizes them from --hang-timeout
+# and --first-step-timeout (the first collective waits for every process's compile).
+COLLECTIVE_TIMEOUTS = {
+    "xla_cpu_collective_timeout_seconds": "each",  # gloo's send/receive on CPU
+    "xla_cpu_collective_call_terminate_timeout_seconds": "each",  # the devices of one process meeting
+    "xla_gpu_nccl_termination_timeout_seconds": "each",  # a rendezvous for an NCCL collective
+    "xla_gpu_first_collective_call_terminate_timeout_seconds": "first",
+}
+
+
+def with_collective_timeouts(xla_flags: str, each_s: float, first_s: float) -> str:
+    """``xla_flags`` with the collective timeouts it does not set itself, put first: XLA reads its
+    flags up to the first token that is not one (``intra_op_parallelism_threads=1`` in many
+    recipes), and a flag after it would be ignored."""
+    present = {token.split("=", 1)[0].lstrip("-") for token in xla_flags.split()}
+    seconds = {"each": max(1, math.ceil(each_s)), "first": max(1, math.ceil(max(first_s, each_s)))}
+    extra = [f"--{name}={seconds[kind]}" for name, kind in COLLECTIVE_TIMEOUTS.items() if name not in present]
+    return " ".join([*extra, xla_flags.strip()]).strip()
