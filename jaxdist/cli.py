@@ -39,7 +39,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
 def config_from_args(args: argparse.Namespace) -> Config:
     """The config the flags and overrides describe; the flags win over the same keys."""
     overrides = list(args.overrides)
-    for flag, key in (("steps", "train.steps"), ("seed", "train.seed"), ("log_every", "train.log_every")):
+    flags = {"steps": "train.steps", "seed": "train.seed", "log_every": "train.log_every"}
+    flags |= {"straggler_factor": "train.straggler_factor", "straggler_window": "train.straggler_window"}
+    for flag, key in flags.items():
         if getattr(args, flag, None) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
     if getattr(args, "mesh", None) is not None:
@@ -64,6 +66,8 @@ def train_arg_parser(prog: str = "python -m jaxdist.train") -> argparse.Argument
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds before the first restart; doubles each time")
     parser.add_argument("--profile-steps", default=None, metavar="A:B", help="trace steps A..B into RUN_DIR/profile (train.profile_steps)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit (nothing runs)")
+    parser.add_argument("--straggler-factor", type=float, default=None, help="train.straggler_factor (several processes)")
+    parser.add_argument("--straggler-window", type=int, default=None, help="train.straggler_window (0: off)")
     parser.add_argument(
         "--log-level",
         default="info",

@@ -147,6 +147,8 @@ class TrainConfig(_Freezable):
     compile_cache: str = knob("auto", "XLA's persistent compilation cache: auto (RUN_DIR/xla_cache) | off | a directory")
     profile_steps: str = knob("", '"A:B": trace steps A..B into RUN_DIR/profile (--profile-steps)')
     loss_scale: str = knob("dynamic", "model.dtype=float16 only: dynamic (GradScaler's schedule) | a fixed positive number")
+    straggler_factor: float = knob(1.3, "name a process whose own work per step is this many times the others' median", ">= 1")
+    straggler_window: int = knob(50, "steps per straggler comparison (--straggler-window); 0: off", ">= 0")
 
     def schedule_length(self) -> int:
         """Steps the learning-rate schedule spans: ``schedule_steps``, else ``steps``."""

@@ -146,7 +146,8 @@ NUMERIC_KEYS = {
     **dict.fromkeys(["train.decay_fraction", "train.log_every", "train.eval_batches", "train.max_skips"], (False, False)),
     **dict.fromkeys(["train.schedule_steps", "train.stop_after_step", "train.min_lr_ratio", "train.warmup_steps"], (True, False)),
     **dict.fromkeys(["train.momentum", "train.weight_decay", "train.beta1", "train.beta2", "train.grad_clip", "train.seed"], (True, False)),
-    **dict.fromkeys(["train.eval_every", "train.peak_flops"], (True, False)),
+    **dict.fromkeys(["train.eval_every", "train.peak_flops", "train.straggler_window"], (True, False)),
+    "train.straggler_factor": (False, False),  # >= 1
     **dict.fromkeys(["data.workers", "data.prefetch", "data.synthetic_latency_ms"], (True, False)),
     "data.eval_fraction": (False, False),
     "data.cache_gb": (False, False),

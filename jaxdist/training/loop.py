@@ -5,6 +5,7 @@ preemption, the energy meter, the profile window and the launcher's heartbeat ar
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -21,9 +22,12 @@ from jaxdist.training.energy import IntervalEnergy, energy_fields
 from jaxdist.training.metrics import MetricsLogger
 from jaxdist.training.preemption import Preempted
 from jaxdist.training.state import TrainState
+from jaxdist.training.stragglers import straggler_line
 
 if TYPE_CHECKING:
     from jaxdist.training.step import Trainer
+
+log = logging.getLogger(__name__)
 
 # metrics.jsonl's MoE fields (models.moe.metrics_from_sums), logged when the step returns them
 MOE_METRICS = {"moe_aux_loss", "moe_load_max", "moe_dropped_fraction"}
@@ -48,6 +52,7 @@ class LoopHooks:
     preemption: Any = None  # jaxdist.training.preemption.PreemptionWatcher
     tracer: StepTracer = dataclasses.field(default_factory=StepTracer)  # --profile-steps
     energy: IntervalEnergy | None = None  # the GPUs' energy meter per log interval (None: not measured)
+    stragglers: Any = None  # jaxdist.training.stragglers.StragglerWatch (several processes)
 
 
 def train_loop(
@@ -78,7 +83,7 @@ def train_loop(
     """
     cfg, hooks = trainer.config.train, hooks or LoopHooks()
     step_fn = step_fn or trainer.train_step
-    checkpointer, tracer = hooks.checkpointer, hooks.tracer
+    checkpointer, tracer, stragglers = hooks.checkpointer, hooks.tracer, hooks.stragglers
     n_devices = trainer.layout.mesh.size
     start_step = int(jax.device_get(state.step))
     end = min(steps, cfg.stop_after_step or steps)  # train.stop_after_step: a planned interruption, saved like the end
@@ -113,16 +118,21 @@ def train_loop(
         with tracer.step(step):
             with tracer.phase("data"):
                 wait_start = time.perf_counter()
+                if stragglers is not None:
+                    stragglers.injected_delay(step)
                 batch = next(batches)
                 waited = time.perf_counter() - wait_start
             data_wait += waited
             tracer.data_waited(step, waited)
             with tracer.phase("dispatch"):
+                dispatch_start = time.perf_counter()
                 state, metrics = step_fn(state, batch)
                 # Free the batch now, while the step runs: freeing device arrays gives the GIL up,
                 # and done inside the next ``next(batches)`` it handed the GIL to the read-ahead
                 # thread (woken by that same next) and the loop waited for its Python work.
                 del batch
+                if stragglers is not None:  # this step's own host work: its data and its dispatch
+                    stragglers.host_work(waited + time.perf_counter() - dispatch_start)
             pending.append(metrics)
             if deferred is not None:  # the previous log point, now that this step is queued behind it
                 write_window(*deferred, next_running=True)
@@ -161,6 +171,9 @@ def train_loop(
                     raise Preempted(step, hooks.preemption.reason)
                 energy.start()
                 data_wait = 0.0
+        if stragglers is not None and (record := stragglers.step_done(step)) is not None:
+            log.warning(straggler_line(record, stragglers.factor))
+            logger.log(step, {"straggler": record})
         tracer.after_step(step, state)
     result.state = state
     return result

@@ -151,6 +151,10 @@ def _plain(value: Any) -> Any:
     """A JSON value: numbers as float, NaN / inf as null (strict JSON has no NaN)."""
     if isinstance(value, int | str | bool) or value is None:
         return value
+    if isinstance(value, dict):  # a record of its own (a straggler's)
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
     try:
         number = float(value)
     except (TypeError, ValueError):

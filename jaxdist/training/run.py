@@ -187,6 +187,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     from jaxdist.training.metrics import MetricsLogger, fp8_peak_flops_per_device, peak_flops_per_device
     from jaxdist.training.preemption import PreemptionWatcher
     from jaxdist.training.resume import continue_data, initial_weights, restore_checkpoint, schedule_change
+    from jaxdist.training.stragglers import StragglerWatch
 
     config, run_dir, resume, init_from, weights_dir = plan.config, plan.run_dir, plan.resume, plan.init_from, plan.weights_dir
     compile_cache_dir(config, run_dir)  # refused before anything is written
@@ -260,6 +261,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                 config_dict=config.to_dict(),
                 tracer=profile_window(trainer, step_fn, run_dir, int(jax.device_get(state.step))),
                 energy=IntervalEnergy(meter),
+                stragglers=StragglerWatch(t.straggler_factor, t.straggler_window),
             )
             with PreemptionWatcher(multi_process=jax.process_count() > 1) as hooks.preemption, contextlib.closing(hooks.tracer):
                 result = train_loop(
