@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
-from jaxdist.config_fields import knob, range_violation
+from jaxdist.config_fields import credentials_violation, knob, range_violation
 from jaxdist.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -424,17 +424,15 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _check_ranges(config: Config) -> None:
-    """Every number against its field's range (finite first: nan and inf pass every ``<``)."""
+    """Every number against its field's range (finite first: nan and inf pass every ``<``); no
+    credential in a URL (config.yaml would keep it)."""
     for key, field in keys().items():
-        valid = field.metadata.get("valid")
-        if not valid:
-            continue
         section, name = key.split(".")
-        value = getattr(getattr(config, section), name)
+        value, valid = getattr(getattr(config, section), name), field.metadata.get("valid")
         for item in value if isinstance(value, tuple) else (value,):
-            why = range_violation(item, valid)
+            why = range_violation(item, valid) if valid else credentials_violation(item)
             if why:
-                raise ConfigError(f"{key} {why}, got {item!r}")
+                raise ConfigError(f"{key} {why}" if not valid else f"{key} {why}, got {item!r}")
 
 
 def validate(config: Config) -> None:

@@ -37,3 +37,13 @@ def range_violation(value: float, valid: str) -> str | None:
     above = value >= float(lo) if opening == "[" else value > float(lo)
     below = value <= float(hi) if closing == "]" else value < float(hi)
     return None if above and below else f"must be in {opening}{lo}, {hi}{closing}"
+
+
+_URL_USER = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@\s]+@")
+
+
+def credentials_violation(value: Any) -> str | None:
+    """Why a string value may not be used: a URL with a user part (``s3://KEY:SECRET@bucket``)."""
+    if isinstance(value, str) and _URL_USER.match(value):
+        return "names credentials in its URL (they would be written into config.yaml): set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
+    return None

@@ -187,8 +187,13 @@ def test_no_credential_reaches_a_message(s3_bucket):
     key = os.environ["AWS_ACCESS_KEY_ID"]
     assert redact(f"s3://{key}:{secret}@bucket/x") == "s3://bucket/x"
     assert secret not in redact(f"failed with {secret} in it")
-    with pytest.raises(JaxdistError) as error:
+    with pytest.raises(JaxdistError, match="data.path names credentials in its URL") as error:  # config.yaml would keep them
         open_corpus(load_config(None, ["data.source=tokens", f"data.path=s3://{key}:{secret}@jaxdist-no-such-bucket/x"]))
+    assert secret not in str(error.value) and key not in str(error.value)
+    from jaxdist.training.checkpoint_tiers import run_tiers
+
+    with pytest.raises(JaxdistError, match="--run-dir names credentials in its URL") as error:
+        run_tiers(f"s3://{key}:{secret}@bucket/run", "/tmp/local")
     assert secret not in str(error.value) and key not in str(error.value)
 
 

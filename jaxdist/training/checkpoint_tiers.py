@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from jaxdist.config_fields import credentials_violation
 from jaxdist.errors import JaxdistError
 from jaxdist.storage.remote import filesystem, is_remote, redact, storage_error
 from jaxdist.training.checkpoint import CheckpointError, checkpoint_steps
@@ -46,6 +47,8 @@ COMMIT_WAIT_S = 3600.0  # how long the copier waits for Orbax to commit a step l
 def run_tiers(run_dir: str, local_dir: str) -> tuple[Path, str | None]:
     """(the folder the run writes to, the durable tier it is copied to or None) for
     ``--run-dir`` and ``checkpoint.local_dir``."""
+    if credentials_violation(run_dir):
+        raise JaxdistError(f"--run-dir {credentials_violation(run_dir)}")
     if not local_dir:
         if is_remote(run_dir):
             raise JaxdistError(

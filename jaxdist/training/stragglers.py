@@ -76,26 +76,28 @@ class StragglerWatch:
             return None
         now = time.perf_counter()
         if self.window_start is None:  # the first step (the compile) is no one's window
-            self.window_start, self.first_step, self.per_step = now, step, []
+            self.window_start, self.first_step, self.per_step, self.step_times = now, step, [], []
             return None
+        self.step_times.append(now - self.window_start)
+        self.window_start = now
         if (step - self.first_step) % self.window:
             return None
         import jax
         import numpy as np
         from jax.experimental import multihost_utils
 
-        steps, elapsed = self.window, now - self.window_start
+        steps, step_s = self.window, statistics.median(self.step_times)  # a step's median: saves and evals left out
         if self.hosts is None:
             name = socket.gethostname().encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
             gathered = multihost_utils.process_allgather(np.frombuffer(name, np.uint8))
             self.hosts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in np.asarray(gathered).reshape(-1, HOST_BYTES)]
         # the median step: a pause of the machine's in one step is not a straggler
         own = np.asarray(multihost_utils.process_allgather(np.float32(statistics.median(self.per_step or [0.0])))).reshape(-1)
-        self.window_start, self.per_step = time.perf_counter(), []
+        self.window_start, self.per_step, self.step_times = time.perf_counter(), [], []
         self.windows += 1
         if jax.process_index() != 0 or self.windows == 1:  # the first window warms up (start-up noise): compared from the second
             return None
-        return straggler(own.tolist(), elapsed / steps, self.factor, self.hosts, (step - steps + 1, step))
+        return straggler(own.tolist(), step_s, self.factor, self.hosts, (step - steps + 1, step))
 
 
 def straggler(own_s: list[float], step_s: float, factor: float, hosts: list[str], steps: tuple[int, int]) -> dict | None:
