@@ -24,7 +24,12 @@ def local_s3(bucket: str) -> Iterator[str]:
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     endpoint = f"http://127.0.0.1:{port}"
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench-key-id", AWS_SECRET_ACCESS_KEY="bench-secret-key", AWS_DEFAULT_REGION="us-east-1")
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="bench-key-id",
+        AWS_SECRET_ACCESS_KEY="bench-secret-key",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
     try:
         fs = s3fs.S3FileSystem(endpoint_url=endpoint)
         for _ in range(100):  # the server starts in about a second
