@@ -221,3 +221,15 @@ def test_two_processes_save_to_one_local_tier_and_copy_to_s3(s3_bucket, tmp_path
     assert DurableTier(url).steps() == ([2, 4], [])
     later = _run(url, tmp_path / "one", "data=2").losses
     np.testing.assert_allclose(later, uninterrupted[4:], rtol=1e-5)
+
+
+def test_a_hostile_commit_marker_cannot_write_outside_the_local_tier(s3_bucket, tmp_path):
+    """A marker naming '../' paths (or an absolute one) is refused in one line; nothing is written outside."""
+    tier = DurableTier(f"{s3_bucket}/hostile")
+    for name in ("../../escaped", "/tmp/escaped-absolute"):
+        marker = json.dumps({"step": 2, "files": {name: 1}}).encode()
+        tier.fs.pipe_file(f"{tier.root}/checkpoints/2/{COMMIT}", marker)
+        tier.fs.pipe_file(f"{tier.root}/checkpoints/2/x", b"x")
+        with pytest.raises(JaxdistError, match="leads out of the folder"):
+            tier.download_step(2, tmp_path / "local" / "checkpoints" / "2")
+    assert not (tmp_path / "escaped").exists() and not os.path.exists("/tmp/escaped-absolute")

@@ -135,15 +135,16 @@ class DurableTier:
         when what is stored differs from its marker."""
         prefix = f"{CHECKPOINTS}/{step}"
         marker = json.loads(self._call(f"{prefix}/{COMMIT}", self.fs.cat_file, f"{self.root}/{prefix}/{COMMIT}"))
+        partial = target.parent / f".{target.name}.download-{os.getpid()}"
+        destinations = {rel: _inside(partial, rel, f"{redact(self.location)}/{prefix}") for rel in marker["files"]}
         stored = self.files(prefix)
         wrong = [rel for rel, size in marker["files"].items() if stored.get(rel) != size]
         if wrong:
             raise JaxdistError(f"{redact(self.location)}/{prefix}: {len(wrong)} file(s) differ from its commit marker, e.g. {wrong[0]}")
-        partial = target.parent / f".{target.name}.download-{os.getpid()}"
         shutil.rmtree(partial, ignore_errors=True)
-        for rel in marker["files"]:
-            (partial / rel).parent.mkdir(parents=True, exist_ok=True)
-            self._call(f"{prefix}/{rel}", self.fs.get_file, f"{self.root}/{prefix}/{rel}", str(partial / rel))
+        for rel, destination in destinations.items():
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            self._call(f"{prefix}/{rel}", self.fs.get_file, f"{self.root}/{prefix}/{rel}", str(destination))
         partial.rename(target)
 
     def put_top_files(self, local: Path) -> None:
@@ -160,10 +161,19 @@ class DurableTier:
             head = rel.partition("/")[0]
             wanted = "/" not in rel or (below and head not in (CHECKPOINTS, "params") and not head.startswith("."))
             if wanted and not (local / rel).exists():
-                (local / rel).parent.mkdir(parents=True, exist_ok=True)
-                self._call(rel, self.fs.get_file, f"{self.root}/{rel}", str(local / rel))
+                destination = _inside(local, rel, redact(self.location))
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                self._call(rel, self.fs.get_file, f"{self.root}/{rel}", str(destination))
                 fetched.append(rel)
         return fetched
+
+
+def _inside(folder: Path, rel: str, source: str) -> Path:
+    """``folder / rel``, refused when a stored name would lead out of ``folder`` (absolute, or ``..``)."""
+    parts = Path(rel).parts
+    if not parts or Path(rel).is_absolute() or ".." in parts:
+        raise JaxdistError(f"{source}: refusing the stored name {rel!r}: it leads out of the folder it is fetched into")
+    return folder / rel
 
 
 @contextlib.contextmanager
