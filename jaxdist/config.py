@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy as copy_module
 import dataclasses
 import difflib
-import math
 import re
 import types
 import typing
@@ -22,6 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from jaxdist.config_fields import credentials_violation, knob, range_violation
+from jaxdist.config_rules import check_rules, profile_window  # noqa: F401  (profile_window: public here)
 from jaxdist.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -131,7 +131,15 @@ class TrainConfig(_Freezable):
     min_lr_ratio: float = knob(0.1, "the schedule's floor as a fraction of train.lr", "[0, 1]")
     warmup_steps: int = knob(10, "linear warmup: step k of the first N trains at lr x k / N", ">= 0")
     decay_fraction: float = knob(0.2, "wsd: the last fraction of the schedule that decays", "(0, 1]")
-    optimizer: Literal["adamw", "sgd"] = knob("adamw", "adamw | sgd")
+    optimizer: Literal["adamw", "sgd", "muon"] = knob(
+        "adamw", "adamw | sgd | muon (orthogonalised momentum on the hidden matrices; AdamW on embeddings, head, norms, router)"
+    )
+    muon_momentum: float = knob(0.95, "muon: momentum of the orthogonalised update", "[0, 1)")
+    muon_nesterov: bool = knob(True, "muon: Nesterov momentum")
+    muon_ns_steps: int = knob(5, "muon: Newton-Schulz iterations per orthogonalisation", ">= 1")
+    muon_scale: Literal["match_adamw", "spectral", "none"] = knob(
+        "match_adamw", "muon: update scale: match_adamw (0.2 sqrt(max(m,n)), AdamW's lr carries over) | spectral (sqrt(max(1,m/n))) | none"
+    )
     momentum: float = knob(0.0, "sgd only: heavy-ball momentum (0: plain SGD)", "[0, 1)")
     weight_decay: float = knob(0.1, "decoupled (AdamW) or coupled (SGD) weight decay on matrices", ">= 0")
     beta1: float = knob(0.9, "Adam's first-moment decay", "[0, 1)")
@@ -157,8 +165,10 @@ class TrainConfig(_Freezable):
 
 @dataclasses.dataclass
 class DataConfig(_Freezable):
-    source: Literal["stdlib", "text", "tokens", "synthetic"] = knob(
-        "stdlib", "stdlib (this Python's own sources, no download) | text (your files) | tokens (prepared shards) | synthetic"
+    source: Literal["stdlib", "text", "tokens", "synthetic", "chat"] = knob(
+        "stdlib",
+        "stdlib (this Python's own sources, no download) | text (your files) | tokens (prepared shards) | synthetic | "
+        'chat ({"messages": [...]} JSON Lines)',
     )
     path: str = knob("", "text: files, globs or a directory; tokens: a `jaxdist.data prepare` output directory")
     tokenizer: str = knob("", '"" or byte: byte-level; or a Hugging Face tokenizer.json / SentencePiece .model file')
@@ -176,6 +186,11 @@ class DataConfig(_Freezable):
     eval_fraction: float = knob(0.01, "the held-out tail of the corpus", "(0, 1)")
     shuffle: bool = knob(True, "shuffle the documents by seed")
     document_mask: bool = knob(True, "packed documents do not attend to each other")
+    chat_template: str = knob("", 'chat: a Jinja chat template file; "": the chat_template of the tokenizer\'s tokenizer_config.json')
+    loss_on: Literal["assistant", "all"] = knob("assistant", "chat: the loss on the assistant's tokens only | on every token")
+    chat_overflow: Literal["truncate", "drop"] = knob(
+        "truncate", "chat: a conversation longer than train.seq_len is cut to it | left out (both counted in the log)"
+    )
     synthetic_latency_ms: float = knob(0.0, "benchmarking: every synthetic example first waits this long (slow storage)", ">= 0")
 
 
@@ -214,7 +229,9 @@ class ParallelConfig(_Freezable):
     diloco_reduce: Literal["float32", "bfloat16", "int8"] = knob("float32", "DiLoCo: what the delta crosses the replica axis as")
     replica_link_latency_ms: float = knob(0.0, "simulated slow link between replicas (experiments): latency per collective", ">= 0")
     replica_link_gbps: float = knob(0.0, "simulated slow link: bandwidth in Gbit/s (0: not simulated)", ">= 0")
-    context_strategy: Literal["all_gather", "ring"] = knob("all_gather", "attention over a context axis: all_gather (K/V gathered) | ring")
+    context_strategy: Literal["all_gather", "ring", "all_to_all"] = knob(
+        "all_gather", "attention over a context axis: all_gather (K/V gathered) | ring | all_to_all (Ulysses: heads split, sequence whole)"
+    )
     context_load_balance: bool = knob(True, "give context shard r sequence chunks r and 2N-1-r (even causal work)")
     expert_buffer_factor: float = knob(
         0.0,
@@ -223,7 +240,22 @@ class ParallelConfig(_Freezable):
     )
 
 
-SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig, "parallel": ParallelConfig}
+@dataclasses.dataclass
+class LogConfig(_Freezable):
+    wandb: bool = knob(False, "also log to Weights & Biases (process 0; the extra `wandb`; WANDB_MODE=offline works without a network)")
+    wandb_project: str = knob("jaxdist", "W&B project")
+    wandb_entity: str = knob("", 'W&B entity (team or user); "": the account\'s default')
+    wandb_name: str = knob("", 'W&B run name; "": the run directory\'s name')
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "parallel": ParallelConfig,
+    "log": LogConfig,
+}
 
 
 @dataclasses.dataclass
@@ -233,6 +265,7 @@ class Config(_Freezable):
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
     name: str = "default"
 
     def to_dict(self) -> dict[str, Any]:
@@ -403,26 +436,6 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...
     return config
 
 
-def profile_window(spec: str) -> tuple[int, int]:
-    """``"A:B"`` -> (A, B), the first and last traced step."""
-    first, sep, last = spec.partition(":")
-    if not (sep and first.strip().isdigit() and last.strip().isdigit()):
-        raise ConfigError(f"train.profile_steps {spec!r}: expected A:B, e.g. 5:8")
-    return int(first), int(last)
-
-
-def _positive_number(text: str) -> bool:
-    try:
-        return math.isfinite(float(text)) and float(text) > 0
-    except ValueError:
-        return False
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
 def _check_ranges(config: Config) -> None:
     """Every number against its field's range (finite first: nan and inf pass every ``<``); no
     credential in a URL (config.yaml would keep it)."""
@@ -438,61 +451,10 @@ def _check_ranges(config: Config) -> None:
 def validate(config: Config) -> None:
     """Checks that need no devices (types and choices were checked as the keys were set);
     mesh-dependent checks live in ``layout.validate.check_config_on_mesh``."""
-    _require(
-        bool(NAME_PATTERN.fullmatch(config.name)) and config.name not in (".", ".."),
-        f"name {config.name!r} must be one path component of letters, digits, '.', '_' and '-' (it names the run directory); "
-        "set name=... (a config file's name defaults to its file name)",
-    )
+    if not (NAME_PATTERN.fullmatch(config.name) and config.name not in (".", "..")):
+        raise ConfigError(
+            f"name {config.name!r} must be one path component of letters, digits, '.', '_' and '-' (it names the run directory); "
+            "set name=... (a config file's name defaults to its file name)"
+        )
     _check_ranges(config)
-    m, t = config.model, config.train
-    if m.fp8 != "off":
-        _require(m.kind == "llama", f"model.fp8 is for the llama decoder's matmuls, not model.kind={m.kind}")
-        _require(
-            m.dtype in ("auto", "bfloat16"),
-            f"model.fp8={m.fp8} needs bfloat16 compute (model.dtype=bfloat16), got model.dtype={m.dtype}",
-        )
-        _require(
-            not m.fp8_keep_ends or m.n_layers > 2,
-            f"model.fp8={m.fp8} with model.fp8_keep_ends=true leaves none of the {m.n_layers} layers in fp8 (set model.fp8_keep_ends=false)",
-        )
-    _require(
-        m.valid_vocab == 0 or m.vocab_size == 0 or m.valid_vocab <= m.vocab_size,
-        f"model.valid_vocab must be 0 (all ids) or in 1..model.vocab_size ({m.vocab_size}), got {m.valid_vocab}",
-    )
-    if m.rope_scaling_factor:
-        _require(
-            m.rope_scaling_factor >= 1 and m.rope_high_freq_factor > m.rope_low_freq_factor,
-            "model.rope_scaling_factor needs factor >= 1 and rope_high_freq_factor > rope_low_freq_factor",
-        )
-    _require(m.n_heads % m.n_kv_heads == 0, f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
-    _require(
-        m.head_dim > 0 or m.d_model % m.n_heads == 0,
-        f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}) unless model.head_dim is set",
-    )
-    _require(m.resolved_head_dim % 2 == 0, f"head dim must be even for RoPE, got {m.resolved_head_dim}")
-    if m.moe_experts and m.kind == "llama":
-        _require(
-            1 <= m.moe_top_k <= m.moe_experts, f"model.moe_top_k ({m.moe_top_k}) must be between 1 and model.moe_experts ({m.moe_experts})"
-        )
-        _require(
-            m.moe_first_dense < m.n_layers,
-            f"model.moe_first_dense ({m.moe_first_dense}) must leave at least one of the {m.n_layers} layers an MoE layer",
-        )
-    _require(t.stop_after_step <= t.steps, f"train.stop_after_step must be in 0..train.steps ({t.steps}) (0: off), got {t.stop_after_step}")
-    if t.profile_steps:
-        first, last = profile_window(t.profile_steps)
-        _require(1 <= first <= last <= t.steps, f"train.profile_steps {t.profile_steps}: need 1 <= A <= B <= train.steps ({t.steps})")
-    if m.dtype == "float16":
-        _require(
-            t.loss_scale == "dynamic" or _positive_number(t.loss_scale),
-            f"train.loss_scale must be dynamic or a positive number with model.dtype=float16, got {t.loss_scale!r}",
-        )
-    _require(
-        t.global_batch % t.microbatches == 0,
-        f"train.global_batch ({t.global_batch}) must be divisible by train.microbatches ({t.microbatches})",
-    )
-    strategy_parts = set(config.parallel.strategy.split("+"))
-    _require(
-        strategy_parts <= {"auto", "dp", "fsdp", "zero1", "tp"} and len(strategy_parts & {"auto", "dp", "fsdp", "zero1"}) <= 1,
-        f"parallel.strategy must be auto, dp, fsdp or zero1, optionally with +tp, got {config.parallel.strategy!r}",
-    )
+    check_rules(config)

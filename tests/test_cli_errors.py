@@ -148,6 +148,8 @@ NUMERIC_KEYS = {
     **dict.fromkeys(["train.momentum", "train.weight_decay", "train.beta1", "train.beta2", "train.grad_clip", "train.seed"], (True, False)),
     **dict.fromkeys(["train.eval_every", "train.peak_flops", "train.straggler_window"], (True, False)),
     "train.straggler_factor": (False, False),  # >= 1
+    "train.muon_ns_steps": (False, False),
+    "train.muon_momentum": (True, False),
     **dict.fromkeys(["data.workers", "data.prefetch", "data.synthetic_latency_ms"], (True, False)),
     "data.eval_fraction": (False, False),
     "data.cache_gb": (False, False),

@@ -276,6 +276,18 @@ def unused_keys(config: Config, sizes: MeshSizes) -> list[str]:
         for key in ("diloco_outer_lr", "diloco_outer_momentum", "diloco_reduce"):
             if changed("parallel", key):
                 found.append((f"parallel.{key}", "parallel.diloco_inner_steps=0 (DiLoCo is off)"))
+    if t.optimizer != "muon":
+        for key in ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_scale"):
+            if changed("train", key):
+                found.append((f"train.{key}", f"train.optimizer={t.optimizer} (it is Muon's)"))
+    if config.data.source != "chat":
+        for key in ("chat_template", "loss_on", "chat_overflow"):
+            if changed("data", key):
+                found.append((f"data.{key}", f"data.source={config.data.source} (it is for chat data)"))
+    if not config.log.wandb:
+        for key in ("wandb_project", "wandb_entity", "wandb_name"):
+            if changed("log", key):
+                found.append((f"log.{key}", "log.wandb=false (nothing is sent to Weights & Biases)"))
     if not config.checkpoint.local_dir and changed("checkpoint", "remote_every_steps"):
         found.append(("checkpoint.remote_every_steps", "checkpoint.local_dir unset (checkpoints are saved to the run directory directly)"))
     return [f"jaxdist: warning: {key}={_show(config, key)} has no effect with {why}" for key, why in found]
