@@ -17,6 +17,7 @@ EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3  # the loss went NaN/inf and the run stopped
 EXIT_CHECKPOINT = 4  # a checkpoint could not be written (the last committed one is intact)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again"; the state was saved
+EXIT_RECOVERY = 78  # --recovery in-process could not go on here (said why): the launcher restarts from the last checkpoint
 
 
 class JaxdistError(Exception):

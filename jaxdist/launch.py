@@ -153,6 +153,7 @@ log = logging.getLogger("jaxdist.launch")  # not __name__: run as -m it is __mai
 DEFAULT_MAX_RESTARTS = 3
 MODULES = ("jaxdist.train", "jaxdist.commbench")  # --module: the programs a plain launch can run
 DEFAULT_HANG_TIMEOUT_S = 1800.0
+DEFAULT_PEER_TIMEOUT_S = 10.0  # --recovery in-process: how soon a survivor gives up on a silent peer
 DEFAULT_FIRST_STEP_TIMEOUT_S = 3600.0
 DEFAULT_RDZV_TIMEOUT_S = 600.0
 DEFAULT_RDZV_SETTLE_S = 5.0
@@ -176,6 +177,7 @@ SECONDS_FLAGS = {  # flag: (the lowest value, whether it is allowed, what it mea
     "first_step_timeout": (0.0, False, ""),
     "rdzv_timeout": (0.0, False, ""),
     "rdzv_settle": (0.0, True, "0: no settle window"),
+    "peer_timeout": (0.0, False, ""),
 }
 COUNT_FLAGS = {"nproc": 1, "devices_per_proc": 1, "nproc_per_node": 1, "max_restarts": 0}  # --min-nproc: with --nproc below
 
@@ -238,6 +240,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help=f"the same until every process finished its first step: start-up, restore, compile (default {DEFAULT_FIRST_STEP_TIMEOUT_S:g})",
     )
     parser.add_argument(
+        "--recovery",
+        default="restart",
+        choices=("restart", "in-process"),
+        help="elastic, after a process dies: restart the set from the last checkpoint (default), or in-process: the survivors "
+        "go on from the failed step without a restart (one device per process; process 0's death still restarts)",
+    )
+    parser.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=DEFAULT_PEER_TIMEOUT_S,
+        metavar="S",
+        help=f"--recovery in-process: seconds a collective or the coordination service waits for a silent peer (default {DEFAULT_PEER_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
         "--module",
         default="jaxdist.train",
         choices=MODULES,
@@ -271,7 +287,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.elastic = any(getattr(args, k) is not None for k in ("min_nproc", "max_restarts", "nproc_file"))
     if args.elastic:
         _check_elastic_args(args)
+    _check_recovery_args(args)
     return args
+
+
+def _check_recovery_args(args: argparse.Namespace) -> None:
+    if args.recovery == "restart":
+        if args.peer_timeout != DEFAULT_PEER_TIMEOUT_S:
+            log.warning(f"--peer-timeout {args.peer_timeout:g} has no effect with --recovery restart (it is in-process recovery's)")
+        return
+    if not args.elastic:
+        raise JaxdistError("--recovery in-process needs an elastic launch (--min-nproc M): the survivors go on with fewer processes")
+    if args.devices_per_proc != 1:
+        raise JaxdistError(
+            f"--recovery in-process needs --devices-per-proc 1, got {args.devices_per_proc}: with several devices per process, "
+            "gloo aborts a survivor when a peer dies (jax 0.10)"
+        )
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -303,6 +334,8 @@ def _parse_nnodes(text: str) -> tuple[int, int]:
 
 def _check_node_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """--nnodes: the flags of a run across nodes, checked before anything is started or registered."""
+    if args.recovery == "in-process":
+        raise JaxdistError("--recovery in-process is for processes on one machine (--nproc with --min-nproc); across nodes runs restart")
     mixed = [f"--{k.replace('_', '-')}" for k in LOCAL_FLAGS if getattr(args, k) is not None]
     if mixed:
         raise JaxdistError(f"{mixed[0]} is for processes on one machine; with --nnodes give --nproc-per-node K")
@@ -354,6 +387,8 @@ def elastic_plan(args: argparse.Namespace) -> ElasticPlan:
         nproc_file=Path(args.nproc_file) if args.nproc_file else None,
         port=args.port,
         hang=args.hang,
+        recovery=args.recovery,
+        peer_timeout_s=args.peer_timeout,
     )
 
 

@@ -31,6 +31,7 @@ import threading
 import time
 
 import jaxdist
+from jaxdist.cluster import recoverable
 from jaxdist.errors import JaxdistError
 
 ENV_COORDINATOR = "JAXDIST_COORDINATOR"
@@ -310,6 +311,10 @@ def initialize(group: ProcessGroup | None) -> None:
     bind = bind_address(group) if group.coordinator and group.process_id == 0 else None
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+    recovery = {}
+    if recoverable.in_process_recovery():  # a dead peer leaves the others running (jaxdist.launch --recovery in-process)
+        recoverable.enable()
+        recovery = {"heartbeat_timeout_seconds": recoverable.peer_timeout_s()}
     try:
         jax.distributed.initialize(
             coordinator_address=group.coordinator,
@@ -318,6 +323,7 @@ def initialize(group: ProcessGroup | None) -> None:
             local_device_ids=local_devices,
             initialization_timeout=group.timeout_s,
             coordinator_bind_address=bind,
+            **recovery,
         )
     except Exception as e:  # noqa: BLE001 - a connection failure surfaces as various runtime errors
         who = f"process {group.process_id} of {group.num_processes}" if group.num_processes else "this process"

@@ -17,7 +17,7 @@ from jaxdist.cluster import elastic
 from jaxdist.cluster.distributed import EXIT_PORT_TAKEN
 from jaxdist.cluster.launcher import PORT_ATTEMPTS, SAVE_GRACE_S, Ended, HangLimits, Launcher, describe_exit, exit_status
 from jaxdist.config import Config
-from jaxdist.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, EXIT_NONFINITE, EXIT_PREEMPTED, JaxdistError
+from jaxdist.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_RECOVERY, JaxdistError
 from jaxdist.layout.mesh import format_mesh
 
 POLL_S = 0.5  # how often the --nproc-file is read
@@ -42,6 +42,8 @@ class ElasticPlan:
     nproc_file: Path | None
     port: int | None
     hang: HangLimits | None = None
+    recovery: str = "restart"  # or in-process: the survivors of a death go on (training.recovery)
+    peer_timeout_s: float = 10.0
 
 
 class Elastic:
@@ -101,7 +103,10 @@ class Elastic:
         first = True
         while True:
             # child_args ends with "--resume auto": the first start keeps the user's --resume.
-            self.gen = Launcher(n, [*self.plan.child_args[:-1], resume], self.plan.devices_per_proc, port, self.plan.hang)
+            in_process = self.plan.peer_timeout_s if self.plan.recovery == "in-process" else None
+            self.gen = Launcher(
+                n, [*self.plan.child_args[:-1], resume], self.plan.devices_per_proc, port, self.plan.hang, peer_timeout_s=in_process
+            )
             if first:  # after the port is held (a taken --port is bad input: nothing written)
                 self._change(None, n, "start")
                 first = False
@@ -111,6 +116,7 @@ class Elastic:
             self.gen.start()
             ended = self._watch(self.gen, n)
             self.gen.close()
+            n -= len(self.gen.lost)  # recovered in-process: the set went on without them
             port = None  # later sets: a fresh port
             if ended.kind == "port":  # nothing ran: start the same set again, not a failure
                 port_taken += 1
@@ -134,7 +140,9 @@ class Elastic:
         failure = ended.kind in ("failure", "hang")
         if failure:
             self.restarts += 1
-            self.capacity = n - 1  # that slot is lost (a hung process's machine is as suspect as a dead one's)
+            # that slot is lost (a hung process's machine is as suspect as a dead one's); after a failed
+            # in-process recovery the lost slot was counted already
+            self.capacity = n if ended.raw_code == EXIT_RECOVERY else n - 1
             if self.restarts > self.plan.max_restarts:
                 used = f"--max-restarts {self.plan.max_restarts} are used up"
                 log.error(f"{ended.describe()} and {used}; {self._stopped_at()}")
@@ -152,6 +160,8 @@ class Elastic:
             if self.interrupted is not None:
                 return Ended("interrupted", gen.wait().code)
             ended = gen.poll()
+            if ended is not None and ended.kind == "failure" and self._recovers_in_process(gen, ended, n):
+                continue
             if ended is not None and ended.kind == "failure":
                 return self._on_failure(gen, ended.failed)
             if ended is not None and ended.kind == "saved":  # preempted from outside: every process saved
@@ -168,6 +178,32 @@ class Elastic:
                     if target != n:
                         return self._save(gen, value, target)
             time.sleep(0.1)
+
+    def _recovers_in_process(self, gen: Launcher, ended: Ended, n: int) -> bool:
+        """--recovery in-process: whether the survivors of ``ended``'s deaths go on by themselves
+        (said in one line); False sends the set down the restart path."""
+        if self.plan.recovery != "in-process":
+            return False
+        dead = [rank for rank, code in ended.failed if code not in FINAL_CODES and code != EXIT_RECOVERY]
+        if len(dead) != len(ended.failed):  # a survivor gave up (EXIT_RECOVERY says why) or a final error
+            return False
+        if 0 in dead:
+            log.info(
+                f"rank 0 {describe_exit(ended.raw_code)}: it holds the coordination service, so the run restarts from its last checkpoint"
+            )
+            return False
+        live = n - len(gen.lost) - len(dead)
+        if live < self.plan.min_nproc:
+            return False
+        gen.lost.update(dead)
+        self.restarts += 1  # a recovery spends one of --max-restarts, as a restart would
+        if self.restarts > self.plan.max_restarts:
+            return False
+        self.capacity = live
+        log.info(
+            f"rank {', '.join(map(str, dead))} {describe_exit(ended.raw_code)}; the other {live} recover in-process (--recovery in-process)"
+        )
+        return True
 
     def _on_failure(self, gen: Launcher, failed: list[tuple[int, int]]) -> Ended:
         return after_failure(gen, failed)

@@ -9,7 +9,8 @@ which the launcher sends before it stops a stalled run. ``ProgressWatch`` is the
 launcher's side. Without the variable the beats are no-ops.
 
 ``JAXDIST_FAULT_STALL_AT=RANK:STEP`` is a fault-injection hook for tests: that rank
-sleeps for good when it reaches that step, as a deadlocked process would.
+sleeps for good when it reaches that step, as a deadlocked process would;
+``JAXDIST_FAULT_KILL_AT=RANK:STEP`` SIGKILLs that rank there (a machine that dies mid-run).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from jaxdist.errors import JaxdistError
 
 ENV_DIR = "JAXDIST_HEARTBEAT_DIR"
 ENV_STALL = "JAXDIST_FAULT_STALL_AT"  # test-only fault injection: "RANK:STEP"
+ENV_KILL = "JAXDIST_FAULT_KILL_AT"  # test-only fault injection: "RANK:STEP"
 ENV_RANK = "JAXDIST_PROCESS_ID"  # set by jaxdist.launch (jaxdist.cluster.distributed.ENV_PROCESS_ID)
 DUMP_SIGNAL = signal.SIGUSR1
 EVERY_PROCESS = {"every_process": True}  # this rank's own lines: said whatever its process index
@@ -44,7 +46,8 @@ class _Beat:
     def __init__(self):
         directory = os.environ.get(ENV_DIR)
         self.rank = int(os.environ.get(ENV_RANK, "0") or 0)
-        self.stall_step = _stall_step(self.rank)
+        self.stall_step = _fault_step(ENV_STALL, self.rank)
+        self.kill_step = _fault_step(ENV_KILL, self.rank)
         self.first_step: int | None = None
         self.fd = None
         if directory:
@@ -56,6 +59,9 @@ class _Beat:
                 )
 
     def __call__(self, step: int) -> None:
+        if step == self.kill_step:
+            log.info(f"fault injection ({ENV_KILL}): rank {self.rank} is killed at step {step}", extra=EVERY_PROCESS)
+            os.kill(os.getpid(), signal.SIGKILL)
         if step == self.stall_step:
             log.info(f"fault injection ({ENV_STALL}): rank {self.rank} stalls at step {step}", extra=EVERY_PROCESS)
             while True:
@@ -66,14 +72,14 @@ class _Beat:
             os.pwrite(self.fd, b"%d %d\n" % (step, self.first_step), 0)
 
 
-def _stall_step(rank: int) -> int | None:
-    spec = os.environ.get(ENV_STALL)
+def _fault_step(variable: str, rank: int) -> int | None:
+    spec = os.environ.get(variable)
     if not spec:
         return None
-    stall_rank, _, step = spec.partition(":")
-    if not (stall_rank.isdigit() and step.isdigit()):
-        raise JaxdistError(f"{ENV_STALL}={spec!r}: expected RANK:STEP (a fault-injection hook for tests)")
-    return int(step) if int(stall_rank) == rank else None
+    fault_rank, _, step = spec.partition(":")
+    if not (fault_rank.isdigit() and step.isdigit()):
+        raise JaxdistError(f"{variable}={spec!r}: expected RANK:STEP (a fault-injection hook for tests)")
+    return int(step) if int(fault_rank) == rank else None
 
 
 _beat: _Beat | None = None

@@ -39,6 +39,7 @@ from jaxdist.cluster.distributed import (
 )
 from jaxdist.cluster.heartbeat import DUMP_SIGNAL, ENV_DIR, ProgressWatch, Stall
 from jaxdist.cluster.lifetime import die_with_parent
+from jaxdist.cluster.recoverable import ENV_PEER_TIMEOUT, ENV_RECOVERY
 from jaxdist.errors import EXIT_PREEMPTED, JaxdistError
 from jaxdist.layout.xla_flags import with_collective_timeouts
 
@@ -150,6 +151,7 @@ class Launcher:
         hang: HangLimits | None = None,
         placement: Placement | None = None,
         module: str = "jaxdist.train",
+        peer_timeout_s: float | None = None,
     ):
         self.nproc, self.train_args, self.devices_per_proc, self.module = nproc, train_args, devices_per_proc, module
         if placement is None:  # this machine alone: the coordinator on loopback
@@ -167,6 +169,8 @@ class Launcher:
         self.saving_since: float | None = None  # when the first process exited 75
         self.seen_ended: dict[int, int] = {}  # global rank -> the look at which its exit was first seen
         self.looks = 0
+        self.peer_timeout_s = peer_timeout_s  # set: --recovery in-process (the survivors of a death go on)
+        self.lost: set[int] = set()  # ranks that died while the others recovered in-process: no longer watched
 
     def _env(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -180,8 +184,11 @@ class Launcher:
         if self.devices_per_proc:
             flags = " ".join(t for t in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in t)
             env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={self.devices_per_proc}".strip()
-        if self.hang is not None:  # a collective whose peer is gone fails, not after XLA's 30 minutes
-            each, first = collective_timeouts(self.hang)
+        if self.hang is not None or self.peer_timeout_s:  # a collective whose peer is gone fails, not after XLA's 30 minutes
+            each, first = collective_timeouts(self.hang) if self.hang is not None else (60.0, 120.0)
+            if self.peer_timeout_s:  # in-process recovery: the survivors give up on a dead peer this soon
+                env.update({ENV_RECOVERY: "in-process", ENV_PEER_TIMEOUT: f"{self.peer_timeout_s:g}"})
+                each = self.peer_timeout_s
             env["XLA_FLAGS"] = with_collective_timeouts(env.get("XLA_FLAGS", ""), each, first)
         return env
 
@@ -251,7 +258,7 @@ class Launcher:
     def poll(self) -> Ended | None:
         """One look at the set: None while it runs, else how it ended. Processes still
         running after a failure are left to the caller (stopped after a hang)."""
-        codes = self.codes()
+        codes = [0 if rank in self.lost else c for rank, c in enumerate(self.codes(), self.first_id)]  # the lost count as gone
         if self.first_id == 0 and codes[0] == EXIT_PORT_TAKEN:
             return Ended("port", EXIT_PORT_TAKEN, 0, EXIT_PORT_TAKEN)
         failed = self.blame_order([(rank, c) for rank, c in enumerate(codes, self.first_id) if c not in (None, 0, EXIT_PREEMPTED)])

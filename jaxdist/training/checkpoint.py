@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxdist.cluster import recoverable
 from jaxdist.errors import EXIT_CHECKPOINT, JaxdistError, RunStopped
 
 log = logging.getLogger(__name__)
@@ -111,9 +112,7 @@ def move_aside(directory: Path, steps: list[int], kind: str) -> Path | None:
         for step in steps:
             (directory / str(step)).rename(aside / str(step))
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(f"jaxdist: moved {kind} checkpoints aside")
+        recoverable.sync_global(f"jaxdist: moved {kind} checkpoints aside")
     return aside
 
 
@@ -179,8 +178,10 @@ def params_directory(checkpoints: Path) -> Path:
     return Path(checkpoints).parent / PARAMS_DIR
 
 
-def _manager(directory: Path, cfg, *, read_only: bool, keep_best: int = 0):
-    """An Orbax manager of checkpoints with the train state, data state and config items."""
+def _manager(directory: Path, cfg, *, read_only: bool, keep_best: int = 0, processes: tuple[list[int], int] | None = None):
+    """An Orbax manager of checkpoints with the train state, data state and config items;
+    ``processes``: (the live processes, the recovery epoch) after an in-process recovery, so that
+    Orbax's barriers wait for them alone."""
     import grain.checkpoint as grain_checkpoint
     import orbax.checkpoint as ocp
     from orbax.checkpoint import checkpoint_managers as cm
@@ -192,8 +193,13 @@ def _manager(directory: Path, cfg, *, read_only: bool, keep_best: int = 0):
         enable_async_checkpointing=cfg.async_save,
         preservation_policy=cm.AnyPreservationPolicy(policies),
         read_only=read_only,
-        create=not read_only,
+        create=not read_only and processes is None,  # Orbax refuses to create it for a subset of the processes (it exists)
     )
+    if processes is not None:
+        live, epoch = processes
+        options.multiprocessing_options = ocp.options.MultiprocessingOptions(
+            primary_host=0, active_processes=set(live), barrier_sync_key_prefix=f"recovery{epoch}"
+        )
     handlers = {
         "state": ocp.StandardCheckpointHandler(),
         "data": grain_checkpoint.CheckpointHandler(),
@@ -227,6 +233,19 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self.replicator = None  # checkpoint_tiers.Replicator: copies saved steps to the durable tier (process 0)
         self.reload()
+
+    def use_processes(self, live: list[int], epoch: int) -> None:
+        """After an in-process recovery: save with the live processes alone. A save the dead
+        process took part in is abandoned (never committed; the newest committed step stands)."""
+        import orbax.checkpoint as ocp
+
+        self.manager = _manager(self.directory, self.cfg, read_only=False, keep_best=self.cfg.keep_best, processes=(live, epoch))
+        if self.params_manager is not None:
+            self.params_manager = _manager(self.params_dir, self.cfg, read_only=False, processes=(live, epoch))
+        self._decision_context = dataclasses.replace(
+            self._decision_context,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=0, active_processes=set(live)),
+        )
 
     def reload(self) -> None:
         """Re-read the committed steps (after some were moved aside)."""
@@ -441,9 +460,8 @@ def _all_processes_ok(ok: bool) -> bool:
     if jax.process_count() == 1:
         return ok
     import numpy as np
-    from jax.experimental import multihost_utils
 
-    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+    return bool(np.all(recoverable.process_allgather(np.int32(ok), "checkpoint-ok")))
 
 
 def parse_resume(resume: str, checkpoints: Path) -> tuple[str, Path, int | None]:

@@ -94,10 +94,11 @@ def agree_on_meter(meter: Meter | None, reason: str) -> tuple[Meter | None, str]
 def sum_over_processes(value: float) -> float:
     """``value`` summed over every process (NaN where any is unknown)."""
     import numpy as np
-    from jax.experimental import multihost_utils
+
+    from jaxdist.cluster import recoverable
 
     # float32 (JAX's default width): the joules of one interval, not the counters' totals, so 7 digits suffice
-    return float(np.sum(np.asarray(multihost_utils.process_allgather(np.float32(value)), np.float64)))
+    return float(np.sum(np.asarray(recoverable.process_allgather(np.float32(value), "energy"), np.float64)))
 
 
 class IntervalEnergy:

@@ -21,6 +21,7 @@ from jaxdist.models import Batch
 from jaxdist.training.energy import IntervalEnergy, energy_fields
 from jaxdist.training.metrics import MetricsLogger
 from jaxdist.training.preemption import Preempted
+from jaxdist.training.recovery import PeerLost
 from jaxdist.training.state import TrainState
 from jaxdist.training.stragglers import straggler_line
 
@@ -53,6 +54,7 @@ class LoopHooks:
     tracer: StepTracer = dataclasses.field(default_factory=StepTracer)  # --profile-steps
     energy: IntervalEnergy | None = None  # the GPUs' energy meter per log interval (None: not measured)
     stragglers: Any = None  # jaxdist.training.stragglers.StragglerWatch (several processes)
+    guard: Any = None  # jaxdist.training.recovery.StepGuard (--recovery in-process): each step inside live_devices
 
 
 def train_loop(
@@ -126,7 +128,16 @@ def train_loop(
             tracer.data_waited(step, waited)
             with tracer.phase("dispatch"):
                 dispatch_start = time.perf_counter()
-                state, metrics = step_fn(state, batch)
+                if hooks.guard is None:
+                    state, metrics = step_fn(state, batch)
+                else:
+                    try:
+                        state, metrics = hooks.guard(step_fn, state, batch, step)
+                    except PeerLost as lost:  # the survivors go on from this step (training.recovery)
+                        if deferred is not None:
+                            write_window(*deferred, next_running=False)
+                        lost.partial = result
+                        raise
                 # Free the batch now, while the step runs: freeing device arrays gives the GIL up,
                 # and done inside the next ``next(batches)`` it handed the GIL to the read-ahead
                 # thread (woken by that same next) and the loop waited for its Python work.
@@ -144,9 +155,11 @@ def train_loop(
             save_now = checkpointer is not None and (last or preempt or checkpointer.due(step))
             params_now = checkpointer is not None and not save_now and checkpointer.params_due(step)  # weights only
             sync_now = last or eval_now or save_now or params_now or preempt
-            if step % cfg.log_every == 0 and not sync_now:
+            # a guarded step (in-process recovery) is done already: nothing runs behind a deferred read
+            log_point = step % cfg.log_every == 0
+            if log_point and not sync_now and hooks.guard is None:
                 deferred, pending, data_wait = (step, pending, data_wait), [], 0.0
-            elif sync_now:
+            elif sync_now or log_point:
                 write_window(step, pending, data_wait, next_running=False)
                 pending = []
                 eval_metrics = None

@@ -1,4 +1,5 @@
-"""Throughput and MFU, and where metrics go: metrics.jsonl, TensorBoard, a progress bar.
+"""Throughput and MFU, and where metrics go: metrics.jsonl, TensorBoard, a progress bar (and,
+with ``log.wandb``, Weights & Biases: ``training.wandb_log``).
 
 Only process 0 writes or prints.
 """
@@ -91,6 +92,7 @@ class MetricsLogger:
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self.mirror = None  # another place every line also goes (training.wandb_log's W&B run), set by the run
         if not self.enabled:
             return
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
@@ -105,6 +107,8 @@ class MetricsLogger:
             return
         record = {"step": step, **{k: _plain(v) for k, v in values.items()}}
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")  # strict JSON: unknown is null
+        if self.mirror is not None:
+            self.mirror.log(step, record)
         if self._tb is None:
             from tensorboardX import SummaryWriter
 
@@ -134,13 +138,16 @@ class MetricsLogger:
 
         return logging_redirect_tqdm(loggers=[logging.getLogger("jaxdist")])
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """``error``: what stopped the run, if anything (the mirror's run ends as failed)."""
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+        if self.mirror is not None:  # last: W&B's closing summary prints below the bar
+            self.mirror.close(error)
 
 
 def _show(value: float | None, spec: str) -> str:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from jaxdist.cli import config_from_args
+from jaxdist.cluster import recoverable
 from jaxdist.config import Config, is_frozen
 from jaxdist.errors import EXIT_OK, JaxdistError
 from jaxdist.layout.mesh import MeshSizes, parse_mesh
@@ -48,6 +49,7 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
     if args.profile_steps is not None:
         args.overrides.append(f"train.profile_steps={args.profile_steps}")
     config = config_from_args(args)
+    recoverable.MEMBERSHIP.mesh_spec = config.parallel.mesh  # as given: an in-process recovery sizes its -1 axis again
     run_dir, durable = run_directories(args.run_dir, config)
     if args.max_restarts > 0 and not os.environ.get(SUPERVISED_ENV):
         from jaxdist.cluster.supervise import supervise
@@ -60,6 +62,10 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
     plan = _join(args, config, run_dir, durable)
     interactive = sys.stderr.isatty()
     result = run_resolved(plan, progress=interactive, print_lines=not interactive)
+    import jax
+
+    if recoverable.in_process_recovery() and jax.process_count() > 1:
+        recoverable.MEMBERSHIP.sync("end")  # recoverable tasks skip JAX's shutdown barrier: the live ones meet here
     if result.losses:
         t = plan.config.train
         end = t.stop_after_step if 0 < t.stop_after_step < t.steps else t.steps
@@ -176,6 +182,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     """Train the resolved run ``plan`` describes (``run``'s work once the plan is made)."""
     import jax
 
+    from jaxdist.cluster.recoverable import in_process_recovery
     from jaxdist.data.batches import eval_batches, make_iterator
     from jaxdist.layout.mesh import format_mesh
     from jaxdist.storage.remote import redact
@@ -186,10 +193,13 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     from jaxdist.training.loop import LoopHooks, LoopResult, train_loop
     from jaxdist.training.metrics import MetricsLogger, fp8_peak_flops_per_device, peak_flops_per_device
     from jaxdist.training.preemption import PreemptionWatcher
+    from jaxdist.training.recovery import train_recovering
     from jaxdist.training.resume import continue_data, initial_weights, restore_checkpoint, schedule_change
     from jaxdist.training.stragglers import StragglerWatch
+    from jaxdist.training.wandb_log import check_wandb, open_wandb_run
 
     config, run_dir, resume, init_from, weights_dir = plan.config, plan.run_dir, plan.resume, plan.init_from, plan.weights_dir
+    check_wandb(config, run_dir, jax.process_index())  # log.wandb without the package: one line before anything is built
     compile_cache_dir(config, run_dir)  # refused before anything is written
     trainer = build_trainer(config, plan.mesh_sizes, devices)
     task, layout, mesh = trainer.task, trainer.layout, trainer.layout.mesh
@@ -217,6 +227,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     enable_compile_cache(config, run_dir)
     t = config.train
     logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress, print_lines=print_lines)
+    stopped_by = None  # the exception that ends the run, if one does (the W&B run is then marked failed)
     try:
         with logger.messages_above_the_bar():
             restored = (
@@ -229,6 +240,8 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                 return LoopResult(restored.state, [], {})  # no losses: the caller says nothing more
             if run_dir is not None and is_main:  # after the resume check: a rejected config does not overwrite the saved one
                 write_config(run_dir, config)
+            # log.wandb: after the resume check (a rejected or finished run opens none), before any compile
+            logger.mirror = open_wandb_run(config, run_dir, plan.durable_dir, jax.process_index())
             if restored is None:
                 state = trainer.init_state(t.seed, initial_weights(trainer, init_from) if init_from else None)
             else:
@@ -263,11 +276,12 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                 energy=IntervalEnergy(meter),
                 stragglers=StragglerWatch(t.straggler_factor, t.straggler_window),
             )
-            with PreemptionWatcher(multi_process=jax.process_count() > 1) as hooks.preemption, contextlib.closing(hooks.tracer):
-                result = train_loop(
+
+            def run_loop(trainer, state, batches, step_fn):
+                return train_loop(
                     trainer,
                     state,
-                    itertools.chain([first], batches),
+                    batches,
                     step_fn=step_fn,
                     steps=t.steps,
                     logger=logger,
@@ -277,16 +291,31 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                     hooks=hooks,
                     fp8_peak_flops=fp8_peak_flops_per_device(devices) if config.model.fp8 != "off" else None,
                 )
+
+            with PreemptionWatcher(multi_process=jax.process_count() > 1) as hooks.preemption, contextlib.closing(hooks.tracer):
+                if in_process_recovery() and jax.process_count() > 1:  # jaxdist.launch --recovery in-process
+                    result, batches = train_recovering(
+                        run_loop, trainer, state, first, batches, step_fn, hooks,
+                        config=config, run_dir=run_dir, checkpointer=checkpointer,
+                        build_trainer=lambda sizes, live: build_trainer(config, sizes, live),
+                        make_batches=lambda layout, start: make_iterator(config, layout, start_step=start),
+                        make_eval=lambda layout: lambda: eval_batches(config, layout),
+                    )  # fmt: skip
+                else:
+                    result = run_loop(trainer, state, itertools.chain([first], batches), step_fn)
             if 0 < t.stop_after_step < t.steps:
                 saved = "; saved, run again without train.stop_after_step to continue" if checkpointer else ""
                 log.info(f"stopped after step {t.stop_after_step} of {t.steps} (train.stop_after_step){saved}")
             return result
+    except BaseException as e:
+        stopped_by = e
+        raise
     finally:
         batches.close()
         if checkpointer is not None:
             checkpointer.wait()
             checkpointer.close()
-        logger.close()
+        logger.close(error=stopped_by)
 
 
 def profile_window(trainer, compiled_step, run_dir: Path | None, start_step: int):

@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxdist.cluster.recoverable import in_process_recovery
 from jaxdist.config import Config
 from jaxdist.inspect.gpu_program import collective_schedule, kernel_counts
 from jaxdist.layout.mesh import INNER_BATCH_AXES
@@ -178,7 +179,7 @@ class Trainer:
         self.microbatches = config.train.microbatches
         self.graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: task.make_model(nnx.Rngs(0))))
         self.n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(fp8.without_histories(abstract_params)))
-        self.tx, self.schedule = make_optimizer(config.train, fp8.has_history(abstract_params)), lr_schedule(config.train)
+        self.tx, self.schedule = make_optimizer(config.train, fp8.has_history(abstract_params), layout), lr_schedule(config.train)
         self.replicas = diloco.replicas_for(config.parallel, layout.mesh)  # DiLoCo, or one model
         self.reduce_plan = grad_reduce.reduce_plan(config, layout.mesh)
         float16 = config.train.loss_scale if config.model.dtype == "float16" else None
@@ -197,7 +198,7 @@ class Trainer:
             self.replicas.per_replica(self._train_step, layout.mesh, PER_REPLICA),
             in_shardings=(self.state_shardings, None),
             out_shardings=(self.state_shardings, self.state_layout.metric_sharding()),
-            donate_argnums=0,
+            donate_argnums=() if in_process_recovery() else 0,  # recovery goes on from the failed step's input state
         )
         self.eval_step = jax.jit(self._eval_step, in_shardings=(self.param_shardings, None), out_shardings=layout.replicated())
         # Checked before each save: a finite loss does not prove the update it caused was finite.

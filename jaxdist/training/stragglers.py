@@ -32,6 +32,7 @@ import statistics
 import threading
 import time
 
+from jaxdist.cluster import recoverable
 from jaxdist.errors import JaxdistError
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class StragglerWatch:
 
     def host_work(self, seconds: float) -> None:
         """``seconds`` of this step's own host work (not waiting for devices)."""
+        if not self.enabled:  # one process, or the watch is off: nothing is compared
+            return
         self.own += seconds
         queued = runqueue_wait_s()  # waiting for a CPU since the last step: slowed from outside
         self.per_step.append(self.own + queued - self.queued)
@@ -84,20 +87,23 @@ class StragglerWatch:
             return None
         import jax
         import numpy as np
-        from jax.experimental import multihost_utils
 
         steps, step_s = self.window, statistics.median(self.step_times)  # a step's median: saves and evals left out
-        if self.hosts is None:
+        live = recoverable.MEMBERSHIP.live_processes()  # all of them, unless an in-process recovery left some out
+        if self.hosts is None or len(self.hosts) != len(live):
             name = socket.gethostname().encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
-            gathered = multihost_utils.process_allgather(np.frombuffer(name, np.uint8))
+            gathered = recoverable.process_allgather(np.frombuffer(name, np.uint8), "straggler-hosts")
             self.hosts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in np.asarray(gathered).reshape(-1, HOST_BYTES)]
         # the median step: a pause of the machine's in one step is not a straggler
-        own = np.asarray(multihost_utils.process_allgather(np.float32(statistics.median(self.per_step or [0.0])))).reshape(-1)
+        own = recoverable.process_allgather(np.float32(statistics.median(self.per_step or [0.0])), "straggler-own").reshape(-1)
         self.window_start, self.per_step, self.step_times = time.perf_counter(), [], []
         self.windows += 1
         if jax.process_index() != 0 or self.windows == 1:  # the first window warms up (start-up noise): compared from the second
             return None
-        return straggler(own.tolist(), step_s, self.factor, self.hosts, (step - steps + 1, step))
+        record = straggler(own.tolist(), step_s, self.factor, self.hosts, (step - steps + 1, step))
+        if record is not None:
+            record["process"] = live[record["process"]]  # a row of the gather -> the process's own index
+        return record
 
 
 def straggler(own_s: list[float], step_s: float, factor: float, hosts: list[str], steps: tuple[int, int]) -> dict | None:

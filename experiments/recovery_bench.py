@@ -1,0 +1,94 @@
+"""Kill -> next step: in-process recovery against the restart path, side by side in one run.
+
+    python experiments/recovery_bench.py [--repeats 2] [--steps 30] [--kill-step 17] [--peer-timeout 5]
+
+Each repeat launches the same elastic 3-process run (``--nproc 3 --min-nproc 2
+--devices-per-proc 1``, ``--mesh data=-1``, the tiny model on the stdlib corpus, a
+checkpoint every 10 steps) twice, once per ``--recovery`` mode, with rank 2 SIGKILLed when
+it reaches ``--kill-step`` (the ``JAXDIST_FAULT_KILL_AT`` hook, which prints its line just
+before the kill). From the launcher's output, timestamped as it arrives, it reports the
+seconds from the kill to the next logged step, and to the failed step being done (the
+restart path trains the steps since its last checkpoint again first), plus the phase
+seconds in-process recovery writes to ``elastic.jsonl``. Medians over the repeats; the
+thread settings and the machine are printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STEP_LINE = re.compile(r"\[rank 0\] step (\d+) \|")
+KILL_LINE = "fault injection (JAXDIST_FAULT_KILL_AT)"
+
+
+def one_run(mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
+    env = {**os.environ, "JAXDIST_FAULT_KILL_AT": f"2:{args.kill_step}", "PYTHONUNBUFFERED": "1"}
+    launch = ["--nproc", "3", "--min-nproc", "2", "--devices-per-proc", "1", "--recovery", mode, "--peer-timeout", str(args.peer_timeout)]
+    train = ["--config", "tiny", "--mesh", "data=-1", "--steps", str(args.steps), "--run-dir", str(run_dir)]
+    train += ["train.global_batch=6", "checkpoint.every_steps=10", "train.log_every=1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxdist.launch", *launch, "--", *train],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    killed = next_step = failed_step_done = None
+    for line in proc.stdout:
+        now = time.monotonic()
+        if KILL_LINE in line:
+            killed = now
+        match = STEP_LINE.search(line)
+        if match and killed is not None:
+            step = int(match.group(1))
+            next_step = next_step or now
+            if step == args.kill_step and failed_step_done is None:
+                failed_step_done = now
+    proc.wait()
+    if proc.returncode != 0 or killed is None or failed_step_done is None:
+        raise SystemExit(f"{mode}: the run failed (exit {proc.returncode}); see {run_dir}")
+    records = [json.loads(x) for x in (run_dir / "elastic.jsonl").read_text().splitlines()]
+    phases = next((r.get("seconds") for r in records if r["reason"] == "in-process"), None)
+    return {"next_step_s": next_step - killed, "failed_step_s": failed_step_done - killed, "phases": phases}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-step", type=int, default=17)
+    parser.add_argument("--peer-timeout", type=float, default=5.0)
+    args = parser.parse_args()
+    results: dict[str, list[dict]] = {"in-process": [], "restart": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for mode in results:  # side by side: each repeat runs both
+                results[mode].append(one_run(mode, args, Path(tmp) / f"{mode}-{repeat}"))
+                print(f"repeat {repeat} {mode}: {results[mode][-1]}", flush=True)
+    threads = {k: os.environ.get(k, "unset") for k in ("XLA_FLAGS", "OMP_NUM_THREADS")}
+    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; thread settings: {threads}")
+    print(
+        f"3 processes x 1 CPU device, tiny model, rank 2 killed at step {args.kill_step}, checkpoint every 10, --peer-timeout {args.peer_timeout:g}"
+    )
+    print(f"{'mode':<12} {'kill -> next step (s)':>22} {'kill -> failed step done (s)':>30}")
+    for mode, runs in results.items():
+        print(
+            f"{mode:<12} {statistics.median(r['next_step_s'] for r in runs):>22.1f} {statistics.median(r['failed_step_s'] for r in runs):>30.1f}"
+        )
+    phases = [r["phases"] for r in results["in-process"] if r["phases"]]
+    if phases:
+        print("in-process phases (median s): " + ", ".join(f"{k} {statistics.median(p[k] for p in phases):.2f}" for k in phases[0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""In-process recovery (``jaxdist.launch --recovery in-process``): the survivors of a SIGKILL go
+on from the failed step without a restart, with the uninterrupted run's losses; process 0's
+death takes the restart path; the JAX pieces it relies on are checked by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import psutil
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxdist.launch as launch
+from jaxdist.cluster import recoverable
+from jaxdist.config import load_config
+from jaxdist.layout.mesh import parse_mesh
+from jaxdist.training.recovery import reshard_from_survivors
+from jaxdist.training.run import run
+
+from helpers import SMALL_TEXT, TINY, subprocess_env
+
+STEPS = 12
+OVERRIDES = (*TINY, *SMALL_TEXT, "train.global_batch=6", f"train.steps={STEPS}", "checkpoint.every_steps=4")
+LAUNCH = ["--nproc", "3", "--min-nproc", "2", "--devices-per-proc", "1", "--recovery", "in-process", "--peer-timeout", "5"]
+
+
+def test_the_jax_pieces_in_process_recovery_relies_on_are_there():
+    """Experimental and private JAX names (jax 0.10): a JAX that moves them fails here, loudly."""
+    assert recoverable.check_jax_pieces() == []
+    from jax._src.lib import _jax
+
+    client = _jax.DistributedRuntimeClient
+    for method in ("wait_at_barrier", "key_value_set_bytes", "blocking_key_value_get_bytes"):
+        assert hasattr(client, method), method
+    assert "process_ids" in (client.wait_at_barrier.__doc__ or ""), client.wait_at_barrier.__doc__
+
+
+def test_resharding_from_the_survivors_keeps_every_value_and_counts_what_only_the_dead_held():
+    """A state replicated over ``data`` rebuilds on half the devices from the shards held; one
+    split 8 ways cannot be cut 4 ways from eighths (those quarters were nowhere whole)."""
+    devices = jax.devices()
+    values = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    old = Mesh(np.array(devices).reshape(2, 4), ("data", "fsdp"))
+    new = Mesh(np.array(devices[:4]).reshape(1, 4), ("data", "fsdp"))
+    replicated = jax.device_put(values, NamedSharding(old, P("fsdp")))
+    moved, missing = reshard_from_survivors({"w": replicated}, {"w": NamedSharding(new, P("fsdp"))})
+    assert missing == 0
+    np.testing.assert_array_equal(np.asarray(moved["w"]), values)
+    assert set(moved["w"].sharding.device_set) == set(devices[:4])
+
+    eighths = jax.device_put(values, NamedSharding(Mesh(np.array(devices), ("fsdp",)), P("fsdp")))
+    _, missing = reshard_from_survivors({"w": eighths}, {"w": NamedSharding(new, P("fsdp"))})
+    assert missing == 4
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--nproc", "3"], "--recovery in-process needs an elastic launch (--min-nproc M)"),
+        (["--nproc", "3", "--min-nproc", "2", "--devices-per-proc", "2"], "--recovery in-process needs --devices-per-proc 1, got 2"),
+        (["--nnodes", "1:2", "--rdzv", "etcd://127.0.0.1:2379", "--rdzv-id", "r"], "--recovery in-process is for processes on one machine"),
+        (
+            ["--nproc", "3", "--min-nproc", "2", "--devices-per-proc", "1", "--peer-timeout", "nan"],
+            "--peer-timeout must be a finite number",
+        ),
+    ],
+    ids=["not elastic", "two devices each", "across nodes", "nan timeout"],
+)
+def test_bad_recovery_flags_are_one_line_and_start_nothing(flags, message, tmp_path, capsys):
+    assert launch.main([*flags, "--recovery", "in-process", "--", "--run-dir", str(tmp_path / "run"), *OVERRIDES]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_peer_timeout_without_in_process_recovery_says_it_has_no_effect(capsys):
+    launch.parse_args(["--nproc", "2", "--peer-timeout", "3", "--", "--steps", "1"])
+    assert "--peer-timeout 3 has no effect with --recovery restart" in capsys.readouterr().err
+
+
+# --- real runs: 3 processes on loopback ---
+
+
+@pytest.fixture(scope="module")
+def reference_losses():
+    """The uninterrupted run on one device: batch k is a function of k, whatever the process count."""
+    config = load_config(None, list(OVERRIDES))
+    return run(config, parse_mesh("data=1"), None, devices=jax.devices()[:1], progress=False).losses
+
+
+def _launch(run_dir: Path, kill: str, timeout: float = 420) -> subprocess.CompletedProcess:
+    env = {**subprocess_env(), "JAXDIST_FAULT_KILL_AT": kill}
+    cmd = [sys.executable, "-m", "jaxdist.launch", *LAUNCH, "--", "--mesh", "data=-1", "--run-dir", str(run_dir), *OVERRIDES]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True)
+
+
+def _records(run_dir: Path, name: str) -> list[dict]:
+    path = run_dir / name
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _logged_losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(m["step"], m["loss"]) for m in _records(run_dir, "metrics.jsonl") if "loss" in m]
+
+
+@pytest.mark.heavy
+def test_a_killed_process_is_recovered_in_process_with_the_uninterrupted_losses(tmp_path, reference_losses):
+    rank, step = random.choice([1, 2]), random.randint(3, STEPS - 2)  # a SIGKILL of process 1 or 2 at a random step
+    run_dir = tmp_path / "run"
+    done = _launch(run_dir, f"{rank}:{step}")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert f"rank {rank} was killed by SIGKILL; the other 2 recover in-process (--recovery in-process)" in out, out[-4000:]
+    assert f"elastic: 3 -> 2 processes in-process, continuing at step {step}" in out, out[-4000:]
+    assert "resumed from step" not in out  # no restart, no checkpoint read
+
+    start, recovery = _records(run_dir, "elastic.jsonl")
+    assert start["reason"] == "start"
+    assert (recovery["reason"], recovery["from"], recovery["to"], recovery["failed_rank"], recovery["step"]) == (
+        "in-process",
+        3,
+        2,
+        rank,
+        step - 1,
+    )
+    assert recovery["mesh"] == "data=2"
+    assert set(recovery["seconds"]) == {"detect", "agree", "reshard", "recompile", "first_step"}
+
+    logged = _logged_losses(run_dir)
+    assert [s for s, _ in logged] == list(range(1, STEPS + 1)), logged  # every step once: none missing, none trained twice
+    np.testing.assert_allclose([loss for _, loss in logged], reference_losses, rtol=1e-5)
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())[-1] == STEPS  # the survivors save
+
+
+@pytest.mark.heavy
+def test_process_0s_death_takes_the_restart_path_in_one_line(tmp_path, reference_losses):
+    """SIGKILL from outside (the fault hook would fire again in the restarted set)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxdist.launch", *LAUNCH, "--", "--mesh", "data=-1", "--run-dir", str(run_dir), *OVERRIDES]
+    with open(tmp_path / "out.log", "w") as out_file:
+        proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while len(_logged_losses(run_dir)) < 5:  # past the checkpoint of step 4
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out.log").read_text()[-3000:]
+            time.sleep(0.1)
+        (rank0,) = [p for p in psutil.Process(proc.pid).children() if p.environ().get("JAXDIST_PROCESS_ID") == "0"]
+        rank0.kill()
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    out = (tmp_path / "out.log").read_text()
+    assert proc.returncode == 0, out[-4000:]
+    line = "rank 0 was killed by SIGKILL: it holds the coordination service, so the run restarts from its last checkpoint"
+    assert sum(line in x for x in out.splitlines()) == 1, out[-4000:]
+    reasons = [(c["reason"], c["from"], c["to"]) for c in _records(run_dir, "elastic.jsonl")]
+    assert reasons == [("start", None, 3), ("failure", 3, 2)], reasons
+    logged = dict(_logged_losses(run_dir))  # the steps since the last checkpoint run again after the restart
+    assert set(logged) == set(range(1, STEPS + 1))
+    np.testing.assert_allclose([logged[s] for s in range(1, STEPS + 1)], reference_losses, rtol=1e-5)
