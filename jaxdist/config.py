@@ -409,9 +409,10 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping at the top level")
     section = data.get("data")
-    if isinstance(section, dict) and isinstance(section.get("tokenizer"), str) and section["tokenizer"] not in ("", "byte"):
-        # a file's tokenizer path is relative to the file (``convert from-hf`` writes hf_source/tokenizer.json): the folder can move
-        data["data"] = {**section, "tokenizer": str(path.parent.absolute() / Path(section["tokenizer"]).expanduser())}
+    for key in ("tokenizer", "chat_template"):
+        if isinstance(section, dict) and isinstance(section.get(key), str) and section[key] not in ("", "byte"):
+            # a file's tokenizer path is relative to the file (``convert from-hf`` writes hf_source/tokenizer.json): the folder can move
+            section = data["data"] = {**section, key: str(path.parent.absolute() / Path(section[key]).expanduser())}
     return config_from_dict({"name": path.stem, **data}, overrides)
 
 

@@ -24,6 +24,7 @@ from absl import flags
 
 from jaxdist.cluster.lifetime import grain_worker_init
 from jaxdist.config import Config
+from jaxdist.data.chat import chat_splits
 from jaxdist.data.loader import process_rows, to_global
 from jaxdist.data.sources import Corpus, TokenStream, open_corpus
 from jaxdist.data.synthetic import SlowReads, SyntheticImages, SyntheticTokens
@@ -103,6 +104,9 @@ def example_source(config: Config, split: str) -> Any:
         return SlowReads(source, config.data.synthetic_latency_ms / 1000) if config.data.synthetic_latency_ms else source
     if m.kind == "resnet":
         raise JaxdistError(f"model.kind=resnet trains on data.source=synthetic images, not {config.data.source!r}")
+    if config.data.source == "chat":  # conversations packed whole, the loss on the assistant's tokens
+        train, evaluation = chat_splits(config)
+        return train if split == "train" else evaluation
     corpus = open_corpus(config)
     check_vocab(corpus, config)
     train, evaluation = split_corpus(corpus, config)

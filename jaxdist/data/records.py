@@ -13,6 +13,7 @@ and counted (``"skip"``), the count said in one line at the end by the caller.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import io
@@ -71,6 +72,14 @@ def record_blocks(path: Path | str, reading: RecordReading) -> Iterator[tuple[li
     for documents in blocks:
         yield documents, 0
     yield [], size
+
+
+@contextlib.contextmanager
+def open_jsonl(path: Path | str):
+    """A binary stream with ``readline`` over the decompressed lines of a JSON Lines file (a
+    path or a URL); reading a ``.gz`` / ``.zst`` file cut short raises ``EOFError``."""
+    with open_binary(path) as raw, _decompressed(raw, path) as lines:
+        yield lines
 
 
 def _decompressed(raw, path: Path | str):

@@ -288,11 +288,11 @@ def open_corpus(config: Config) -> Corpus:
 def record_tokenizer(config: Config) -> None:
     """Make ``data.tokenizer`` name the tokenizer the data is made with, so that a run's
     saved config carries it to ``generate`` and ``eval``: ``data.source=tokens`` takes the
-    prepared data's (from its meta.json) when none is given, text is ``byte`` when none is
-    given ("" stays for a model whose tokenizer is unknown, e.g. one converted without
-    one), and a relative path becomes absolute (a saved config's relative path is read
-    against its run directory). A config that already says so is left untouched (a
-    resolved, frozen one included)."""
+    prepared data's (from its meta.json) when none is given, text and chat are ``byte`` when
+    none is given ("" stays for a model whose tokenizer is unknown, e.g. one converted
+    without one), and a relative path becomes absolute (a saved config's relative path is
+    read against its run directory), ``data.chat_template``'s too. A config that already
+    says so is left untouched (a resolved, frozen one included)."""
     d = config.data
     tokenizer = d.tokenizer
     if d.source == "tokens" and not tokenizer and d.path:
@@ -302,12 +302,14 @@ def record_tokenizer(config: Config) -> None:
                 f"prepared data {d.path} was tokenized with {tokenizer}, which is gone; "
                 "pass data.tokenizer=FILE (that same file) so that the run records its tokenizer"
             )
-    elif d.source in ("stdlib", "text") and not tokenizer:
+    elif d.source in ("stdlib", "text", "chat") and not tokenizer:
         tokenizer = "byte"
     if tokenizer and tokenizer != "byte" and not Path(tokenizer).expanduser().is_absolute():
         tokenizer = str(Path(tokenizer).expanduser().absolute())
     if tokenizer != d.tokenizer:
         d.tokenizer = tokenizer
+    if d.chat_template and not Path(d.chat_template).expanduser().is_absolute():  # generate and to-hf read it from the saved config
+        d.chat_template = str(Path(d.chat_template).expanduser().absolute())
 
 
 def data_vocab_size(config: Config) -> int:

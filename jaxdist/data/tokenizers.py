@@ -47,6 +47,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``encode``'s ids and each id's [start, end) character span in ``text`` ([n, 2]):
+        what tells a chat's assistant tokens from the rest (``jaxdist.data.chat``)."""
+        raise NotImplementedError
+
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Ids for each text, in order (libraries with a batch API use their threads)."""
         return [self.encode(t) for t in texts]
@@ -84,6 +89,11 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.encode(text)
+        chars = _char_of_each_byte(ids.astype(np.uint8).tobytes())
+        return ids, np.stack([chars, chars + 1], axis=1)
+
     def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         encoded = [t.encode("utf-8") for t in texts]
         lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
@@ -113,6 +123,10 @@ class HFTokenizer(Tokenizer):
 
     def encode_prompt(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text).ids, dtype=IDS_DTYPE)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        encoding = self._tok.encode(text, add_special_tokens=False)  # offsets in characters
+        return np.asarray(encoding.ids, dtype=IDS_DTYPE), np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
@@ -147,6 +161,15 @@ class SentencePieceTokenizer(Tokenizer):
         bos = [self._sp.bos_id()] if self._sp.bos_id() >= 0 else []
         return np.asarray(bos + self._sp.encode(text, out_type=int), dtype=IDS_DTYPE)
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            pieces = self._sp.encode(text, return_type="proto").pieces
+        except TypeError:  # sentencepiece < 0.2.1 names it otherwise
+            pieces = self._sp.encode(text, out_type="immutable_proto").pieces
+        chars = np.append(_char_of_each_byte(text.encode("utf-8")), len(text))  # its offsets are in UTF-8 bytes
+        spans = np.asarray([(p.begin, p.end) for p in pieces], dtype=np.int64).reshape(-1, 2)
+        return np.asarray([p.id for p in pieces], dtype=IDS_DTYPE), chars[spans]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
@@ -179,6 +202,12 @@ def _import(module: str, package: str):
 def _invalid(path: str, error: Exception) -> JaxdistError:
     message = " ".join(str(error).split()) or type(error).__name__
     return JaxdistError(f"invalid tokenizer file {path}: {message[:300]}")
+
+
+def _char_of_each_byte(data: bytes) -> np.ndarray:
+    """For each byte of UTF-8 ``data``, the index of the character it belongs to."""
+    starts_char = (np.frombuffer(data, dtype=np.uint8) & 0xC0) != 0x80  # continuation bytes are 10xxxxxx
+    return np.cumsum(starts_char, dtype=np.int64) - 1
 
 
 def file_sha256(path: str) -> str:

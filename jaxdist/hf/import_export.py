@@ -36,6 +36,7 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from jaxdist.config import Config
+from jaxdist.data.chat_template import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate, find_chat_template
 from jaxdist.data.tokenizers import load_tokenizer
 from jaxdist.errors import JaxdistError
 from jaxdist.hf import llama, mixtral
@@ -256,6 +257,8 @@ def from_hf(hf_dir: Path, out: Path, *, progress: bool = True) -> Path:
                 else:
                     child.unlink()
         raise
+    if TEMPLATE_FILE in kept or (CONFIG_FILE in kept and read_json(kept[CONFIG_FILE]).get("chat_template")):
+        log.info(f"kept the chat template in {out / SOURCE_DIR} (data.source=chat and generate --chat use it)")
     vocab = f"vocab {model.valid_vocab or model.vocab_size}" + (f" (padded to {model.vocab_size})" if model.valid_vocab else "")
     experts = f", {model.moe_experts} experts (top {model.moe_top_k})" if model.moe_experts else ""
     params = f"{count_params(model) / 1e6:.1f}M params{experts}"
@@ -287,6 +290,7 @@ def to_hf(checkpoint: str | Path, out: Path, *, dtype: str = "auto") -> Path:
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(dtype)
     if np_dtype is None:
         raise JaxdistError(f"--dtype {dtype!r}: expected float32, bfloat16 or float16")
+    template = trained_chat_template(config)
 
     metadata = ocp.tree.to_flat_dict(state_tree(step_dir))
     prefix = param_tree_key(step_dir)
@@ -340,9 +344,36 @@ def to_hf(checkpoint: str | Path, out: Path, *, dtype: str = "auto") -> Path:
         elif config.data.tokenizer and Path(config.data.tokenizer).suffix == ".json" and Path(config.data.tokenizer).is_file():
             shutil.copy2(config.data.tokenizer, out / "tokenizer.json")
             copied.append("tokenizer.json")
+        if template is not None:
+            write_chat_template(out, template.text)
+            copied += [] if TEMPLATE_FILE in copied else [TEMPLATE_FILE]
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
     tokenizer = f"tokenizer files: {', '.join(copied)}" if copied else "no tokenizer files (the run had none)"
     log.info(f"exported {step_dir} -> {out}: {len(weight_map)} tensors in {len(shards)} file(s), {dtype}; {tokenizer}")
     return out
+
+
+def trained_chat_template(config: Config) -> ChatTemplate | None:
+    """The chat template a run fine-tuned with (``data.source=chat``, or ``data.chat_template``
+    given): ``data.chat_template``, else the one beside its tokenizer; None for other runs, whose
+    imported tokenizer files carry theirs. One that is gone is said in one line and left out."""
+    if config.data.source != "chat" and not config.data.chat_template:
+        return None
+    try:
+        return find_chat_template(config.data.chat_template, config.data.tokenizer)
+    except JaxdistError as e:
+        log.warning(f"the chat template the run trained with is not exported: {e}")
+        return None
+
+
+def write_chat_template(out: Path, text: str) -> None:
+    """``OUT/chat_template.jinja`` (what transformers reads first) and the same template in
+    tokenizer_config.json when there is one (what transformers before the .jinja file read)."""
+    (out / TEMPLATE_FILE).write_text(text, encoding="utf-8")
+    config_file = out / CONFIG_FILE
+    if config_file.is_file():
+        tokenizer_config = read_json(config_file)
+        if tokenizer_config.get("chat_template") != text:
+            config_file.write_text(json.dumps({**tokenizer_config, "chat_template": text}, indent=2, ensure_ascii=False), encoding="utf-8")
