@@ -1,6 +1,6 @@
 """Kill -> next step: in-process recovery against the restart path, side by side in one run.
 
-    python experiments/recovery_bench.py [--repeats 2] [--steps 30] [--kill-step 17] [--peer-timeout 5]
+    python experiments/recovery_bench.py [--repeats 2] [--steps 30] [--kill-step 17] [--peer-timeout 10]
 
 Each repeat launches the same elastic 3-process run (``--nproc 3 --min-nproc 2
 --devices-per-proc 1``, ``--mesh data=-1``, the tiny model on the stdlib corpus, a
@@ -16,6 +16,7 @@ thread settings and the machine are printed with them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -44,19 +45,23 @@ def one_run(mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
         text=True,
     )
     killed = next_step = failed_step_done = None
+    out = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115 - closed below
     for line in proc.stdout:
         now = time.monotonic()
+        out.write(line)
         if KILL_LINE in line:
             killed = now
         match = STEP_LINE.search(line)
         if match and killed is not None:
             step = int(match.group(1))
-            next_step = next_step or now
+            if step != args.kill_step - 1:  # the step before the kill may print just after it (a race): not a new step
+                next_step = next_step or now
             if step == args.kill_step and failed_step_done is None:
                 failed_step_done = now
     proc.wait()
+    out.close()
     if proc.returncode != 0 or killed is None or failed_step_done is None:
-        raise SystemExit(f"{mode}: the run failed (exit {proc.returncode}); see {run_dir}")
+        raise SystemExit(f"{mode}: the run failed (exit {proc.returncode}); see {run_dir} and {out.name}")
     records = [json.loads(x) for x in (run_dir / "elastic.jsonl").read_text().splitlines()]
     phases = next((r.get("seconds") for r in records if r["reason"] == "in-process"), None)
     return {"next_step_s": next_step - killed, "failed_step_s": failed_step_done - killed, "phases": phases}
@@ -67,10 +72,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-step", type=int, default=17)
-    parser.add_argument("--peer-timeout", type=float, default=5.0)
+    parser.add_argument("--peer-timeout", type=float, default=10.0)
+    parser.add_argument("--runs", default=None, help="keep the run directories and logs here (default: a temporary folder)")
+    parser.add_argument("--modes", default="in-process,restart", help="which --recovery modes, comma-separated")
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {"in-process": [], "restart": []}
-    with tempfile.TemporaryDirectory() as tmp:
+    results: dict[str, list[dict]] = {mode: [] for mode in args.modes.split(",")}
+    with tempfile.TemporaryDirectory() if args.runs is None else contextlib.nullcontext(args.runs) as tmp:
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for repeat in range(args.repeats):
             for mode in results:  # side by side: each repeat runs both
                 results[mode].append(one_run(mode, args, Path(tmp) / f"{mode}-{repeat}"))
@@ -85,7 +93,7 @@ def main() -> None:
         print(
             f"{mode:<12} {statistics.median(r['next_step_s'] for r in runs):>22.1f} {statistics.median(r['failed_step_s'] for r in runs):>30.1f}"
         )
-    phases = [r["phases"] for r in results["in-process"] if r["phases"]]
+    phases = [r["phases"] for r in results.get("in-process", []) if r["phases"]]
     if phases:
         print("in-process phases (median s): " + ", ".join(f"{k} {statistics.median(p[k] for p in phases):.2f}" for k in phases[0]))
 

@@ -179,7 +179,7 @@ SECONDS_FLAGS = {  # flag: (the lowest value, whether it is allowed, what it mea
     "rdzv_settle": (0.0, True, "0: no settle window"),
     "peer_timeout": (0.0, False, ""),
 }
-COUNT_FLAGS = {"nproc": 1, "devices_per_proc": 1, "nproc_per_node": 1, "max_restarts": 0}  # --min-nproc: with --nproc below
+COUNT_FLAGS = {"nproc": 1, "devices_per_proc": 1, "nproc_per_node": 1, "max_restarts": 0, "straggler_window": 0}  # --min-nproc: with --nproc below
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -254,6 +254,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help=f"--recovery in-process: seconds a collective or the coordination service waits for a silent peer (default {DEFAULT_PEER_TIMEOUT_S:g})",
     )
     parser.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help="name a process whose own work per step is F times the others' median (train.straggler_factor, default 1.3)",
+    )
+    parser.add_argument(
+        "--straggler-window", type=int, default=None, metavar="N", help="steps per straggler comparison (train.straggler_window; 0: off)"
+    )
+    parser.add_argument(
         "--module",
         default="jaxdist.train",
         choices=MODULES,
@@ -269,6 +279,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.train_args[:1] == ["--"]:
         args.train_args = args.train_args[1:]
+    for flag in ("straggler_factor", "straggler_window"):  # the launcher's spelling of the training keys
+        if getattr(args, flag) is not None:
+            args.train_args.append(f"train.{flag}={getattr(args, flag)}")
     _check_numbers(args)
     args.hang = HangLimits(args.hang_timeout, args.first_step_timeout) if args.hang_timeout > 0 else None
     restarting = [f"--{k.replace('_', '-')}" for k in ("nnodes", "min_nproc", "max_restarts", "nproc_file") if getattr(args, k) is not None]
@@ -316,6 +329,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < low:
             raise JaxdistError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    if args.straggler_factor is not None and not (math.isfinite(args.straggler_factor) and args.straggler_factor >= 1):
+        raise JaxdistError(f"--straggler-factor must be a finite number >= 1, got {args.straggler_factor:g}")
     if args.port is not None and not 1 <= args.port <= 65535:
         raise JaxdistError(f"--port must be from 1 to 65535, got {args.port}")
 

@@ -117,6 +117,10 @@ BAD_NUMBERS = {
     "min nproc zero": ([*PLAIN, "--min-nproc", "0", "--devices-per-proc", "2"], "--min-nproc must be from 1 to --nproc (2), got 0"),
     "port zero": ([*PLAIN, "--port", "0"], "--port must be from 1 to 65535, got 0"),
     "port too large": ([*PLAIN, "--port", "65536"], "--port must be from 1 to 65535, got 65536"),
+    "peer timeout zero": ([*PLAIN, "--peer-timeout", "0"], f"--peer-timeout {SECONDS} > 0, got 0"),
+    "straggler factor nan": ([*PLAIN, "--straggler-factor", "nan"], "--straggler-factor must be a finite number >= 1, got nan"),
+    "straggler factor below 1": ([*PLAIN, "--straggler-factor", "0.5"], "--straggler-factor must be a finite number >= 1, got 0.5"),
+    "straggler window negative": ([*PLAIN, "--straggler-window", "-1"], "--straggler-window must be >= 0, got -1"),
 }
 
 

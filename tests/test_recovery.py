@@ -30,7 +30,8 @@ from helpers import SMALL_TEXT, TINY, subprocess_env
 
 STEPS = 12
 OVERRIDES = (*TINY, *SMALL_TEXT, "train.global_batch=6", f"train.steps={STEPS}", "checkpoint.every_steps=4")
-LAUNCH = ["--nproc", "3", "--min-nproc", "2", "--devices-per-proc", "1", "--recovery", "in-process", "--peer-timeout", "5"]
+TAG = "JAXDIST_TEST_RECOVERY_RUN"  # marks every process a test run starts (Grain workers included)
+LAUNCH = ["--nproc", "3", "--min-nproc", "2", "--devices-per-proc", "1", "--recovery", "in-process", "--peer-timeout", "10"]
 
 
 def test_the_jax_pieces_in_process_recovery_relies_on_are_there():
@@ -97,10 +98,26 @@ def reference_losses():
     return run(config, parse_mesh("data=1"), None, devices=jax.devices()[:1], progress=False).losses
 
 
-def _launch(run_dir: Path, kill: str, timeout: float = 420) -> subprocess.CompletedProcess:
-    env = {**subprocess_env(), "JAXDIST_FAULT_KILL_AT": kill}
-    cmd = [sys.executable, "-m", "jaxdist.launch", *LAUNCH, "--", "--mesh", "data=-1", "--run-dir", str(run_dir), *OVERRIDES]
+def _launch(run_dir: Path, kill: str, *extra: str, timeout: float = 420) -> subprocess.CompletedProcess:
+    env = {**subprocess_env(), "JAXDIST_FAULT_KILL_AT": kill, TAG: str(run_dir)}
+    cmd = [sys.executable, "-m", "jaxdist.launch", *LAUNCH, "--", "--mesh", "data=-1", "--run-dir", str(run_dir), *OVERRIDES, *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True)
+
+
+def _left_behind(tag: str, within_s: float = 30.0) -> list[psutil.Process]:
+    """The processes started with ``tag`` in their environment still running after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get(TAG) == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except (psutil.AccessDenied, psutil.NoSuchProcess):
+                continue
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
 
 
 def _records(run_dir: Path, name: str) -> list[dict]:
@@ -114,9 +131,10 @@ def _logged_losses(run_dir: Path) -> list[tuple[int, float]]:
 
 @pytest.mark.heavy
 def test_a_killed_process_is_recovered_in_process_with_the_uninterrupted_losses(tmp_path, reference_losses):
+    """With a Grain worker per process (data.workers=1): its data stream is rebuilt at the failed step too."""
     rank, step = random.choice([1, 2]), random.randint(3, STEPS - 2)  # a SIGKILL of process 1 or 2 at a random step
     run_dir = tmp_path / "run"
-    done = _launch(run_dir, f"{rank}:{step}")
+    done = _launch(run_dir, f"{rank}:{step}", "data.workers=1")
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert f"rank {rank} was killed by SIGKILL; the other 2 recover in-process (--recovery in-process)" in out, out[-4000:]
@@ -139,6 +157,7 @@ def test_a_killed_process_is_recovered_in_process_with_the_uninterrupted_losses(
     assert [s for s, _ in logged] == list(range(1, STEPS + 1)), logged  # every step once: none missing, none trained twice
     np.testing.assert_allclose([loss for _, loss in logged], reference_losses, rtol=1e-5)
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())[-1] == STEPS  # the survivors save
+    assert _left_behind(str(run_dir)) == []  # no trainer or Grain worker outlives the run
 
 
 @pytest.mark.heavy

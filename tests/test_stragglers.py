@@ -67,3 +67,5 @@ def test_a_rank_slow_in_its_host_loop_is_named_and_nobody_before(tmp_path):
     lines = [line for line in out.splitlines() if "straggler: process 2" in line]
     assert len(lines) == len(named) and "over steps 42-51" in lines[0], out[-3000:]
     assert not [line for line in out.splitlines() if "straggler: process" in line and "process 2" not in line]
+    membership = [json.loads(x) for x in (tmp_path / "run" / "elastic.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["process"]) for x in membership if x["reason"] == "straggler"] == [(x["step"], x["process"]) for x in named]

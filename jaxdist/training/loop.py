@@ -55,6 +55,7 @@ class LoopHooks:
     energy: IntervalEnergy | None = None  # the GPUs' energy meter per log interval (None: not measured)
     stragglers: Any = None  # jaxdist.training.stragglers.StragglerWatch (several processes)
     guard: Any = None  # jaxdist.training.recovery.StepGuard (--recovery in-process): each step inside live_devices
+    membership_record: Callable[..., None] | None = None  # a line in RUN_DIR/elastic.jsonl (process 0): stragglers
 
 
 def train_loop(
@@ -187,6 +188,8 @@ def train_loop(
         if stragglers is not None and (record := stragglers.step_done(step)) is not None:
             log.warning(straggler_line(record, stragglers.factor))
             logger.log(step, {"straggler": record})
+            if hooks.membership_record is not None:
+                hooks.membership_record(reason="straggler", step=step, **record)
         tracer.after_step(step, state)
     result.state = state
     return result

@@ -65,7 +65,14 @@ class StepGuard:
         except Exception as e:
             if recoverable.is_process_failure(e):
                 raise PeerLost(step, state, set(e.failed_devices), time.perf_counter() - start) from None
-            raise
+            if "Gloo" not in str(e) and "NCCL" not in str(e):
+                raise
+            # a collective gave up while every process lives: a peer slower than --peer-timeout, not a dead one
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise RecoveryImpossible(
+                f"a collective of step {step} failed with every process alive ({first_line}): a peer was slower than "
+                f"--peer-timeout {recoverable.peer_timeout_s()}s; the run restarts from its last checkpoint (raise --peer-timeout)"
+            ) from None
         if self.after_first_step is not None:
             done, self.after_first_step = self.after_first_step, None
             done(time.perf_counter() - start)

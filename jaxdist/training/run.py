@@ -182,6 +182,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     """Train the resolved run ``plan`` describes (``run``'s work once the plan is made)."""
     import jax
 
+    from jaxdist.cluster.elastic import record as elastic_record
     from jaxdist.cluster.recoverable import in_process_recovery
     from jaxdist.data.batches import eval_batches, make_iterator
     from jaxdist.layout.mesh import format_mesh
@@ -275,6 +276,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                 tracer=profile_window(trainer, step_fn, run_dir, int(jax.device_get(state.step))),
                 energy=IntervalEnergy(meter),
                 stragglers=StragglerWatch(t.straggler_factor, t.straggler_window),
+                membership_record=(lambda **fields: elastic_record(run_dir, **fields)) if run_dir is not None else None,
             )
 
             def run_loop(trainer, state, batches, step_fn):
