@@ -2,13 +2,14 @@
 context size and strategy; and the planner beside torchtitan's context-parallel table.
 
     python experiments/long_context.py [--seq 1024,2048,4096] [--contexts 1,2,4,8]
-        [--strategies all_gather,ring] [--budget-mib 64] [--steps 3] [--remat none]
+        [--strategies all_gather,ring,all_to_all] [--budget-mib 64] [--steps 3] [--remat none]
         [--plot experiments/figures/long_context.png] [--json PATH]
     python experiments/long_context.py --torchtitan [--max-compiles 4]
 
 The sweep: a small decoder (``MODEL``, fp32, one sequence per step) is compiled for every
-context size (context=1 is the plain model on one device) and strategy, at every sequence length
-the split divides (2 x context chunks); per device it reports the compiled program's memory
+context size (context=1 is the plain model on one device) and strategy (all_gather, ring and
+all_to_all, Ulysses), at every sequence length the split divides (2 x context chunks); per device it
+reports the compiled program's memory
 (``jaxdist.inspect.step_report.build_report``'s ``memory_per_device_bytes``, what
 ``python -m jaxdist.analyze`` prints) and the bytes its collectives move over ``context``, then
 times a few steps. From the memory it gives the longest sequence that fits ``--budget-mib`` per
@@ -46,6 +47,7 @@ from jaxdist.config import load_config  # noqa: E402
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh  # noqa: E402
 
 MIB = 2**20
+STRATEGIES = ("all_gather", "ring", "all_to_all")  # parallel.context_strategy
 MODEL = [
     "data.source=synthetic",
     "model.vocab_size=256",
@@ -174,7 +176,7 @@ def sweep(args) -> list[dict]:
 
 def sweep_tables(rows: list[dict], budget_mib: float) -> str:
     lines = [
-        "| context | strategy | seq | temp MiB | total MiB | over context MiB/step (attention's K/V) | step s | tokens/s | loss |",
+        "| context | strategy | seq | temp MiB | total MiB | over context MiB/step (attention's own) | step s | tokens/s | loss |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
@@ -216,7 +218,7 @@ def plot(rows: list[dict], path: Path, budget_mib: float, title: str) -> str:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for (context, strategy), points in _groups(rows).items():
         label = "context=1" if context == 1 else f"context={context} {strategy}"
-        style = "-" if strategy in ("-", "all_gather") else "--"
+        style = {"ring": "--", "all_to_all": ":"}.get(strategy, "-")
         seqs = [p["seq_len"] for p in points]
         left.plot(seqs, [p["memory"]["total"] / MIB for p in points], style, marker="o", label=label)
         right.plot(seqs, [p["step_time_s"] for p in points], style, marker="o", label=label)
@@ -316,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python experiments/long_context.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", default="1024,2048,4096", help="comma list of sequence lengths")
     parser.add_argument("--contexts", default="1,2,4,8", help="comma list of context sizes (1: no split, one device)")
-    parser.add_argument("--strategies", default="all_gather,ring")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--remat", default="none", choices=("none", "save_matmuls", "full"))
     parser.add_argument("--steps", type=int, default=3, help="timed steps per case (after one warm-up)")
     parser.add_argument("--budget-mib", type=float, default=64.0, help="memory per device the longest-sequence column fits")
@@ -335,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(f"--seq and --contexts take comma lists of integers ({e})")
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if bad := [s for s in args.strategies if s not in ("all_gather", "ring")]:
-        parser.error(f"unknown strategy {', '.join(bad)} (all_gather, ring)")
+    if bad := [s for s in args.strategies if s not in STRATEGIES]:
+        parser.error(f"unknown strategy {', '.join(bad)} ({', '.join(STRATEGIES)})")
     if bad := [c for c in args.contexts if c < 1 or c > jax.device_count()]:
         parser.error(f"context sizes must be 1..{jax.device_count()} (the fake devices), got {bad}")
     if args.steps < 1 or args.budget_mib <= 0 or not args.seq or min(args.seq) < 2:

@@ -1,6 +1,7 @@
 """Long-sequence attention in GPU programs, compiled for a target on this CPU host
 (``analyze --target``; nothing runs, no GPU or driver needed): the ring's transfers overlap its
-block computes on an H100, the context axis runs the blockwise XLA kernel and says so, and cuDNN
+block computes on an H100, the context axis runs the blockwise XLA kernel and says so (but
+all_to_all, whose devices attend whole sequences with cuDNN between its all-to-alls), and cuDNN
 flash attention on packed documents is in every layer on Hopper, per device's own rows, while an
 A100 falls back (auto) or refuses (explicit cudnn) in one line.
 
@@ -87,6 +88,25 @@ def test_cudnn_on_packed_documents_on_h100_runs_in_every_layer_on_each_devices_o
         q_rows = shapes[0][1][0]
         packing = [dims for dtype, dims in shapes if dtype == "s32"]
         assert q_rows == 2 and len(packing) == 4 and all(dims[0] == q_rows for dims in packing), (target, shapes)
+
+
+@pytest.mark.heavy
+def test_all_to_all_on_h100_runs_cudnn_on_whole_sequences_between_all_to_alls_over_context(tmp_path, capsys):
+    """Ulysses on context=4 (8 heads, 4 kv heads, packed documents): every layer's cuDNN flash
+    attention, forward and backward, sees the whole 1,024-token sequence of its 2 query heads (kv
+    heads repeated to them for cuDNN's packing), no blockwise XLA tiles run, and the step's
+    all-to-alls (q, k, v and the output, forward and backward: 4 per layer) span context alone."""
+    report, hlo, lines = _target(tmp_path, capsys, "h100", "context=4", 4, "train.global_batch=4", "parallel.context_strategy=all_to_all")
+    assert report["kernels"]["attention_cudnn_fwd"] == report["kernels"]["attention_cudnn_bwd"] == LAYERS, report["kernels"]
+    assert "__cudnn$fmha" in hlo and BLOCK_SCOPE not in hlo
+    for target, shapes in _cudnn_calls(hlo):
+        assert [dims for dtype, dims in shapes if dtype == "bf16"][:3] == [[4, 1024, 2, 32]] * 3, (target, shapes)
+    a2a = report["collectives"]["all-to-all"]
+    assert a2a["count"] == 4 * LAYERS and report["collectives_by_axes"]["context"]["kinds"]["all-to-all"]["count"] == a2a["count"]
+    assert a2a["async"] == a2a["count"], a2a
+    assert report["collectives"]["collective-permute"]["count"] == 0
+    [note] = [line for line in lines if "context attention:" in line]
+    assert "all_to_all over context=4" in note and "kernel cudnn (model.attention=auto picks it" in note, note
 
 
 @pytest.mark.heavy

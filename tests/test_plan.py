@@ -205,11 +205,11 @@ BAD = {
     "zero per node": (["--gpus", "4", "--hardware", "h100", "--gpus-per-node", "0", *TINY], "--gpus-per-node must be >= 1, got 0"),
     "unknown context strategy": (
         ["--gpus", "4", "--hardware", "h100", "parallel.context_strategy=rings", *TINY],
-        "parallel.context_strategy must be one of all_gather, ring, got 'rings'",
+        "parallel.context_strategy must be one of all_gather, ring, all_to_all, got 'rings'",
     ),
     "a sequence that fits nowhere": (
         ["--config", "llama3-8b-128k", "--gpus", "2", "--hardware", "h100", "train.seq_len=1048576"],
-        "llama3-8b-128k fits no layout on 2 x H100 SXM 80GB: the smallest (context=2 ring mb=2 remat=full) needs",
+        "llama3-8b-128k fits no layout on 2 x H100 SXM 80GB: the smallest (context=2 all_to_all mb=2 remat=full) needs",
     ),
 }
 
@@ -338,7 +338,7 @@ def test_context_sizes_are_searched_inside_a_node_where_the_sequence_divides():
     assert all(c.sizes["context"] * c.sizes["tensor"] <= 4 for c in candidates)
     assert all(c.sizes["pipe"] == 1 for c in candidates if c.sizes["context"] > 1)  # context does not compose with pipe yet
     for c in candidates:
-        assert (c.context_strategy in ("all_gather", "ring")) == (c.sizes["context"] > 1)
+        assert (c.context_strategy in ("all_gather", "ring", "all_to_all")) == (c.sizes["context"] > 1)
         assert ("parallel.context_strategy=" + c.context_strategy in c.overrides()) == bool(c.context_strategy)
 
 
@@ -398,7 +398,7 @@ def test_a_long_sequence_makes_the_planner_pick_a_context_axis(tmp_path, cpu_com
     result = json.loads(capsys.readouterr().out)
     assert result["candidates"], result["did_not_fit"]
     best = result["candidates"][0]
-    assert parse_mesh(best["mesh"])["context"] > 1 and best["context_strategy"] in ("all_gather", "ring")
+    assert parse_mesh(best["mesh"])["context"] > 1 and best["context_strategy"] in ("all_gather", "ring", "all_to_all")
     assert best["memory_source"] == "compiled" and best["memory_per_device_bytes"] <= need_free / 2
     assert all(parse_mesh(c["mesh"])["context"] > 1 for c in result["candidates"])
     assert all(parse_mesh(c["mesh"])["context"] == 1 for c in result["did_not_fit"])  # what XLA found too big
@@ -422,7 +422,8 @@ def test_the_screen_takes_a_context_axis_only_where_nothing_else_fits():
     """On a flash-attention GPU a context-free layout keeps the scores on chip while the context
     kernel's XLA tiles move them through memory: the screen ranks a fitting context-free layout
     first (Llama 3 8B at 32K tokens on 8 H100), and a context layout where none fits (at 256K);
-    without load balancing the last context shard's causal share stretches the step."""
+    without load balancing the last context shard's causal share stretches the step. (The tiled
+    strategies; all_to_all keeps the flash kernel on whole sequences: tests/test_ulysses.py.)"""
     from jaxdist.models.llama import count_params
     from jaxdist.plan.search import estimated_time
 
@@ -433,7 +434,8 @@ def test_the_screen_takes_a_context_axis_only_where_nothing_else_fits():
             None, [*shapes, "model.mlp_dim=14336", "model.dtype=bfloat16", f"train.seq_len={seq}", f"train.global_batch={batch}"]
         )
         n = count_params(config.model)
-        fitting = [c for c in enumerate_candidates(config, 8, 8) if estimated_memory(config, c, n, True) <= 0.9 * h100.memory_bytes]
+        tiled = [c for c in enumerate_candidates(config, 8, 8) if c.context_strategy != "all_to_all"]
+        fitting = [c for c in tiled if estimated_memory(config, c, n, True) <= 0.9 * h100.memory_bytes]
         assert fitting and any(c.sizes["context"] > 1 for c in fitting)
         best = min(fitting, key=lambda c: estimated_time(config, c, n, h100))
         assert (best.sizes["context"] > 1) == context_wanted, best.label()

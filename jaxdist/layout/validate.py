@@ -196,6 +196,12 @@ def _check_context(config: Config, sizes: MeshSizes) -> None:
     if config.train.seq_len % chunks:
         how = f"2 x context = {chunks} chunks (load balancing)" if p.context_load_balance else f"the context axis ({context})"
         raise MeshError(f"train.seq_len ({config.train.seq_len}) must be divisible by {how}")
+    heads, tensor = config.model.n_heads, sizes["tensor"]
+    if p.context_strategy == "all_to_all" and heads % (tensor * context):
+        raise MeshError(
+            f"parallel.context_strategy=all_to_all splits the heads over tensor x context: model.n_heads ({heads}) must be "
+            f"divisible by tensor x context ({tensor} x {context} = {tensor * context}); use parallel.context_strategy=all_gather or ring"
+        )
     if sizes["pipe"] > 1:
         raise MeshError(
             "a context axis does not compose with a pipe axis yet (the pipeline's stages would need the sequence split inside them)"

@@ -11,6 +11,9 @@ queries' share of the sequence, and one of two strategies brings it the keys:
 - ``ring``: K/V travel around the ring by ``ppermute`` (``parallel.ring``), merged by an online
   softmax, with an explicit backward.
 
+The third strategy, ``all_to_all`` (Ulysses: heads scattered, the sequence gathered), is
+``parallel.ulysses.UlyssesAttention``; ``with_context_attention`` picks either kernel.
+
 Either way the per-block kernel is ``parallel.blockwise`` (XLA, fp32 scores, tiles where nothing is
 visible skipped; a chunk no good tile length divides is padded with masked tokens). The mask comes
 from positions and segment ids only, so the sequence may be in any order; a negative segment id marks
@@ -42,6 +45,7 @@ from jaxdist.models.attention import IMPLEMENTATIONS
 from jaxdist.parallel import blockwise
 from jaxdist.parallel.blockwise import BLOCK_SCOPE, TilePlan, pad_chunks, plan_tiles, unpad_chunks
 from jaxdist.parallel.ring import Ring, ring_attention, ring_forward
+from jaxdist.parallel.ulysses import UlyssesAttention
 
 CONTEXT_AXIS = "context"
 log = logging.getLogger(__name__)
@@ -308,19 +312,18 @@ def ring_overlap_in_hlo(hlo_text: str, mesh_shape: dict[str, int] | None = None)
 def with_context_attention(task, config: Config, mesh: jax.sharding.Mesh):
     """The task with its attention split over ``context``: the sequence of every token array is
     sharded over it (the layout's rules and ``data.loader.split_sequences``: positions carried,
-    load-balanced order) and each step installs this kernel in place of the model's attention
+    load-balanced order) and each step installs the strategy's kernel (``ContextAttention``, or
+    ``UlyssesAttention`` for all_to_all) in place of the model's attention
     (``layout.step_context``); the rest of the decoder is per token and needs nothing."""
-    p = config.parallel
+    p, m = config.parallel, config.model
     heads_axis = "tensor" if mesh.shape["tensor"] > 1 else None  # validate: heads and kv heads divide over tensor
-    kernel = ContextAttention(
-        mesh=mesh,
-        strategy=p.context_strategy,
-        implementation=task.attention or "xla",
-        requested=config.model.attention,
-        batch_axes=BATCH_AXES,
-        heads_axis=heads_axis,
-        kv_heads_axis=heads_axis,
-    )
+    common = dict(mesh=mesh, implementation=task.attention or "xla", requested=m.attention, batch_axes=BATCH_AXES, heads_axis=heads_axis)
+    if p.context_strategy == "all_to_all":  # validate: the heads divide over tensor x context
+        kernel = UlyssesAttention(**common, load_balanced=p.context_load_balance, block_q=DEFAULT_TILE, block_kv=DEFAULT_TILE)
+        note = kernel.kernel_note(config.train.seq_len, m.n_heads, m.n_kv_heads)
+    else:
+        kernel = ContextAttention(**common, strategy=p.context_strategy, kv_heads_axis=heads_axis)
+        note = kernel.kernel_note(config.train.seq_len)
     inner_spec = task.batch_spec
 
     def batch_spec(global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -329,5 +332,5 @@ def with_context_attention(task, config: Config, mesh: jax.sharding.Mesh):
         return spec
 
     order = "load-balanced (shard r holds chunks r and 2N-1-r)" if p.context_load_balance else "in order (no load balancing)"
-    log.info(f"{kernel.kernel_note(config.train.seq_len)}; sequence {order}")
+    log.info(f"{note}; sequence {order}")
     return dataclasses.replace(task, sequence_kernel=kernel, batch_spec=batch_spec)

@@ -3,9 +3,9 @@
     python -m jaxdist.plan --config llama3-8b --gpus 8 --hardware h100 [--gpus-per-node 8] [--links PATH]
         [--global-batch B] [--top K] [--time-budget S] [--max-compiles K] [--json] [key=value ...]
 
-Every (data, fsdp, expert, context, tensor, pipe) x microbatches x remat (x context strategy)
-layout jaxdist accepts is screened (an expert axis only for an MoE model; a rough time orders
-them), then the best are compiled, best first, until ``--time-budget`` seconds or
+Every (data, fsdp, expert, context, tensor, pipe) x microbatches x remat (x context strategy:
+all_gather, ring, all_to_all) layout jaxdist accepts is screened (an expert axis only for an MoE
+model; a rough time orders them), then the best are compiled, best first, until ``--time-budget`` seconds or
 ``--max-compiles`` compiles. For a GPU profile each is compiled by XLA:GPU for N compile-only
 devices of the target (``plan.gpu_target``; ``--gpus-per-node`` per host): the screen keeps the
 layouts whose estimated memory is within ``search.PREFILTER_MARGIN`` of what JAX may allocate,
@@ -109,7 +109,7 @@ def plan(args) -> dict:
     config = load_config(args.config, overrides)
     if config.model.kind != "llama":
         raise JaxdistError("the planner prices language models (model.kind=llama)")
-    if config.parallel.context_strategy not in CONTEXT_STRATEGIES:  # the search tries both; a typo is still an error
+    if config.parallel.context_strategy not in CONTEXT_STRATEGIES:  # the search tries each of them; a typo is still an error
         raise JaxdistError(
             f"parallel.context_strategy must be one of {', '.join(CONTEXT_STRATEGIES)}, got {config.parallel.context_strategy!r}"
         )

@@ -2,8 +2,9 @@
 
     compute    = matmul_flops / (peak x matmul_efficiency) + memory_bytes / (HBM x memory_efficiency)
                  on a GPU: attention's FLOPs halved (causal flash skips masked blocks), its score
-                 traffic and XLA:CPU's f32 conversion copies left out (see hlo_cost); with a
-                 context axis attention is parallel.context's tiled XLA kernel on every backend:
+                 traffic and XLA:CPU's f32 conversion copies left out (see hlo_cost); where
+                 attention is parallel.context's tiled XLA kernel (a context axis, but all_to_all
+                 with a fused kernel, which attends whole sequences):
                  half its tiles' FLOPs and score traffic are skipped (lax.cond), the rest of its
                  score traffic stays (no flash kernel keeps it on chip); an MoE model's grouped
                  matmuls at their grouped FLOPs on a GPU (XLA:CPU's dense lowering of ragged_dot
@@ -14,6 +15,7 @@
                  hybrid mesh does)
     exposed    = collectives on the critical path (tensor-parallel activations, pipeline
                  sends, attention's K/V gathers and their reduce-scatters over context,
+                 Ulysses's all-to-alls of q, k, v and the output (attention waits for them),
                  the experts' all-to-alls: the experts wait for their tokens, the layer for the results,
                  everything outside the layer loop but gradient reductions)
                  + max(0, the hideable ones - overlap x compute); hideable: the layer loop's

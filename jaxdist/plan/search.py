@@ -3,14 +3,14 @@
 Candidates are every (data, fsdp, expert, context, tensor, pipe) mesh whose product is the GPU
 count, with ``expert``, ``context`` and ``tensor`` inside a node (``expert`` > 1 only for an MoE
 model, dividing its experts), every microbatch count and remat policy (and,
-with a context axis, both context strategies) that ``jaxdist.layout.validate.check_config_on_mesh``
+with a context axis, each of the three context strategies) that ``jaxdist.layout.validate.check_config_on_mesh``
 accepts (a context axis needs the sequence divisible by 2 x context). Each is screened without
 compiling: model states (16 bytes per parameter, sharded as the mesh shards them: fsdp, context,
 tensor, pipe, and the experts' weights over expert too) plus activations (Korthikanti et al.
 2022's per-layer counts, for the device's share of the sequence, plus an MoE layer's dispatched
 rows) must fit the device, and a rough time (6 x active params x tokens plus causal attention,
-remat's recompute, the pipeline's executed chunk steps (its bubble) and 1F1B's recompute or kept activations, the K/V traffic of a context axis, the experts'
-all-to-alls) orders them. Then they are compiled best-first until the time budget runs out: for a
+remat's recompute, the pipeline's executed chunk steps (its bubble) and 1F1B's recompute or kept activations, the traffic of a context
+axis (``plan.context_cost``), the experts' all-to-alls) orders them. Then they are compiled best-first until the time budget runs out: for a
 GPU (``GpuTarget``) by XLA:GPU for compile-only devices of the target (``plan.gpu_target``), for
 ``cpu-local`` against fake CPU devices; each compile is cached on disk (``~/.cache/jaxdist/plan``),
 keyed by the resolved config, the JAX version and the target, so a rerun is fast.
@@ -45,6 +45,14 @@ from jaxdist.layout.validate import check_config_on_mesh
 from jaxdist.models.experts import capacity_rows
 from jaxdist.parallel.expert import buffer_rows
 from jaxdist.parallel.pipeline_schedule import executed_over_ideal, pipeline_spec
+from jaxdist.plan.context_cost import (  # noqa: F401 - CONTEXT_STRATEGIES, context_traffic: the planner's names for them
+    CONTEXT_STRATEGIES,
+    attention_memory,
+    compute_bytes,
+    context_traffic,
+    exposed_context_time,
+    score_traffic,
+)
 from jaxdist.plan.gpu_cost import gpu_program_cost, schedule_kernel_counts
 from jaxdist.plan.gpu_target import compile_for_target, compiler_options, target_config_text
 from jaxdist.plan.hardware import Hardware
@@ -62,8 +70,6 @@ log = logging.getLogger(__name__)
 # without remat, 1.12 with 2 microbatches, 0.92 with full remat, 0.62-0.74 with save_matmuls (the
 # estimate keeps half of each layer; XLA:GPU's program keeps little more than with full remat)
 PREFILTER_MARGIN = 1.6
-CONTEXT_STRATEGIES = ("all_gather", "ring")
-KERNEL_TILE = 512  # tokens per tile of the context kernel (parallel.context's DEFAULT_TILE): bounds its fp32 scores
 LAYOUT_AXES = ("data", "fsdp", "expert", "context", "tensor", "pipe")
 
 
@@ -72,7 +78,7 @@ class Candidate:
     mesh: tuple[tuple[str, int], ...]  # (axis, size) for data, fsdp, expert, context, tensor, pipe (an axis left out is 1)
     microbatches: int
     remat: str
-    context_strategy: str = ""  # all_gather | ring with a context axis; "" without one
+    context_strategy: str = ""  # all_gather | ring | all_to_all with a context axis; "" without one
     pipeline_recompute: bool | None = None  # 1F1B on a pipe axis: recompute each stage's forward (True) or keep it (False)
 
     @property
@@ -167,10 +173,6 @@ def states_bytes(candidate: Candidate, n_params: int, expert_params: int = 0) ->
     return STATE_BYTES_PER_PARAM * ((n_params - expert_params) / split + expert_params / (split * sizes["expert"]))
 
 
-def _compute_bytes(config: Config) -> int:
-    return 4 if config.model.dtype == "float32" else 2
-
-
 def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_attention: bool) -> float:
     """Bytes per device: model states sharded by fsdp x context x tensor x pipe, plus activations.
 
@@ -178,11 +180,12 @@ def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_
     t, no sequence parallelism) for the device's s = seq_len / context tokens: s d (10 + 24 / t)
     bytes, plus 5 h s^2 / t without a fused attention; an MoE layer adds its k dispatched rows per
     token, s k (8 d + 10 f / t) bytes (send, receive, return and the fp32 combine of d, the fp32
-    gate/up and bf16 hidden of the expert width f). A context axis runs parallel.context's
-    tiled kernel (no [s, s] scores; a few fp32 tiles) and, with all_gather, keeps the whole
-    sequence's K/V per layer. Full remat keeps only each layer's input (2 s d) plus one
-    layer's working set; save_matmuls about half. The fp32 logits (and their gradient) of one
-    microbatch (one ``model.loss_chunk`` of it, when set) come on top.
+    gate/up and bf16 hidden of the expert width f). A context axis keeps no [s, s] scores: its
+    kernel's working set and what its strategy keeps are ``context_cost.attention_memory``'s (a
+    few fp32 tiles, the gathered K/V of all_gather, nothing more for all_to_all with a fused
+    kernel). Full remat keeps only each layer's input (2 s d) plus one layer's working set;
+    save_matmuls about half. The fp32 logits (and their gradient) of one microbatch (one
+    ``model.loss_chunk`` of it, when set) come on top.
     """
     m, t = config.model, config.train
     sizes = candidate.sizes
@@ -193,14 +196,9 @@ def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_
     if routed_expert_params(config):
         moe_share = (m.n_layers - m.moe_first_dense) / m.n_layers  # spread over the layers: the screen keeps one per-layer figure
         per_layer += moe_share * s * m.moe_top_k * (8 * d + 10 * m.resolved_moe_mlp_dim / tp)
-    working = 0.0  # the attention kernel's scratch, alive for one layer at a time
-    if context > 1:
-        heads, kv_heads = max(m.n_heads // tp, 1), max(m.n_kv_heads // tp, 1)
-        tile = min(KERNEL_TILE, s)
-        working = 3 * 4 * heads * tile * tile  # fp32 scores, probabilities and their gradient for one pair of tiles
-        if candidate.context_strategy == "all_gather":
-            per_layer += 2 * t.seq_len * kv_heads * m.resolved_head_dim * _compute_bytes(config)  # the gathered K and V
-    elif not fused_attention:
+    strategy_kept, working = attention_memory(config, candidate, fused_attention)  # working: the kernel's, one layer at a time
+    per_layer += strategy_kept
+    if context == 1 and not fused_attention:
         per_layer += 5 * m.n_heads * s * s / tp
     layers = m.n_layers // sizes["pipe"]
     kept = {"none": per_layer * layers, "save_matmuls": per_layer * layers / 2, "full": 2 * s * d * layers + per_layer}[candidate.remat]
@@ -209,7 +207,7 @@ def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_
     if spec is not None:  # rows / M per pipeline microbatch; the head runs on 1/S of each sequence per stage
         activations = rows / spec.microbatches * kept * spec.activations_alive()
         if spec.schedule == "1f1b" and spec.recompute:  # the ring of stage inputs the backward recomputes from
-            activations += rows / spec.microbatches * spec.ring_slots / spec.virtual * s * d * _compute_bytes(config)
+            activations += rows / spec.microbatches * spec.ring_slots / spec.virtual * s * d * compute_bytes(config)
         head_rows = rows / spec.microbatches if spec.schedule == "1f1b" else rows  # 1F1B: one microbatch's head at a time
         head_tokens = s // spec.stages
     logit_tokens = min(head_tokens, m.loss_chunk) if m.loss_chunk > 0 else head_tokens
@@ -222,31 +220,6 @@ def attention_flops_per_sequence(config: Config) -> float:
     layer), half of it masked, times 3 for the backward."""
     m, s = config.model, config.train.seq_len
     return 6.0 * m.n_layers * s * s * m.n_heads * m.resolved_head_dim
-
-
-def context_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
-    """(bytes one device sends over the context axis per step, collectives per step) for attention,
-    as jaxdist's compiled program moves them (checked against it in tests/test_plan.py). Per layer
-    and row, with K/V the whole sequence's keys and values and ids its segment ids and positions:
-
-    - all_gather: each forward (the recomputed one too, under remat) gathers (N-1)/N of K/V and
-      ids; the backward reduce-scatters (N-1)/N of dK/dV (in the compute dtype).
-    - ring: K/V and ids travel N-1 shifts forward and again backward (XLA merges the backward's
-      with a recomputed forward's), (N-1)/N of them each time; dK/dV (fp32) travel N-1 shifts.
-    """
-    sizes, m = candidate.sizes, config.model
-    n = sizes["context"]
-    if n <= 1:
-        return 0.0, 0
-    rows = config.train.global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
-    tokens = rows * config.train.seq_len
-    kv_elements = 2 * tokens * max(m.n_kv_heads // sizes["tensor"], 1) * m.resolved_head_dim
-    kv, ids, share = kv_elements * _compute_bytes(config), 2 * 4 * tokens, (n - 1) / n
-    layers, mb = m.n_layers // sizes["pipe"], candidate.microbatches
-    if candidate.context_strategy == "all_gather":
-        forwards = 1 + (candidate.remat != "none")
-        return layers * (forwards * share * (kv + ids) + share * kv), layers * mb * (4 * forwards + 2)
-    return layers * (2 * share * (kv + ids) + share * 4 * kv_elements), layers * mb * (2 * 4 * (n - 1) + 2 * (n - 1))
 
 
 def expert_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
@@ -266,7 +239,7 @@ def expert_traffic(config: Config, candidate: Candidate) -> tuple[float, int]:
     rows = n * buffer_rows(tokens, m.moe_top_k, m.moe_experts, n, capacity, config.parallel.expert_buffer_factor)
     forwards = 1 + (candidate.remat != "none")
     calls = (m.n_layers - m.moe_first_dense) // sizes["pipe"] * mb
-    per_call = (2 * forwards + 2) * rows * m.d_model * _compute_bytes(config) + forwards * rows * 4
+    per_call = (2 * forwards + 2) * rows * m.d_model * compute_bytes(config) + forwards * rows * 4
     return calls * per_call * (n - 1) / n, calls * (2 * forwards + 2 + forwards)
 
 
@@ -300,41 +273,22 @@ def buffer_padding(config: Config, mesh_shape: dict[str, int]) -> float:
     return rows / (tokens * m.moe_top_k)
 
 
-# fp32 bytes each visible attention score moves through memory where no flash kernel keeps the
-# scores on chip (scores and probabilities written and read; the backward also their gradients)
-SCORE_BYTES_FORWARD, SCORE_BYTES_BACKWARD = 16, 32
-
-
-def score_traffic(config: Config, candidate: Candidate, fused_attention: bool) -> float:
-    """Bytes per device per step of attention scores through memory: none with a flash kernel
-    (context-free layouts on a GPU); XLA's full scores without one; with a context axis,
-    parallel.context's tiled XLA kernel, which skips the masked half of them on any hardware."""
-    sizes, m, t = candidate.sizes, config.model, config.train
-    context = sizes["context"]
-    if context == 1 and fused_attention:
-        return 0.0
-    rows = t.global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
-    scores = rows * (m.n_layers // sizes["pipe"]) * max(m.n_heads // sizes["tensor"], 1) * (t.seq_len // context) * t.seq_len
-    visible = 0.5 if context > 1 else 1.0
-    passes = SCORE_BYTES_FORWARD * (1 + (candidate.remat != "none")) + SCORE_BYTES_BACKWARD
-    return scores * visible * passes
-
-
 def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware) -> float:
     """Seconds per step, roughly: compute (matmuls, an MoE layer's active experts only (on
     cpu-local once per local expert, as XLA:CPU's dense ragged_dot runs them), and causal
     attention, plus the attention scores' memory traffic where no flash kernel keeps them on
-    chip) with remat's recompute, stretched by the bubble, plus the exposed K/V traffic of a
-    context axis (all_gather's is on the critical path; ring's hides behind the attention it
-    feeds, up to ``hardware.overlap`` of it), the experts' all-to-alls (critical) and what
+    chip) with remat's recompute, stretched by the bubble, plus the exposed traffic of a context
+    axis (``context_cost.exposed_context_time``: all_gather's gathers and all_to_all's exchanges on
+    the critical path; ring's hides behind the attention it feeds, up to ``hardware.overlap`` of
+    it), the experts' all-to-alls (critical) and what
     compute cannot hide of FSDP's weight gathers (``fsdp_traffic``: they grow with the
     microbatches and, for an MoE model, with its total, not its active, parameters)."""
     t, sizes = config.train, candidate.sizes
     devices = math.prod(sizes.values())
     rate = hardware.matmul_flops_per_s
     attention = attention_flops_per_sequence(config) * t.global_batch / devices / rate * RECOMPUTE[candidate.remat]
-    if sizes["context"] > 1 and not config.parallel.context_load_balance:  # the last shard's causal share: (2N-1)/N of the mean
-        attention *= (2 * sizes["context"] - 1) / sizes["context"]
+    if sizes["context"] > 1 and not config.parallel.context_load_balance and candidate.context_strategy != "all_to_all":
+        attention *= (2 * sizes["context"] - 1) / sizes["context"]  # the last shard's causal share: (2N-1)/N of the mean
     attention += score_traffic(config, candidate, hardware.fused_attention) / (hardware.memory_bandwidth * hardware.memory_efficiency)
     routed, m = routed_expert_params(config), config.model
     active_experts = routed * m.moe_top_k / m.moe_experts if routed else 0
@@ -345,12 +299,8 @@ def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware
     if spec is not None:  # every device executes the schedule's masked chunk steps too; 1F1B's recompute runs the forward twice
         compute *= executed_over_ideal(spec, 1.0)
     comm_penalty = 1 + 0.05 * (sizes["tensor"] > 1) + 0.02 * math.log2(sizes["tensor"])
-    wire, count = context_traffic(config, candidate)
-    link = hardware.intra_node  # context stays inside a node
-    steps = sizes["context"] - 1 if candidate.context_strategy == "all_gather" else 1  # ring steps per collective
-    kv = wire / (link.bandwidth * link.efficiency) + count * steps * link.latency
-    if candidate.context_strategy == "ring":
-        kv = max(0.0, kv - hardware.overlap * attention)
+    kv = exposed_context_time(config, candidate, hardware, attention)  # context stays inside a node
+    link = hardware.intra_node
     wire, count = expert_traffic(config, candidate)  # on the critical path, inside a node
     experts = wire / (link.bandwidth * link.efficiency) + count * (sizes["expert"] - 1) * link.latency
     nodes = max(1, devices // hardware.gpus_per_node)
