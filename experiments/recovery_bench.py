@@ -54,7 +54,9 @@ def one_run(mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
         match = STEP_LINE.search(line)
         if match and killed is not None:
             step = int(match.group(1))
-            if step != args.kill_step - 1:  # the step before the kill may print just after it (a race): not a new step
+            # the lines of the steps just before the kill may print after it (a race; without the guard a log
+            # line trails its step by one): a new step is the failed one or later, or a replay from a checkpoint
+            if step >= args.kill_step or step < args.kill_step - 3:
                 next_step = next_step or now
             if step == args.kill_step and failed_step_done is None:
                 failed_step_done = now

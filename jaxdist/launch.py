@@ -179,7 +179,13 @@ SECONDS_FLAGS = {  # flag: (the lowest value, whether it is allowed, what it mea
     "rdzv_settle": (0.0, True, "0: no settle window"),
     "peer_timeout": (0.0, False, ""),
 }
-COUNT_FLAGS = {"nproc": 1, "devices_per_proc": 1, "nproc_per_node": 1, "max_restarts": 0, "straggler_window": 0}  # --min-nproc: with --nproc below
+COUNT_FLAGS = {
+    "nproc": 1,
+    "devices_per_proc": 1,
+    "nproc_per_node": 1,
+    "max_restarts": 0,
+    "straggler_window": 0,
+}  # --min-nproc: with --nproc below
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -1,4 +1,5 @@
-"""The optimizer: AdamW (or SGD) with a warmup + decay schedule and global-norm clipping."""
+"""The optimizer: AdamW, SGD or Muon (``training.muon``) with a warmup + decay schedule and
+global-norm clipping."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import optax
 from flax import nnx
 
 from jaxdist.config import TrainConfig
+from jaxdist.layout.sharding import Layout
 from jaxdist.models import fp8
+from jaxdist.training.muon import muon_with_adamw
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -67,18 +70,20 @@ def without_histories(tx: optax.GradientTransformation) -> optax.GradientTransfo
     return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(cfg: TrainConfig, histories: bool = False) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig, histories: bool = False, layout: Layout | None = None) -> optax.GradientTransformation:
     """Clip (on the averaged gradient) then AdamW (weight decay decoupled: ``p -= lr * wd * p``
     beside the Adam update), or SGD with PyTorch's coupled weight decay (``torch.optim.SGD``:
     ``g += wd * p`` before the momentum trace, so the decay goes through the momentum too).
     Moments mirror the parameter tree, so their layout follows the same logical axes (see
     ``sharding.rules_for``). ``histories``: the parameters hold fp8 amax histories, kept
-    out of the optimizer (``without_histories``)."""
-    update = _optimizer(cfg)
+    out of the optimizer (``without_histories``). ``train.optimizer=muon``: Muon on the hidden
+    matrices and this AdamW on the rest (``training.muon``), each matrix orthogonalised whole on
+    one device of ``layout``'s mesh."""
+    update = _optimizer(cfg, layout)
     return without_histories(update) if histories else update
 
 
-def _optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def _optimizer(cfg: TrainConfig, layout: Layout | None) -> optax.GradientTransformation:
     if cfg.optimizer == "sgd":
         update = optax.chain(
             optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask) if cfg.weight_decay else optax.identity(),
@@ -86,6 +91,8 @@ def _optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
         )
     else:
         update = optax.adamw(lr_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=_decay_mask)
+        if cfg.optimizer == "muon":
+            update = muon_with_adamw(cfg, lr_schedule(cfg), update, layout)
     if cfg.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), update)
     return update
