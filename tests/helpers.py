@@ -154,3 +154,20 @@ def data_config(*overrides: str):
     config = load_config(None, ["train.global_batch=8", "train.seq_len=32", *overrides])
     resolve_vocab(config)
     return config
+
+
+def context_mesh(shape: tuple[int, int, int]):
+    """A (data, context, tensor) mesh of explicit sizes for the context-attention tests."""
+    from jax.sharding import AxisType
+
+    return jax.make_mesh(shape, ("data", "context", "tensor"), axis_types=(AxisType.Auto,) * 3)
+
+
+def packed_ids(documents: list[list[int]]):
+    """(segment ids, positions) of rows packed with documents of these lengths."""
+    import numpy as np
+
+    segments = np.stack([np.repeat(np.arange(len(row)), row) for row in documents]).astype(np.int32)
+    positions = np.stack([np.concatenate([np.arange(n) for n in row]) for row in documents]).astype(np.int32)
+    return segments, positions
+

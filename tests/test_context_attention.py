@@ -10,12 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 from jaxdist.inspect.collectives import collective_ops
 from jaxdist.inspect.hlo import parse_hlo
 from jaxdist.models.attention import causal_attention
 from jaxdist.parallel.context import STRATEGIES, ContextAttention, load_balance_order, reorder, restore_order, ring_overlap_in_hlo
+
+from helpers import context_mesh, packed_ids
 
 B, T, H, KV, D = 4, 48, 4, 2, 8
 # Documents per row: uneven lengths that line up neither with the 8 chunks of 6 tokens (context=4,
@@ -30,23 +31,13 @@ MESHES = {  # name -> (mesh shape over data, context, tensor; kv_heads_axis)
 }
 
 
-def _mesh(shape):
-    return jax.make_mesh(shape, ("data", "context", "tensor"), axis_types=(AxisType.Auto,) * 3)
-
-
-def _packed(documents):
-    segments = np.stack([np.repeat(np.arange(len(row)), row) for row in documents]).astype(np.int32)
-    positions = np.stack([np.concatenate([np.arange(n) for n in row]) for row in documents]).astype(np.int32)
-    return segments, positions
-
-
 @pytest.fixture(scope="module")
 def inputs():
     rng = np.random.default_rng(0)
     q = rng.normal(size=(B, T, H, D)).astype(np.float32)
     k, v = (rng.normal(size=(B, T, KV, D)).astype(np.float32) for _ in range(2))
     cotangent = rng.normal(size=(B, T, H, D)).astype(np.float32)
-    segments, positions = _packed(DOCUMENTS)
+    segments, positions = packed_ids(DOCUMENTS)
     return q, k, v, segments, positions, cotangent
 
 
@@ -69,7 +60,7 @@ def _reference():
 def _split(mesh_name: str, strategy: str, tile: int = 512):
     shape, kv_axis = MESHES[mesh_name]
     attention = ContextAttention(
-        _mesh(shape), strategy, batch_axes=("data",), heads_axis="tensor", kv_heads_axis=kv_axis, block_q=tile, block_kv=tile
+        context_mesh(shape), strategy, batch_axes=("data",), heads_axis="tensor", kv_heads_axis=kv_axis, block_q=tile, block_kv=tile
     )
     return attention, _with_grads(attention)
 
@@ -112,7 +103,7 @@ def prime_inputs():
     q = rng.normal(size=(B, T_PRIME, H, D)).astype(np.float32)
     k, v = (rng.normal(size=(B, T_PRIME, KV, D)).astype(np.float32) for _ in range(2))
     cotangent = rng.normal(size=(B, T_PRIME, H, D)).astype(np.float32)
-    return (q, k, v, *_packed(DOCUMENTS_PRIME), cotangent)
+    return (q, k, v, *packed_ids(DOCUMENTS_PRIME), cotangent)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -141,12 +132,12 @@ def test_a_prime_chunk_gets_tiles_near_the_limit_and_the_note_names_them(prime_i
         plan = plan_tiles(chunk, limit, limit)
         n = -(-chunk // limit)  # the fewest tiles within the limit
         assert plan.tiles.q == plan.tiles.kv == -(-chunk // n) <= limit and plan.padded - chunk < n
-    note = ContextAttention(_mesh((1, 2, 1)), "ring", batch_axes=("data",)).kernel_note(2084)
+    note = ContextAttention(context_mesh((1, 2, 1)), "ring", batch_axes=("data",)).kernel_note(2084)
     assert "tiles of 261x261 tokens, each 521-token chunk padded to 522" in note and "up to" not in note
-    assert "tiles of 512x512 tokens, fp32" in ContextAttention(_mesh((1, 2, 1)), "ring", batch_axes=("data",)).kernel_note(4096)
+    assert "tiles of 512x512 tokens, fp32" in ContextAttention(context_mesh((1, 2, 1)), "ring", batch_axes=("data",)).kernel_note(4096)
     q, k, v, _, _, _ = prime_inputs
     positions = np.broadcast_to(np.arange(T_PRIME, dtype=np.int32), (B, T_PRIME))
-    attention = ContextAttention(_mesh((1, 4, 1)), "ring", batch_axes=("data",), block_q=4, block_kv=4)
+    attention = ContextAttention(context_mesh((1, 4, 1)), "ring", batch_axes=("data",), block_q=4, block_kv=4)
     computed = attention.tile_pairs_computed(q, k, v, np.zeros((B, T_PRIME), np.int32), positions)
     # in order, device r's 3 query tiles see the 3 tiles of each earlier device and 6 of its own
     assert computed.tolist() == [[6 + 9 * r for r in range(4)]]
@@ -175,7 +166,7 @@ def test_padding_rows_see_nothing_and_stay_finite(inputs, strategy):
 def test_one_document_per_row_without_segment_ids(inputs):
     q, k, v, _, _, cotangent = inputs
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
-    attention = ContextAttention(_mesh((1, 4, 1)), "ring", batch_axes=("data",))
+    attention = ContextAttention(context_mesh((1, 4, 1)), "ring", batch_axes=("data",))
     run = _with_grads(lambda q, k, v, s, p: attention(q, k, v, None, p))
     reference = _with_grads(lambda q, k, v, s, p: causal_attention(q, k, v, None, implementation="xla"))
     want = [np.asarray(x) for x in reference(q, k, v, None, positions, cotangent)]
@@ -230,7 +221,7 @@ def test_ring_skips_fully_masked_tiles_and_load_balancing_evens_them(inputs):
     q, k, v, _, _, _ = inputs
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
     segments = np.zeros((B, T), np.int32)
-    attention = ContextAttention(_mesh((1, 4, 1)), "ring", batch_axes=("data",), block_q=6, block_kv=6)
+    attention = ContextAttention(context_mesh((1, 4, 1)), "ring", batch_axes=("data",), block_q=6, block_kv=6)
     in_order = attention.tile_pairs_computed(q, k, v, segments, positions)
     balanced = attention.tile_pairs_computed(*(reorder(a, 4) for a in (q, k, v, segments, positions)))
     assert in_order.tolist() == [[3, 7, 11, 15]]
@@ -241,7 +232,7 @@ def test_ring_program_sends_blocks_over_context_only():
     """The forward sends K, V, segment ids and positions context-1 times; the backward adds dK and
     dV (fp32) context-1 times: a device's own block comes last, so they end on their owner with no
     last shift (XLA may merge the backward's resend of K/V with the forward's)."""
-    mesh = _mesh((2, 2, 2))
+    mesh = context_mesh((2, 2, 2))
     attention = ContextAttention(mesh, "ring", batch_axes=("data",))
     shapes = [((B, T, H, D), "float32"), ((B, T, KV, D), "float32"), ((B, T, KV, D), "float32"), ((B, T), "int32"), ((B, T), "int32")]
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
@@ -282,7 +273,7 @@ def test_ring_overlap_in_hlo_reads_the_schedule():
 
 
 def test_bad_arguments_are_one_line_errors(inputs):
-    mesh = _mesh((2, 2, 2))
+    mesh = context_mesh((2, 2, 2))
     q, k, v, segments, positions, _ = inputs
     cases = [
         (lambda: ContextAttention(mesh, "ulysses"), "ulysses"),
@@ -290,7 +281,7 @@ def test_bad_arguments_are_one_line_errors(inputs):
         (lambda: ContextAttention(mesh, "ring", kv_heads_axis="data"), "kv_heads_axis"),
         (lambda: ContextAttention(mesh, "ring", batch_axes=("data",))(q[:3], k[:3], v[:3], segments[:3], positions[:3]), "batch (3)"),
         (lambda: ContextAttention(mesh, "ring", batch_axes=("data",))(q[:, :45], k[:, :45], v[:, :45], None, positions[:, :45]), "(45)"),
-        (lambda: ContextAttention(_mesh((1, 2, 4)), "ring", batch_axes=("data",))(q, k, v, segments, positions), "kv_heads (2)"),
+        (lambda: ContextAttention(context_mesh((1, 2, 4)), "ring", batch_axes=("data",))(q, k, v, segments, positions), "kv_heads (2)"),
     ]
     for make, expected in cases:
         with pytest.raises(ValueError) as error:
@@ -299,7 +290,7 @@ def test_bad_arguments_are_one_line_errors(inputs):
 
 
 def test_kernel_note_names_the_kernel_and_an_unused_choice():
-    mesh = _mesh((1, 4, 1))
+    mesh = context_mesh((1, 4, 1))
     note = ContextAttention(mesh, "ring", batch_axes=("data",)).kernel_note()
     assert note.startswith("context attention: ring over context=4, per-block kernel xla") and "\n" not in note
     assert "cudnn" not in note
@@ -315,7 +306,7 @@ def test_the_rings_backward_hands_dk_dv_to_their_owners_in_context_minus_one_shi
     holder and its last holder is its owner, so nothing moves after the last block (a ring reduction's
     n-1 hops). The ring before sent them 4 times, the last after all compute."""
     n = 4
-    attention = ContextAttention(_mesh((1, n, 1)), "ring", batch_axes=("data",))
+    attention = ContextAttention(context_mesh((1, n, 1)), "ring", batch_axes=("data",))
     shapes = [((B, T, H, D), "float32"), ((B, T, KV, D), "float32"), ((B, T, KV, D), "float32"), ((B, T), "int32"), ((B, T), "int32")]
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
     local_kv = B * (T // n) * KV * D * 4

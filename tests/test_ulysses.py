@@ -12,7 +12,6 @@ import json
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 from jaxdist import analyze as analyze_cli
 from jaxdist.config import load_config
@@ -24,7 +23,7 @@ from jaxdist.models.attention import causal_attention
 from jaxdist.parallel.context import reorder, restore_order
 from jaxdist.parallel.ulysses import UlyssesAttention, kv_repeats, shard_order, true_order
 
-from helpers import TINY, first_batch_grads, train_losses
+from helpers import TINY, context_mesh, first_batch_grads, packed_ids, train_losses
 
 A2A = ("parallel.context_strategy=all_to_all",)
 TOL = 1e-5
@@ -41,21 +40,11 @@ MESHES = {  # (data, context, tensor): what each exercises
 }
 
 
-def _mesh(shape):
-    return jax.make_mesh(shape, ("data", "context", "tensor"), axis_types=(AxisType.Auto,) * 3)
-
-
-def _packed(documents):
-    segments = np.stack([np.repeat(np.arange(len(row)), row) for row in documents]).astype(np.int32)
-    positions = np.stack([np.concatenate([np.arange(n) for n in row]) for row in documents]).astype(np.int32)
-    return segments, positions
-
-
 def _inputs(t, h, kv, d, documents, seed=0):
     rng = np.random.default_rng(seed)
     q, cotangent = (rng.normal(size=(len(documents), t, h, d)).astype(np.float32) for _ in range(2))
     k, v = (rng.normal(size=(len(documents), t, kv, d)).astype(np.float32) for _ in range(2))
-    return [q, k, v, *_packed(documents), cotangent]
+    return [q, k, v, *packed_ids(documents), cotangent]
 
 
 def _with_grads(attention):
@@ -116,7 +105,7 @@ def test_the_order_functions_undo_the_load_balanced_order():
 )
 def test_outputs_and_gradients_match_unsplit_attention(inputs, mesh_name, balanced, tile):
     args, want = inputs
-    attention = UlyssesAttention(_mesh(MESHES[mesh_name]), batch_axes=("data",), load_balanced=balanced, block_q=tile, block_kv=tile)
+    attention = UlyssesAttention(context_mesh(MESHES[mesh_name]), batch_axes=("data",), load_balanced=balanced, block_q=tile, block_kv=tile)
     assert attention.tile_plan(T).padded == (50 if tile == 5 else 48)
     _assert_close(_split(attention, args), want, f"all_to_all on {mesh_name}, load-balanced={balanced}, tiles of {tile}")
 
@@ -127,7 +116,7 @@ def test_an_index_masked_kernel_sees_the_true_order():
     the wrong order, the same kernel is far off."""
     args = _inputs(16, 4, 2, 16, [[5, 9, 2], [16]], seed=1)  # Pallas: a power-of-two sequence, head_dim >= 16
     want = _unsplit(args)
-    mesh = _mesh((1, 4, 1))
+    mesh = context_mesh((1, 4, 1))
     right = UlyssesAttention(mesh, implementation="pallas", batch_axes=("data",), load_balanced=True)
     _assert_close(_split(right, args), want, "pallas, load-balanced")
     wrong = UlyssesAttention(mesh, implementation="pallas", batch_axes=("data",), load_balanced=False)
@@ -138,7 +127,7 @@ def test_an_index_masked_kernel_sees_the_true_order():
 
 def test_bad_shapes_are_one_line_errors(inputs):
     q, k, v, segments, positions, _ = inputs[0]
-    mesh = _mesh((1, 8, 1))
+    mesh = context_mesh((1, 8, 1))
     cases = [
         (lambda: UlyssesAttention(mesh, batch_axes=("data",))(q[:, :, :4], k, v, segments, positions), "heads (4) must be divisible"),
         (lambda: UlyssesAttention(mesh, batch_axes=("data",))(q[:, :40], k[:, :40], v[:, :40], None, positions[:, :40]), "(40)"),
