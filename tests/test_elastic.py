@@ -26,7 +26,7 @@ from jaxdist.training.checkpoint import checkpoint_steps
 from jaxdist.training.preemption import EXIT_PREEMPTED
 from jaxdist.training.run import run
 
-from helpers import SMALL_TEXT, TINY, subprocess_env
+from helpers import SMALL_TEXT, TINY, membership_changes, subprocess_env
 
 pytestmark = pytest.mark.heavy
 
@@ -211,11 +211,6 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip().endswith("}")]
 
 
-def _changes(run_dir: Path) -> list[dict]:
-    path = run_dir / "elastic.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def test_a_failure_below_min_stops_at_the_last_checkpoint(tmp_path, launched, compile_cache):
     run_dir = tmp_path / "run"
     proc = launched(run_dir, 2, "--min-nproc", "2", cache=compile_cache)
@@ -230,7 +225,7 @@ def test_a_failure_below_min_stops_at_the_last_checkpoint(tmp_path, launched, co
     step = checkpoint_steps(run_dir / "checkpoints")[-1]  # nothing was deleted
     line = f"jaxdist: error: 1 process left, --min-nproc 2 cannot be met; the run stopped at its last checkpoint (step {step}): rerun to resume"
     assert line in out.splitlines(), out[-3000:]
-    assert [c["reason"] for c in _changes(run_dir)] == ["start"]
+    assert [c["reason"] for c in membership_changes(run_dir)] == ["start"]
 
 
 def test_shrinks_on_a_failure_and_grows_back_with_the_same_losses(tmp_path, launched, compile_cache):
@@ -239,7 +234,7 @@ def test_shrinks_on_a_failure_and_grows_back_with_the_same_losses(tmp_path, laun
     proc = launched(run_dir, 4, "--min-nproc", "2", "--nproc-file", str(nproc_file), cache=compile_cache)
     _wait_for(lambda: checkpoint_steps(run_dir / "checkpoints"), proc, 240, "the first checkpoint")
     _kill_rank(proc, 3)
-    _wait_for(lambda: len(_changes(run_dir)) == 2, proc, 60, "the relaunch with 2 processes")
+    _wait_for(lambda: len(membership_changes(run_dir)) == 2, proc, 60, "the relaunch with 2 processes")
     logged = len(_metrics(run_dir))
     _wait_for(lambda: len(_metrics(run_dir)) > logged, proc, 120, "a step by 2 processes")
     nproc_file.write_text("4\n")  # the same value again: a rewrite means "4 are available now"
@@ -247,7 +242,7 @@ def test_shrinks_on_a_failure_and_grows_back_with_the_same_losses(tmp_path, laun
     out = _log(run_dir)
     assert proc.returncode == 0, out[-3000:]
 
-    start, failure, grow = _changes(run_dir)
+    start, failure, grow = membership_changes(run_dir)
     assert (start["reason"], start["from"], start["to"]) == ("start", None, 4)
     assert (failure["reason"], failure["from"], failure["to"], failure["failed_rank"]) == ("failure", 4, 2, 3), failure
     assert failure["exit_code"] == -signal.SIGKILL and failure["mesh"] == "data=2,tensor=2"

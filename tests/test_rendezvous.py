@@ -32,7 +32,7 @@ from jaxdist.cluster.rendezvous import Ending, Generation, Registration, end_gen
 from jaxdist.errors import JaxdistError
 from jaxdist.training.checkpoint import checkpoint_steps
 
-from helpers import TINY, subprocess_env
+from helpers import TINY, membership_changes, subprocess_env
 
 ETCD = shutil.which("etcd")
 pytestmark = pytest.mark.skipif(ETCD is None, reason="etcd is not installed (Debian: apt-get install etcd-server)")
@@ -489,11 +489,6 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip().endswith("}") and '"loss"' in line]
 
 
-def _changes(run_dir: Path) -> list[dict]:
-    path = run_dir / "elastic.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _left_after(procs: list[psutil.Process], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
     while True:
@@ -550,7 +545,7 @@ def test_a_killed_node_drops_out_and_a_new_one_joins_with_the_same_losses(nodes,
     killed_at = time.monotonic()
     nodes.procs[node0].wait(timeout=30)
     assert not _left_after(victims, 5.0)  # its processes died with it
-    nodes.wait_for(lambda: len(_changes(run_dir)) == 2, rendezvous.LEASE_TTL_S + 30, "the next generation without the lost node")
+    nodes.wait_for(lambda: len(membership_changes(run_dir)) == 2, rendezvous.LEASE_TTL_S + 30, "the next generation without the lost node")
     regrouped = time.monotonic() - killed_at
     logged = len(_metrics(run_dir))
     nodes.wait_for(lambda: len(_metrics(run_dir)) > logged, 120, "a step by the survivor")
@@ -563,7 +558,7 @@ def test_a_killed_node_drops_out_and_a_new_one_joins_with_the_same_losses(nodes,
     assert nodes.procs[node1].wait(timeout=240) == 0, nodes.logs()
     assert nodes.procs["n3"].wait(timeout=60) == 0, nodes.logs()
 
-    start, lost, grow = _changes(run_dir)
+    start, lost, grow = membership_changes(run_dir)
     assert (start["reason"], start["from"], start["to"], start["nodes"]) == ("start", None, 4, 2)
     assert (lost["from"], lost["to"], lost["node_ids"], lost["left"], lost["joined"]) == (4, 2, [node1], [node0], []), lost
     # Who reported the end first: the survivor's processes abort once their coordinator is gone
@@ -601,7 +596,7 @@ def test_training_goes_on_while_etcd_is_stopped_and_a_node_leaving_below_min_sav
     nodes.wait_for(lambda: all("etcd answers again" in nodes.log(n) for n in ("m1", "m2")), 20, "both launchers reconnected")
     time.sleep(rendezvous.LEASE_TTL_S + 6)  # time for a false "lost": none comes
     assert all(p.poll() is None for p in nodes.procs.values()), nodes.logs()
-    assert [c["reason"] for c in _changes(run_dir)] == ["start"], nodes.logs()
+    assert [c["reason"] for c in membership_changes(run_dir)] == ["start"], nodes.logs()
     for node in ("m1", "m2"):  # the leases expired while etcd was stopped: granted again, the generation untouched
         assert "etcd does not answer" in nodes.log(node) and "registered again" in nodes.log(node), nodes.log(node)[-3000:]
 
@@ -628,6 +623,6 @@ def test_training_goes_on_while_etcd_is_stopped_and_a_node_leaving_below_min_sav
         "jaxdist: error: fewer than 2 nodes for 5s (--rdzv-timeout; 1 node here); "
         f"the run stopped at its last checkpoint (step {step}): rerun to resume"
     ], out[-3000:]
-    assert took < 60 and [c["reason"] for c in _changes(run_dir)] == ["start"]
+    assert took < 60 and [c["reason"] for c in membership_changes(run_dir)] == ["start"]
     assert read_state(etcd_server.client, run).nodes == []  # both left: their keys are gone at once
     assert not nodes.left(5.0)
