@@ -370,8 +370,11 @@ log = os.environ["STUB_LOG"]
 """
 
 
-def _run_stub_launcher(tmp_path: Path, body: str, launch_args: list[str], *, timeout: float = 60, patch: str = "", **env: str):
-    """``python -m jaxdist.launch LAUNCH_ARGS`` whose trainers are the stub BODY; returns (code, output)."""
+def _run_stub_launcher(
+    tmp_path: Path, body: str, launch_args: list[str], *, timeout: float = 60, patch: str = "", term_when: list[Path] = (), **env: str
+):
+    """``python -m jaxdist.launch LAUNCH_ARGS`` whose trainers are the stub BODY; returns (code, output).
+    ``term_when``: SIGTERM the launcher alone once those files exist."""
     stub = tmp_path / "stub-python"
     stub.write_text(STUB_HEAD + textwrap.dedent(body))
     stub.chmod(stat.S_IRWXU)
@@ -387,6 +390,11 @@ def _run_stub_launcher(tmp_path: Path, body: str, launch_args: list[str], *, tim
         start_new_session=True,
     )
     try:
+        if term_when:
+            deadline = time.monotonic() + timeout
+            while not all(p.exists() for p in term_when) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -413,6 +421,24 @@ def test_a_rank_that_exits_75_lets_the_others_finish_their_save(mode, tmp_path):
     assert not (tmp_path / "log/rank0.signalled").exists()  # nor asked to stop
     assert "stopping the others" not in out
     assert "rank 1 saved and exited (75); waiting up to 120s for the others to finish saving" in out
+
+
+@pytest.mark.parametrize("mode", ["plain", "elastic"])
+def test_processes_that_ignore_a_forwarded_sigterm_are_killed_after_the_grace(mode, tmp_path):
+    """A process stuck past its exit (e.g. a thread in a barrier that waits for a dead peer)
+    must not hold a launcher that was asked to stop."""
+    body = """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(f"{log}/rank{rank}.started", "w").close()
+    time.sleep(600)
+    """
+    flags = ["--nproc", "2"] if mode == "plain" else ["--nproc", "2", "--min-nproc", "1", "--devices-per-proc", "2"]
+    train = ["--steps", "5"] if mode == "plain" else [*ELASTIC_TRAIN_ARGS, "--run-dir", str(tmp_path / "run")]
+    started, start = [tmp_path / f"log/rank{rank}.started" for rank in (0, 1)], time.monotonic()
+    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *train], patch="L.SAVE_GRACE_S = 1", term_when=started)
+    assert time.monotonic() - start < 30, out
+    assert code == 128 + signal.SIGKILL, out
+    assert "rank 0, 1 still running 1s after the signal; killing them" in out
 
 
 def test_a_save_that_never_finishes_is_stopped_after_the_grace(tmp_path):

@@ -26,7 +26,7 @@ from jaxdist.layout.mesh import parse_mesh
 from jaxdist.training.recovery import reshard_from_survivors
 from jaxdist.training.run import run
 
-from helpers import SMALL_TEXT, TINY, subprocess_env
+from helpers import SMALL_TEXT, TINY, membership_changes, subprocess_env
 
 STEPS = 12
 OVERRIDES = (*TINY, *SMALL_TEXT, "train.global_batch=6", f"train.steps={STEPS}", "checkpoint.every_steps=4")
@@ -88,6 +88,25 @@ def test_a_peer_timeout_without_in_process_recovery_says_it_has_no_effect(capsys
     assert "--peer-timeout 3 has no effect with --recovery restart" in capsys.readouterr().err
 
 
+def test_a_recovered_process_exits_past_threads_blocked_on_the_dead_peer(tmp_path):
+    """An Orbax save the dead process took part in leaves a thread in a barrier that waits for
+    it: the run's end must not join it (the CI hang), and still runs the exit handlers."""
+    script = f"""
+import atexit, logging, sys, threading
+from pathlib import Path
+from jaxdist.training.recovery import leave_past_abandoned_saves
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+atexit.register(lambda: Path({str(tmp_path / "handlers-ran")!r}).touch())
+threading.Thread(target=threading.Event().wait, name="async_save").start()  # never returns
+leave_past_abandoned_saves(0)
+sys.exit(3)  # not reached
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "exiting past the threads of a save abandoned at the recovery, still waiting for the dead process: async_save" in done.stderr
+    assert (tmp_path / "handlers-ran").exists()
+
+
 # --- real runs: 3 processes on loopback ---
 
 
@@ -141,7 +160,7 @@ def test_a_killed_process_is_recovered_in_process_with_the_uninterrupted_losses(
     assert f"elastic: 3 -> 2 processes in-process, continuing at step {step}" in out, out[-4000:]
     assert "resumed from step" not in out  # no restart, no checkpoint read
 
-    start, recovery = _records(run_dir, "elastic.jsonl")
+    start, recovery = membership_changes(run_dir)
     assert start["reason"] == "start"
     assert (recovery["reason"], recovery["from"], recovery["to"], recovery["failed_rank"], recovery["step"]) == (
         "in-process",
@@ -183,7 +202,7 @@ def test_process_0s_death_takes_the_restart_path_in_one_line(tmp_path, reference
     assert proc.returncode == 0, out[-4000:]
     line = "rank 0 was killed by SIGKILL: it holds the coordination service, so the run restarts from its last checkpoint"
     assert sum(line in x for x in out.splitlines()) == 1, out[-4000:]
-    reasons = [(c["reason"], c["from"], c["to"]) for c in _records(run_dir, "elastic.jsonl")]
+    reasons = [(c["reason"], c["from"], c["to"]) for c in membership_changes(run_dir)]
     assert reasons == [("start", None, 3), ("failure", 3, 2)], reasons
     logged = dict(_logged_losses(run_dir))  # the steps since the last checkpoint run again after the restart
     assert set(logged) == set(range(1, STEPS + 1))

@@ -166,6 +166,7 @@ class Launcher:
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.forwarded: int | None = None  # a signal forwarded before every process had started
+        self.signalled_at: float | None = None  # when the first signal was forwarded
         self.saving_since: float | None = None  # when the first process exited 75
         self.seen_ended: dict[int, int] = {}  # global rank -> the look at which its exit was first seen
         self.looks = 0
@@ -212,6 +213,8 @@ class Launcher:
             self.pumps.append(pump)
 
     def signal_all(self, signum: int) -> None:
+        if self.forwarded is None:
+            self.signalled_at = time.monotonic()
         self.forwarded = signum
         for proc in self.procs:
             if proc.poll() is None:
@@ -299,8 +302,14 @@ class Launcher:
         return Ended("hang", 128 + signal.SIGKILL, stall.rank, -signal.SIGKILL, cause=cause)
 
     def wait(self) -> Ended:
-        """Until the set ends; after a failure the others are stopped (SIGTERM, then SIGKILL)."""
+        """Until the set ends; after a failure the others are stopped (SIGTERM, then SIGKILL).
+        Processes still running ``SAVE_GRACE_S`` after a forwarded signal are killed (one line):
+        a stuck process must not hold the launcher that was asked to stop."""
         while (ended := self.poll()) is None:
+            if self.signalled_at is not None and time.monotonic() - self.signalled_at > SAVE_GRACE_S:
+                running = [rank for rank, proc in enumerate(self.procs) if proc.poll() is None]
+                log.info(f"rank {', '.join(map(str, running))} still running {SAVE_GRACE_S:.0f}s after the signal; killing them")
+                self.kill_all()
             time.sleep(0.1)
         if ended.kind == "failure" and any(c is None for c in self.codes()):
             log.info(f"{ended.describe()}; stopping the others")
@@ -334,7 +343,7 @@ def run_plain(
         for _ in range(PORT_ATTEMPTS):
             current.append(Launcher(nproc, train_args, devices_per_proc, port, hang, module=module))
             if received:  # a signal came while no set ran
-                current[-1].forwarded = received[-1]
+                current[-1].signal_all(received[-1])
             current[-1].start()
             ended = current[-1].wait()
             current[-1].close()

@@ -135,6 +135,25 @@ class Membership:
             rows.append(np.frombuffer(raw, dtype=mine.dtype).reshape(mine.shape))
         return np.stack(rows)
 
+    def leave(self, timeout_s: float = 30.0) -> None:
+        """At the end of the run. Recoverable tasks are not held by JAX's shutdown barrier, and
+        a process that exits after process 0 (whose coordination service it must disconnect
+        from) aborts: the live processes meet here, then process 0 waits until the others are
+        gone (they run on this machine: in-process recovery is for one machine), at most
+        ``timeout_s``."""
+        import jax
+        import psutil
+
+        pids = self.allgather(np.array([os.getpid()], np.int64), "end").ravel().tolist()
+        if jax.process_index() != 0:
+            return
+        others = []
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if pid != os.getpid():
+                    others.append(psutil.Process(pid))
+        psutil.wait_procs(others, timeout=timeout_s)
+
 
 MEMBERSHIP = Membership()
 

@@ -244,3 +244,23 @@ def train_recovering(
             continue
         result.losses, result.eval_losses = losses + result.losses, {**eval_losses, **result.eval_losses}
         return result, batches
+
+
+def leave_past_abandoned_saves(exit_code: int) -> None:
+    """At the end of a recovered run: a checkpoint save the dead process took part in left Orbax
+    threads blocked in a barrier that waits for it (a C++ call no signal interrupts; its
+    timeout is minutes). Python's exit would join them, so a process that has any exits now,
+    after its exit handlers, with ``exit_code``; otherwise this returns."""
+    import atexit
+    import os
+    import sys
+    import threading
+
+    blocked = [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
+    if not blocked:
+        return
+    log.info(f"exiting past the threads of a save abandoned at the recovery, still waiting for the dead process: {', '.join(blocked)}")
+    atexit._run_exitfuncs()  # what exit would run after joining the threads: logging, the stdout filter, JAX, Grain
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(exit_code)

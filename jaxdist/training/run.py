@@ -65,11 +65,15 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
     import jax
 
     if recoverable.in_process_recovery() and jax.process_count() > 1:
-        recoverable.MEMBERSHIP.sync("end")  # recoverable tasks skip JAX's shutdown barrier: the live ones meet here
+        recoverable.MEMBERSHIP.leave()  # recoverable tasks skip JAX's shutdown barrier: the live ones meet here
     if result.losses:
         t = plan.config.train
         end = t.stop_after_step if 0 < t.stop_after_step < t.steps else t.steps
         log.info(f"done at step {end}; loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    if recoverable.MEMBERSHIP.shrunk:
+        from jaxdist.training.recovery import leave_past_abandoned_saves
+
+        leave_past_abandoned_saves(EXIT_OK)
     return EXIT_OK
 
 
