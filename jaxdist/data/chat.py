@@ -24,7 +24,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import gzip
 import json
 import logging
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ import numpy as np
 
 from jaxdist.config import Config
 from jaxdist.data.chat_template import ChatTemplate, check_messages, find_chat_template
-from jaxdist.data.records import JSONL_SUFFIXES, PARQUET_SUFFIXES, RecordReading, open_jsonl
+from jaxdist.data.records import JSONL_SUFFIXES, PARQUET_SUFFIXES, RecordReading, jsonl_lines
 from jaxdist.data.text import expand_inputs
 from jaxdist.data.tokenizers import Tokenizer, load_tokenizer
 from jaxdist.errors import JaxdistError
@@ -78,25 +77,14 @@ def conversation_records(files, reading: RecordReading) -> Iterator[tuple[list[d
 
 
 def _jsonl_records(path, reading: RecordReading) -> Iterator[tuple[list[dict], str]]:
-    record = 0
     try:
-        with open_jsonl(path) as lines:
-            while True:
-                try:
-                    line = lines.readline()
-                except (EOFError, gzip.BadGzipFile) as e:  # cut short or corrupt: the rest of the file is lost
-                    reading.bad(path, record + 1, f"the compressed file ends early or is corrupt ({e})")
-                    return
-                if not line:
-                    return
-                record += 1
-                if line.strip():
-                    messages = _messages_of_line(line)
-                    why = messages if isinstance(messages, str) else check_messages(messages)
-                    if why:
-                        reading.bad(path, record, why)
-                    else:
-                        yield messages, f"{path}: record {record}"
+        for record, line in jsonl_lines(path, reading):
+            messages = _messages_of_line(line)
+            why = messages if isinstance(messages, str) else check_messages(messages)
+            if why:
+                reading.bad(path, record, why)
+            else:
+                yield messages, f"{path}: record {record}"
     except OSError as e:
         raise JaxdistError(f"cannot read input file {path}: {e.strerror or e}") from None
 

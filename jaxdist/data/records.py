@@ -134,29 +134,35 @@ class _ZstdFrames(io.RawIOBase):
         return n
 
 
-def _jsonl_blocks(path: Path | str, reading: RecordReading) -> Iterator[list[str]]:
-    documents: list[str] = []
+def jsonl_lines(path: Path | str, reading: RecordReading) -> Iterator[tuple[int, bytes]]:
+    """``(record number, line)`` for each non-blank line of a JSON Lines file (a path or a URL,
+    compressed or not); a compressed file cut short or corrupt is one bad record, and the end."""
     record = 0
-    with open_binary(path) as raw, _decompressed(raw, path) as lines:
+    with open_jsonl(path) as lines:
         while True:
             try:
                 line = lines.readline()
             except (EOFError, gzip.BadGzipFile) as e:  # cut short or corrupt: the rest of the file is lost
                 reading.bad(path, record + 1, f"the compressed file ends early or is corrupt ({e})")
-                break
+                return
             if not line:
-                break
+                return
             record += 1
-            if not line.strip():
-                continue
-            text = _text_of_line(line, reading.field)
-            if isinstance(text, _Bad):
-                reading.bad(path, record, text.why)
-            elif text and not text.isspace():
-                documents.append(text)
-                if len(documents) >= _BLOCK_RECORDS:
-                    yield documents
-                    documents = []
+            if line.strip():
+                yield record, line
+
+
+def _jsonl_blocks(path: Path | str, reading: RecordReading) -> Iterator[list[str]]:
+    documents: list[str] = []
+    for record, line in jsonl_lines(path, reading):
+        text = _text_of_line(line, reading.field)
+        if isinstance(text, _Bad):
+            reading.bad(path, record, text.why)
+        elif text and not text.isspace():
+            documents.append(text)
+            if len(documents) >= _BLOCK_RECORDS:
+                yield documents
+                documents = []
     if documents:
         yield documents
 
