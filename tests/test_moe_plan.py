@@ -124,7 +124,8 @@ def dataclasses_replace(obj, **changes):
 def test_the_planner_prices_the_all_to_all_bytes_of_the_analytical_count_on_the_expert_link():
     """The screen's expert traffic is the compiled program's all-to-all wire bytes over expert,
     and both are the analytical count x (N-1)/N; the cost model puts them on the critical path
-    over NVLink (inside a node), halved for a bf16 GPU where XLA:CPU promoted them to f32."""
+    over NVLink (inside a node), in full for an f32 model, halved for a bf16 one (XLA:CPU widened
+    its tokens to f32; a GPU moves bf16)."""
     from jaxdist.plan.cost import _gpu_bytes_factor, _hideable, _op_time, node_split
     from jaxdist.plan.hardware import load_hardware
     from jaxdist.plan.hlo_cost import program_cost
@@ -149,9 +150,14 @@ def test_the_planner_prices_the_all_to_all_bytes_of_the_analytical_count_on_the_
         assert not any(_hideable(op, cost, h100) for op in a2a)
         crossing = node_split(mesh_shape, h100.gpus_per_node)
         link = h100.intra_node
-        tokens_op = next(op for op in a2a if cost.is_f32(op))
+        tokens_op = next(op for op in a2a if cost.is_f32(op))  # an f32 model's tokens: f32 on a GPU too, every byte priced
         priced = _op_time(tokens_op, h100, crossing) * _gpu_bytes_factor(tokens_op, cost, h100)
-        assert priced == pytest.approx(0.5 * ((n - 1) * link.latency + tokens_op.wire_bytes / (link.bandwidth * link.efficiency)))
+        assert priced == pytest.approx((n - 1) * link.latency + tokens_op.wire_bytes / (link.bandwidth * link.efficiency))
+    # a bf16 model (as the planner compiles GPU plans): XLA:CPU widens the tokens to f32, a GPU moves bf16
+    _, trainer, compiled, _ = _compiled("expert=4", "model.dtype=bfloat16")
+    cost = program_cost(compiled.as_text(), {a: int(n) for a, n in trainer.layout.mesh.shape.items()}, 32, 8, E // 4)
+    tokens = [op for op in cost.collectives if op.kind == "all-to-all" and cost.is_f32(op)]
+    assert tokens and all(cost.is_widened(op) and _gpu_bytes_factor(op, cost, h100) == 0.5 for op in tokens)
 
 
 def test_the_search_considers_an_expert_axis_only_for_moe_models_and_splits_their_states():

@@ -6,6 +6,7 @@ errors and notes."""
 
 import functools
 import math
+import re
 
 import jax
 import numpy as np
@@ -23,6 +24,8 @@ from jaxdist.training.optim import make_optimizer
 from jaxdist.training.run import build_trainer, run
 
 from helpers import TINY
+
+BF16 = ("model.dtype=bfloat16",)  # compute; the parameters and Muon's momentum stay f32
 
 MUON = ("train.optimizer=muon",)
 MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_mlp_dim=32", "model.moe_shared_experts=1")
@@ -278,7 +281,7 @@ def test_muon_adds_one_all_to_all_each_way_per_matrix_and_the_planner_prices_the
     from jaxdist.plan.search import compile_summary
 
     def compiled(optimizer: str):
-        config = load_config(None, [*TINY, f"train.optimizer={optimizer}", "parallel.mesh=fsdp=2"])
+        config = load_config(None, [*TINY, f"train.optimizer={optimizer}", "parallel.mesh=fsdp=2", *BF16])
         resolve_vocab(config)
         summary, _ = compile_summary(config, cache=tmp_path)
         return summary, ProgramCost.from_dict(summary["program"])
@@ -304,6 +307,35 @@ def test_muon_adds_one_all_to_all_each_way_per_matrix_and_the_planner_prices_the
     }  # fmt: skip
     host = cpu_local(profile)
     assert predict_summary(muon_cost, host, muon_summary).comm_s > predict_summary(adamw, host, adamw_summary).comm_s
+    # bf16 compute, f32 momentum: XLA:CPU widened no operand of these (as it does the experts'
+    # bf16 tokens), so a GPU moves their f32 too and the screen prices every byte
+    from jaxdist.plan.cost import _gpu_bytes_factor
+    from jaxdist.plan.hardware import load_hardware
+
+    muon_a2a = [op for op in muon_cost.collectives if op.kind == "all-to-all"]
+    assert all(muon_cost.is_f32(op) and not muon_cost.is_widened(op) for op in muon_a2a)
+    assert all(_gpu_bytes_factor(op, muon_cost, load_hardware("h100")) == 1.0 for op in muon_a2a)
+
+
+def test_xla_gpu_moves_muons_all_to_alls_in_f32_as_the_screen_prices_them():
+    """The same step compiled for 2 H100s (no GPU needed): XLA:GPU's all-to-alls are Muon's, one
+    each way per matrix, and move f32: what the screen above charges in full."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="JAX's CUDA plugin is not installed (pip install -e '.[dev]')")
+    from jaxdist.inspect.hlo import parse_hlo
+    from jaxdist.plan.gpu_target import compile_for_target, target_hardware
+
+    config = load_config(None, [*TINY, "train.optimizer=muon", "parallel.mesh=fsdp=2", *BF16])
+    resolve_vocab(config)
+    _, compiled, _ = compile_for_target(config, parse_mesh("fsdp=2"), target_hardware("h100"), 2, 8)
+    module = parse_hlo(compiled.as_text())
+    starts = [i for body in module.computations.values() for i in body if i.opcode in ("all-to-all", "all-to-all-start")]
+    m = _config().model
+    d, f, q, kv = m.d_model, m.resolved_mlp_dim, m.n_heads * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim
+    shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]  # one layer's q, k, v, o, gate, up, down
+    assert len(starts) == 2 * len(shapes)  # there and back, as on XLA:CPU
+    received = sum(4 * math.prod(int(n) for n in re.findall(r"f32\[([\d,]*)\]", i.shape)[-1].split(",")) for i in starts)
+    assert received == 2 * m.n_layers * sum(a * b * 4 for a, b in shapes) // 2  # f32 (not bf16), over 2 devices
+    assert all(i.shape.lstrip("(").startswith("f32") for i in starts), [i.shape for i in starts]
 
 
 # -- bad input and the weaker path -------------------------------------------------------------

@@ -197,13 +197,17 @@ def _gpu_bytes_factor(op: CollectiveOp, cost: ProgramCost, hardware: Hardware) -
     activation all-reduces and the experts' token all-to-alls of a bf16 model (the planner
     compiles GPU plans in bf16) move half on a GPU; and it reduces FSDP gradients
     with an all-reduce plus a slice where XLA:GPU forms a reduce-scatter (half the bytes).
+    An all-to-all is halved only where XLA:CPU widened its operand: Muon's, which move the
+    f32 momentum, move f32 on a GPU too.
     The time is scaled as a whole (latency included): a slight overestimate of the saving.
     """
     if hardware.shared_host:
         return 1.0
     axes = set(op.axes or ())
     factor = 1.0
-    if cost.is_f32(op) and (op.kind in ("all-gather", "all-to-all") or (op.kind == "all-reduce" and "tensor" in axes)):
+    if op.kind == "all-to-all":
+        factor *= 0.5 if cost.is_widened(op) else 1.0
+    elif cost.is_f32(op) and (op.kind == "all-gather" or (op.kind == "all-reduce" and "tensor" in axes)):
         factor *= 0.5
     if op.kind == "all-reduce" and "fsdp" in axes and "tensor" not in axes:
         factor *= 0.5

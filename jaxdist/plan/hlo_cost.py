@@ -100,6 +100,9 @@ class ProgramCost:
     schedule: tuple[tuple[str, tuple[tuple, ...]], ...] = ()
     entry: str = ""  # the computation a step runs (ENTRY)
     fp8_flops: float = 0.0  # the part of matmul_flops in fp8 GEMMs
+    # the f32 collectives whose operand XLA:CPU converted from a 16-bit float (a GPU moves that);
+    # None (a summary cached before this field): every f32 collective counts as widened
+    widened_collectives: frozenset[str] | None = None
 
     @property
     def tiled_attention(self) -> bool:
@@ -108,6 +111,11 @@ class ProgramCost:
 
     def is_f32(self, op: CollectiveOp) -> bool:
         return op.name in self.f32_collectives
+
+    def is_widened(self, op: CollectiveOp) -> bool:
+        """Whether ``op`` moves f32 only because XLA:CPU widened a 16-bit value for it (not an f32
+        value the program holds, such as Muon's momentum)."""
+        return self.is_f32(op) if self.widened_collectives is None else op.name in self.widened_collectives
 
     def in_loop(self, op: CollectiveOp) -> bool:
         return op.computation in self.loop_computations
@@ -134,6 +142,7 @@ class ProgramCost:
             "schedule": [[name, [list(e) for e in events]] for name, events in self.schedule],
             "entry": self.entry,
             "fp8_flops": self.fp8_flops,
+            "widened_collectives": None if self.widened_collectives is None else sorted(self.widened_collectives),
         }
 
     @classmethod
@@ -158,6 +167,7 @@ class ProgramCost:
             tuple((name, tuple(_event(e) for e in events)) for name, events in data.get("schedule", ())),
             data.get("entry", ""),
             float(data.get("fp8_flops", 0.0)),
+            None if data.get("widened_collectives") is None else frozenset(data["widened_collectives"]),
         )
 
 
@@ -224,6 +234,25 @@ def _attention_tag(instruction: Instruction, module: HloModule, scope: str = SCO
 
 
 _LAYOUT_OPS = {"convert", "bitcast", "copy", "transpose", "reshape", "parameter", "tuple", "get-tuple-element"}
+
+
+def _widened(collective: Instruction, module: HloModule, by_name: dict[str, Instruction]) -> bool:
+    """Whether an operand of ``collective`` is a convert from bf16 or f16 (alone or fused): the
+    promotion XLA:CPU inserts around a 16-bit collective."""
+    for operand in collective.operands:
+        source = by_name.get(_operand_name(operand) or "")
+        if source is None:
+            continue
+        if source.opcode == "convert" and source.operands and _operand_shape(source.operands[0], module).startswith(_NARROW):
+            return True
+        callee = CALLS_RE.search(source.attributes) if source.opcode == "fusion" else None
+        body = module.computations.get(callee.group(1), []) if callee else []
+        if any(i.opcode == "convert" for i in body) and any(i.opcode == "parameter" and i.shape.startswith(_NARROW) for i in body):
+            return True
+    return False
+
+
+_NARROW = ("bf16", "f16")
 
 
 def _only_casts(instruction: Instruction, module: HloModule) -> bool:
@@ -345,7 +374,8 @@ def program_cost(
     with_dot = {name for name in fused if any(i.opcode in ("dot", "convolution") for i in module.computations.get(name, []))}
     branches = conditional_computations(module)
     matmul = attention_flops = memory = scores = layout = skippable_flops = skippable_bytes = 0.0
-    f32, dots, ops, in_attention = set(), {}, 0.0, set()
+    f32, widened, dots, ops, in_attention = set(), set(), {}, 0.0, set()
+    by_name = {i.name: i for body in module.computations.values() for i in body}
     grouped_flops = 0.0
     for name, executions in counts.items():
         if name in reducers or not executions:
@@ -370,6 +400,8 @@ def program_cost(
                     grouped_flops += flops  # the combine's einsum is batched over tokens: not a grouped matmul
             if collective_kind(i.opcode) and i.shape.lstrip("(").startswith("f32"):
                 f32.add(i.name)
+                if _widened(i, module, by_name):
+                    widened.add(i.name)
             if collective_kind(i.opcode) and tag:
                 in_attention.add(i.name)
             if name in fused or i.opcode in _NO_TRAFFIC or i.opcode.endswith("-done") or collective_kind(i.opcode):
@@ -401,4 +433,5 @@ def program_cost(
         skippable_bytes,
         grouped_flops,
         float(local_experts * buffer_padding) if local_experts and grouped_flops else 1.0,
+        widened_collectives=frozenset(widened),
     )
