@@ -236,6 +236,9 @@ def _attention_tag(instruction: Instruction, module: HloModule, scope: str = SCO
 _LAYOUT_OPS = {"convert", "bitcast", "copy", "transpose", "reshape", "parameter", "tuple", "get-tuple-element"}
 
 
+_NARROW = ("bf16", "f16")  # the float types XLA:CPU widens to f32 around a collective
+
+
 def _widened(collective: Instruction, module: HloModule, by_name: dict[str, Instruction]) -> bool:
     """Whether an operand of ``collective`` is a convert from bf16 or f16 (alone or fused): the
     promotion XLA:CPU inserts around a 16-bit collective."""
@@ -250,9 +253,6 @@ def _widened(collective: Instruction, module: HloModule, by_name: dict[str, Inst
         if any(i.opcode == "convert" for i in body) and any(i.opcode == "parameter" and i.shape.startswith(_NARROW) for i in body):
             return True
     return False
-
-
-_NARROW = ("bf16", "f16")
 
 
 def _only_casts(instruction: Instruction, module: HloModule) -> bool:

@@ -20,8 +20,12 @@ order is the one an elastic restart would give. Process 0 appends the recovery t
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
+import os
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -251,11 +255,6 @@ def leave_past_abandoned_saves(exit_code: int) -> None:
     threads blocked in a barrier that waits for it (a C++ call no signal interrupts; its
     timeout is minutes). Python's exit would join them, so a process that has any exits now,
     after its exit handlers, with ``exit_code``; otherwise this returns."""
-    import atexit
-    import os
-    import sys
-    import threading
-
     blocked = [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
     if not blocked:
         return
