@@ -159,6 +159,11 @@ class Elastic:
         while True:
             if self.interrupted is not None:
                 return Ended("interrupted", gen.wait().code)
+            for rank in gen.opened_slots():  # --recovery in-process: the live processes are ready for a replacement
+                self.capacity = min(self.capacity + 1, self.plan.max_nproc)
+                log.info(f"starting a replacement for rank {rank}; it rejoins the live processes at their next step")
+                gen.replace(rank)
+            self._stop_late_replacements(gen)
             ended = gen.poll()
             if ended is not None and ended.kind == "failure" and self._recovers_in_process(gen, ended, n):
                 continue
@@ -204,6 +209,24 @@ class Elastic:
             f"rank {', '.join(map(str, dead))} {describe_exit(ended.raw_code)}; the other {live} recover in-process (--recovery in-process)"
         )
         return True
+
+    def _stop_late_replacements(self, gen: Launcher) -> None:
+        """Every other process finished the run: a replacement still starting (or failed since)
+        connected too late to join; it is stopped, and the run is done, not failed."""
+        codes = gen.codes()
+        others = [c for rank, c in enumerate(codes, gen.first_id) if rank not in gen.replaced and rank not in gen.lost]
+        if not gen.replaced or not others or any(c != 0 for c in others):
+            return
+        for rank in sorted(gen.replaced):
+            proc = gen.procs[rank - gen.first_id]
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            elif proc.returncode == 0:
+                continue
+            log.info(f"rank {rank}'s replacement did not join before the run ended; the run is done")
+            gen.lost.add(rank)
+        gen.replaced.clear()
 
     def _on_failure(self, gen: Launcher, failed: list[tuple[int, int]]) -> Ended:
         return after_failure(gen, failed)

@@ -123,6 +123,11 @@ class ProgressWatch:
         self.started = time.time()
         self.first_step: dict[int, int] = {}  # the step each process beat first
 
+    def restarted(self, rank: int) -> None:
+        """``rank`` was started again (a replacement): everyone waits for its first step."""
+        self.first_step.pop(rank, None)
+        self.started = time.time()
+
     def _read(self, rank: int) -> tuple[float, int | None] | None:
         path = beat_path(self.directory, rank)
         try:

@@ -39,7 +39,7 @@ from jaxdist.cluster.distributed import (
 )
 from jaxdist.cluster.heartbeat import DUMP_SIGNAL, ENV_DIR, ProgressWatch, Stall
 from jaxdist.cluster.lifetime import die_with_parent
-from jaxdist.cluster.recoverable import ENV_PEER_TIMEOUT, ENV_RECOVERY
+from jaxdist.cluster.recoverable import ENV_PEER_TIMEOUT, ENV_RECOVERY, ENV_REJOIN, open_slot_path
 from jaxdist.errors import EXIT_PREEMPTED, JaxdistError
 from jaxdist.layout.xla_flags import with_collective_timeouts
 
@@ -172,6 +172,7 @@ class Launcher:
         self.looks = 0
         self.peer_timeout_s = peer_timeout_s  # set: --recovery in-process (the survivors of a death go on)
         self.lost: set[int] = set()  # ranks that died while the others recovered in-process: no longer watched
+        self.replaced: set[int] = set()  # ranks whose replacement was started (it rejoins in-process)
 
     def _env(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -197,20 +198,38 @@ class Launcher:
         if self.watch is not None:
             self.watch.started = time.time()
         for rank in range(self.first_id, self.first_id + self.nproc):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", self.module, *self.train_args],
-                env=self._env(rank),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                preexec_fn=die_with_parent(os.getpid()),  # started from the main thread, which lives as long as the launcher
-            )
-            self.procs.append(proc)
-            if self.forwarded is not None:  # the signal came while this one was starting
-                proc.send_signal(self.forwarded)
-            pump = threading.Thread(target=_pump, args=(rank, proc.stdout, sys.stdout), daemon=True)
-            pump.start()
-            self.pumps.append(pump)
+            self.procs.append(self._spawn(rank, self._env(rank)))
+
+    def _spawn(self, rank: int, env: dict[str, str]) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, *self.train_args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=die_with_parent(os.getpid()),  # started from the main thread, which lives as long as the launcher
+        )
+        if self.forwarded is not None:  # the signal came while this one was starting
+            proc.send_signal(self.forwarded)
+        pump = threading.Thread(target=_pump, args=(rank, proc.stdout, sys.stdout), daemon=True)
+        pump.start()
+        self.pumps.append(pump)
+        return proc
+
+    def opened_slots(self) -> list[int]:
+        """Lost ranks whose replacement the live processes are ready for (``recoverable.open_slot``)."""
+        return [rank for rank in sorted(self.lost) if os.path.exists(open_slot_path(self.beats, rank))]
+
+    def replace(self, rank: int) -> None:
+        """Start a replacement for the lost ``rank``: it rejoins the live processes in-process."""
+        os.unlink(open_slot_path(self.beats, rank))
+        self.procs[rank - self.first_id].wait()
+        self.procs[rank - self.first_id] = self._spawn(rank, {**self._env(rank), ENV_REJOIN: "1"})
+        self.lost.discard(rank)
+        self.replaced.add(rank)
+        self.seen_ended.pop(rank, None)
+        if self.watch is not None:  # the others wait for its first step: the first-step allowance again
+            self.watch.restarted(rank)
 
     def signal_all(self, signum: int) -> None:
         if self.forwarded is None:

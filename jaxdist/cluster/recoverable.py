@@ -1,4 +1,4 @@
-"""What in-process recovery relies on inside JAX, in one place, and the run's live membership.
+"""What in-process recovery relies on inside JAX (and Orbax), in one place, and the run's live membership.
 
 ``jaxdist.launch --recovery in-process`` sets ``JAXDIST_RECOVERY=in-process`` for its
 processes. They then join with JAX's experimental recoverable tasks
@@ -15,6 +15,20 @@ loudly there instead of in a recovery.
 After a recovery the set of live processes is smaller than JAX's ``process_count()``: the
 helpers here (``allgather``, ``sync``) gather and meet over the live processes only, where
 ``multihost_utils.process_allgather`` would wait for the dead one.
+
+A replacement process (``JAXDIST_REJOIN=1``, started by the launcher in the dead one's slot)
+connects again under the same process index. Two things inside JAX shape how it rejoins:
+
+- ``live_devices`` is a barrier over every *connected* process, so the replacement must not
+  connect before the survivors have finished recovering (``open_slot``: the launcher starts it
+  then), and must enter ``live_devices`` at once after connecting (``announce``): until it does,
+  the survivors' next step waits for it.
+- XLA:CPU keys its gloo communicators by the ordered device ids of a group
+  (``gloo/0,2048,4096``), caches them for the process's life and writes their rendezvous keys
+  once: a group with the replacement that repeats one the dead process was in would reuse a
+  broken communicator (survivors) or collide with its keys (``ALREADY_EXISTS``, the
+  replacement). ``fresh_device_order`` orders the grown mesh's devices so that every group
+  with a replacement in it is new.
 """
 
 from __future__ import annotations
@@ -26,13 +40,33 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from jaxdist.cluster.heartbeat import ENV_DIR  # the launcher's folder for this set: where a slot is opened
+
 ENV_RECOVERY = "JAXDIST_RECOVERY"  # set by jaxdist.launch --recovery in-process
 ENV_PEER_TIMEOUT = "JAXDIST_PEER_TIMEOUT"  # seconds: the coordination service's heartbeat timeout
+ENV_REJOIN = "JAXDIST_REJOIN"  # set by the launcher for a replacement of a process the others recovered from
 KV_TIMEOUT_MS = 120_000  # a survivor that never reaches an exchange: fail, not wait for good
 
 
 def in_process_recovery() -> bool:
     return os.environ.get(ENV_RECOVERY) == "in-process"
+
+
+def rejoining() -> bool:
+    return in_process_recovery() and os.environ.get(ENV_REJOIN) == "1"
+
+
+def open_slot_path(directory: str | os.PathLike, rank: int) -> str:
+    return os.path.join(directory, f"open-{rank}")
+
+
+def open_slot(rank: int) -> None:
+    """Process 0, once the survivors of ``rank``'s death have recovered: the launcher may start
+    its replacement now (connecting earlier would hold the survivors' recovery, see above)."""
+    directory = os.environ.get(ENV_DIR)
+    if directory:
+        with open(open_slot_path(directory, rank), "w") as f:
+            f.write("open\n")
 
 
 def peer_timeout_s() -> int:
@@ -54,6 +88,21 @@ def check_jax_pieces() -> list[str]:
         missing.append("the jax_enable_recoverability option")
     if not hasattr(distributed, "global_state"):
         missing.append("jax._src.distributed.global_state")
+    client_methods = ("get_live_nodes", "wait_at_barrier", "key_value_set_bytes", "blocking_key_value_get_bytes", "key_value_delete")
+    from jax._src.lib import _jax
+
+    client_type = getattr(_jax, "DistributedRuntimeClient", None)
+    for method in client_methods:
+        if client_type is None or not hasattr(client_type, method):
+            missing.append(f"the distributed runtime client's {method}")
+    try:
+        from orbax.checkpoint._src.futures import synchronization
+
+        generator = synchronization.OperationIdGenerator
+        if not hasattr(generator, "_operation_id_counter") or not hasattr(generator, "get_current_operation_id"):
+            missing.append("orbax's OperationIdGenerator counter")
+    except ImportError:
+        missing.append("orbax.checkpoint._src.futures.synchronization")
     return missing
 
 
@@ -97,13 +146,17 @@ class Membership:
     """The processes that take part now: all of JAX's until a recovery shrinks the set."""
 
     def __init__(self):
-        self.processes: list[int] | None = None  # None: every process (nobody was lost)
-        self.epoch = 0  # recoveries so far: names each exchange's keys and barriers
+        self.processes: list[int] | None = None  # None: every process, as JAX started them (no membership change yet)
+        self.epoch = 0  # membership changes so far: names each exchange's keys and barriers
         self.calls: Counter[str] = Counter()  # every live process makes the same calls in the same order
         self.mesh_spec: str | None = None  # the run's --mesh as given (a -1 axis): sized again to the survivors
+        self.groups: set[tuple[int, ...]] = set()  # every device group a mesh of this run has had (see fresh_device_order)
+        self.rejoined: set[int] = set()  # processes that were replaced and rejoined: their old groups are stale
 
     @property
-    def shrunk(self) -> bool:
+    def changed(self) -> bool:
+        """A process died or rejoined: JAX's own multi-process helpers no longer fit (they use
+        every process, over a device group that may be stale)."""
         return self.processes is not None
 
     def live_processes(self) -> list[int]:
@@ -112,7 +165,15 @@ class Membership:
         return list(range(jax.process_count())) if self.processes is None else list(self.processes)
 
     def shrink_to(self, processes: Sequence[int]) -> None:
-        self.processes, self.epoch = sorted(processes), self.epoch + 1
+        self.change_to(processes, self.epoch + 1)
+
+    def change_to(self, processes: Sequence[int], epoch: int) -> None:
+        """The live processes from now on; every one of them passes the same ``epoch``."""
+        self.processes, self.epoch, self.calls = sorted(processes), epoch, Counter()
+
+    def use_mesh(self, mesh) -> None:
+        """Remember ``mesh``'s device groups (a process that rejoins must be in none of them again)."""
+        self.groups |= device_groups(mesh.devices)
 
     def sync(self, name: str, timeout_s: float = KV_TIMEOUT_MS / 1000) -> None:
         """A barrier over the live processes."""
@@ -158,9 +219,78 @@ class Membership:
 MEMBERSHIP = Membership()
 
 
+def device_groups(devices: np.ndarray) -> set[tuple[int, ...]]:
+    """The ordered device-id groups a collective over any set of a mesh's axes runs on (gloo's
+    communicator keys): for each subset of axes, the devices along them at each index of the rest."""
+    import itertools
+
+    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(devices) if devices.dtype == object else np.asarray(devices)
+    axes = range(ids.ndim)
+    groups = set()
+    for k in range(1, ids.ndim + 1):
+        for chosen in itertools.combinations(axes, k):
+            rest = [a for a in axes if a not in chosen]
+            moved = np.transpose(ids, rest + list(chosen)).reshape(-1, int(np.prod([ids.shape[a] for a in chosen])))
+            groups |= {tuple(int(i) for i in row) for row in moved if len(row) > 1}
+    return groups
+
+
+def fresh_device_order(devices: Sequence, shape: Sequence[int], used: set[tuple[int, ...]], joined: set[int], tries: int = 2000):
+    """``devices`` in an order whose mesh of ``shape`` has no group that holds a device of a
+    ``joined`` process and is in ``used`` (see the module's note on gloo); deterministic. None
+    when no order within ``tries`` is."""
+    devices = sorted(devices, key=lambda d: d.id)
+    rng = np.random.default_rng(len(used))
+    for attempt in range(tries):
+        order = devices[attempt:] + devices[:attempt] if attempt < len(devices) else [devices[i] for i in rng.permutation(len(devices))]
+        ids = np.array([d.id for d in order]).reshape(tuple(shape))
+        new = {g for g in device_groups(ids) if any(i in joined for i in g)}
+        if not new & used:
+            return order
+    return None
+
+
+def orbax_operation_id() -> int:
+    """Orbax's count of this process's saves: its signals between processes (the step's folder
+    is created, ...) are keyed by it, so a replacement must count on from the live processes' value."""
+    from orbax.checkpoint._src.futures import synchronization
+
+    return int(synchronization.OperationIdGenerator.get_current_operation_id())
+
+
+def adopt_orbax_operation_id(value: int) -> None:
+    """A replacement: Orbax's next save is the live processes' next one."""
+    import itertools
+
+    from orbax.checkpoint._src.futures import synchronization
+
+    generator = synchronization.OperationIdGenerator
+    generator._operation_id_counter = itertools.count(value + 1)
+    generator._operation_id = value
+
+
+def announce(all_devices: Sequence) -> list:
+    """A replacement, just connected: enter the survivors' next ``live_devices`` (their step
+    boundary) and leave it with them; the live devices, the replacement's among them."""
+    with live_devices(all_devices) as live:
+        return list(live)
+
+
+def publish(key: str, value: bytes) -> None:
+    _client().key_value_set_bytes(f"jaxdist/{key}", value)
+
+
+def read(key: str, timeout_s: float = KV_TIMEOUT_MS / 1000) -> bytes:
+    return _client().blocking_key_value_get_bytes(f"jaxdist/{key}", int(timeout_s * 1000))
+
+
+def forget(key: str) -> None:
+    _client().key_value_delete(f"jaxdist/{key}")
+
+
 def process_allgather(value, name: str) -> np.ndarray:
     """``multihost_utils.process_allgather`` while every process lives, else over the live ones."""
-    if MEMBERSHIP.shrunk:
+    if MEMBERSHIP.changed:
         return MEMBERSHIP.allgather(value, name)
     from jax.experimental import multihost_utils
 
@@ -169,7 +299,7 @@ def process_allgather(value, name: str) -> np.ndarray:
 
 def sync_global(name: str) -> None:
     """``multihost_utils.sync_global_devices`` while every process lives, else a barrier of the live ones."""
-    if MEMBERSHIP.shrunk:
+    if MEMBERSHIP.changed:
         MEMBERSHIP.sync(name)
         return
     from jax.experimental import multihost_utils

@@ -118,11 +118,13 @@ def split_across_hosts(sizes: MeshSizes, n_hosts: int, dcn: MeshSizes | None = N
     return ici, dcn
 
 
-def build_mesh(sizes: MeshSizes, devices=None, dcn: MeshSizes | None = None):
+def build_mesh(sizes: MeshSizes, devices=None, dcn: MeshSizes | None = None, *, ordered: bool = False):
     """A ``jax.sharding.Mesh`` with every axis present (size 1 if unused), Auto axis types.
 
     With several processes the mesh is hybrid: each axis is split into a within-host
     and an across-host part (JAX's hybrid device mesh, a process per granule).
+    ``ordered``: ``devices`` (one per process) are laid out in the order given, which an
+    in-process recovery chose (``cluster.recoverable.fresh_device_order``).
     """
     import jax
     from jax.experimental import mesh_utils
@@ -138,6 +140,10 @@ def build_mesh(sizes: MeshSizes, devices=None, dcn: MeshSizes | None = None):
         raise MeshError(f"mesh {format_mesh(sizes)} uses {needed} of the {len(available)} visible devices; size it to all of them")
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     processes = len({d.process_index for d in available[:needed]})
+    if ordered:
+        import numpy as np
+
+        return Mesh(np.array(available[:needed]).reshape(tuple(sizes[a] for a in MESH_AXES)), MESH_AXES, axis_types=axis_types)
     if processes == 1:
         shape = tuple(sizes[a] for a in MESH_AXES)
         return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=available[:needed])

@@ -213,22 +213,31 @@ class Checkpointer:
     best by eval loss), restores the newest readable checkpoint. With ``params_dir`` and
     ``checkpoint.params_every_steps`` it also writes weights-only checkpoints there."""
 
-    def __init__(self, directory: Path, cfg, *, read_only: bool = False, params_dir: Path | None = None):
+    def __init__(
+        self, directory: Path, cfg, *, read_only: bool = False, params_dir: Path | None = None, processes: tuple[list[int], int] | None = None
+    ):
+        """``processes``: (the live processes, the membership epoch) for a process that rejoined
+        an in-process recovered run (``use_processes``)."""
         import orbax.checkpoint as ocp
         from orbax.checkpoint import checkpoint_managers as cm
 
         self.directory = Path(directory)
         self.cfg = cfg
         self._ocp = ocp
-        self.manager = _manager(self.directory, cfg, read_only=read_only, keep_best=cfg.keep_best)
+        self.manager = _manager(self.directory, cfg, read_only=read_only, keep_best=cfg.keep_best, processes=processes)
         self.params_dir = Path(params_dir) if params_dir is not None else None
         every = getattr(cfg, "params_every_steps", 0)
-        self.params_manager = _manager(self.params_dir, cfg, read_only=False) if self.params_dir and every > 0 and not read_only else None
+        wants_params = self.params_dir and every > 0 and not read_only
+        self.params_manager = _manager(self.params_dir, cfg, read_only=False, processes=processes) if wants_params else None
         # Time-based saves: process 0's clock decides, through Orbax's policy (which
         # broadcasts the primary host's decision), so every process saves the same steps.
         self._minutes_policy = cm.ContinuousCheckpointingPolicy(minimum_interval_secs=60 * cfg.every_minutes)
         self._decision_context = cm.DecisionContext(
-            is_saving_in_progress=False, reached_preemption=False, multiprocessing_options=ocp.options.MultiprocessingOptions()
+            is_saving_in_progress=False,
+            reached_preemption=False,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                **({} if processes is None else {"primary_host": 0, "active_processes": set(processes[0])})
+            ),
         )
         self._last_save_time = time.monotonic()
         self.replicator = None  # checkpoint_tiers.Replicator: copies saved steps to the durable tier (process 0)

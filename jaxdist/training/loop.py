@@ -21,7 +21,7 @@ from jaxdist.models import Batch
 from jaxdist.training.energy import IntervalEnergy, energy_fields
 from jaxdist.training.metrics import MetricsLogger
 from jaxdist.training.preemption import Preempted
-from jaxdist.training.recovery import PeerLost
+from jaxdist.training.recovery import PeerJoined, PeerLost
 from jaxdist.training.state import TrainState
 from jaxdist.training.stragglers import straggler_line
 
@@ -134,7 +134,7 @@ def train_loop(
                 else:
                     try:
                         state, metrics = hooks.guard(step_fn, state, batch, step)
-                    except PeerLost as lost:  # the survivors go on from this step (training.recovery)
+                    except (PeerLost, PeerJoined) as lost:  # the live processes go on from this step (training.recovery)
                         if deferred is not None:
                             write_window(*deferred, next_running=False)
                         lost.partial = result

@@ -70,7 +70,7 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
         t = plan.config.train
         end = t.stop_after_step if 0 < t.stop_after_step < t.steps else t.steps
         log.info(f"done at step {end}; loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
-    if recoverable.MEMBERSHIP.shrunk:
+    if recoverable.MEMBERSHIP.changed:
         from jaxdist.training.recovery import leave_past_abandoned_saves
 
         leave_past_abandoned_saves(EXIT_OK)
@@ -103,6 +103,10 @@ def _join(args: argparse.Namespace, config: Config, run_dir: Path, durable: str 
     )
     prepare_devices(plan.config, num_processes)
     initialize(group)
+    if recoverable.rejoining():  # a replacement: into the survivors' next step boundary at once (they wait for it)
+        import jax
+
+        recoverable.announce(jax.devices())
     if has_remaining_axis(plan.mesh_sizes):  # GPU: the device count is known now
         import jax
 
@@ -123,9 +127,9 @@ def _join(args: argparse.Namespace, config: Config, run_dir: Path, durable: str 
 # -- the run -----------------------------------------------------------------------------------
 
 
-def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
+def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None, *, ordered: bool = False):
     """The Trainer for ``config`` on a mesh of ``devices`` (default: JAX's); nothing is
-    allocated yet (shapes only)."""
+    allocated yet (shapes only). ``ordered``: the mesh takes ``devices`` in their order (``build_mesh``)."""
     import jax
 
     from jaxdist.data.sources import resolve_vocab
@@ -145,7 +149,7 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None):
     for line in check_config_on_mesh(config, mesh_sizes):  # raises before anything is built
         log.warning(line)
     dcn = parse_mesh(config.parallel.dcn_mesh) if config.parallel.dcn_mesh else None
-    mesh = build_mesh(mesh_sizes, devices, dcn)
+    mesh = build_mesh(mesh_sizes, devices, dcn, ordered=ordered)
     layout = Layout(mesh, resolve_strategy(config.parallel.strategy, mesh_sizes), context_load_balance=config.parallel.context_load_balance)
     return Trainer(parallelize(task, config, mesh), config, layout)
 
@@ -198,7 +202,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     from jaxdist.training.loop import LoopHooks, LoopResult, train_loop
     from jaxdist.training.metrics import MetricsLogger, fp8_peak_flops_per_device, peak_flops_per_device
     from jaxdist.training.preemption import PreemptionWatcher
-    from jaxdist.training.recovery import train_recovering
+    from jaxdist.training.recovery import join_running, train_recovering
     from jaxdist.training.resume import continue_data, initial_weights, restore_checkpoint, schedule_change
     from jaxdist.training.stragglers import StragglerWatch
     from jaxdist.training.wandb_log import check_wandb, open_wandb_run
@@ -222,13 +226,22 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
         check_params_fit(weights_dir or find_checkpoint(init_from), trainer.abstract_params())  # before anything is written
 
     is_main = jax.process_index() == 0
+    rejoin = recoverable.rejoining()  # a replacement: the state, step and mesh come from the live processes
+
+    def open_checkpointer(processes=None):
+        checkpointer = Checkpointer(
+            run_dir / "checkpoints", config.checkpoint, params_dir=params_directory(run_dir / "checkpoints"), processes=processes
+        )
+        if plan.durable_dir:
+            checkpointer.replicator = replicator_for(run_dir, plan.durable_dir, config.checkpoint)
+        return checkpointer
+
     checkpointer = None
     if run_dir is not None:
         if is_main:
             create_run_dir(run_dir)
-        checkpointer = Checkpointer(run_dir / "checkpoints", config.checkpoint, params_dir=params_directory(run_dir / "checkpoints"))
-        if plan.durable_dir:
-            checkpointer.replicator = replicator_for(run_dir, plan.durable_dir, config.checkpoint)
+        if not rejoin:  # a replacement opens its own once it knows the live processes (Orbax meets them)
+            checkpointer = open_checkpointer()
     enable_compile_cache(config, run_dir)
     t = config.train
     logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress, print_lines=print_lines)
@@ -236,7 +249,9 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     try:
         with logger.messages_above_the_bar():
             restored = (
-                restore_checkpoint(trainer, config, run_dir, resume, checkpointer, weights_dir) if checkpointer or weights_dir else None
+                restore_checkpoint(trainer, config, run_dir, resume, checkpointer, weights_dir)
+                if (checkpointer or weights_dir) and not rejoin
+                else None
             )
             if restored is not None and restored.step >= min(t.steps, t.stop_after_step or t.steps):  # a finished run, rerun
                 why = f"train.stop_after_step={t.stop_after_step}" if 0 < t.stop_after_step < t.steps else f"train.steps={t.steps}"
@@ -247,7 +262,18 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                 write_config(run_dir, config)
             # log.wandb: after the resume check (a rejected or finished run opens none), before any compile
             logger.mirror = open_wandb_run(config, run_dir, plan.durable_dir, jax.process_index())
-            if restored is None:
+            joined = None
+            if rejoin:
+                batches.close()
+                joined, measured = join_running(
+                    config,
+                    build_trainer=lambda sizes, live: build_trainer(config, sizes, live, ordered=True),
+                    make_batches=lambda layout, start: make_iterator(config, layout, start_step=start),
+                )
+                trainer, state, batches = joined.trainer, joined.state, joined.batches
+                if run_dir is not None:
+                    checkpointer = open_checkpointer((recoverable.MEMBERSHIP.live_processes(), recoverable.MEMBERSHIP.epoch))
+            elif restored is None:
                 state = trainer.init_state(t.seed, initial_weights(trainer, init_from) if init_from else None)
             else:
                 if init_from:
@@ -265,11 +291,15 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                 f"{config.name} | {trainer.n_params / 1e6:.2f}M params | mesh {format_mesh(dict(mesh.shape))} "
                 f"({mesh.size} {devices[0].platform}) | strategy {layout.strategy} | run dir {where}"
             )
-            first = next(batches)
-            compile_start = time.perf_counter()
-            step_fn = trainer.compile_step(state, first)
-            log.info(f"train step compiled in {time.perf_counter() - compile_start:.1f}s")
-            meter, no_meter = agree_on_meter(*open_meter(devices))
+            if joined is not None:
+                first, step_fn = joined.first_batch, joined.step_fn
+                meter, no_meter = open_meter(devices) if measured else (None, "the run does not measure it")
+            else:
+                first = next(batches)
+                compile_start = time.perf_counter()
+                step_fn = trainer.compile_step(state, first)
+                log.info(f"train step compiled in {time.perf_counter() - compile_start:.1f}s")
+                meter, no_meter = agree_on_meter(*open_meter(devices))
             if meter is None:
                 log.info(f"energy is not measured ({no_meter}): joules_per_token and power_w are null")
             hooks = LoopHooks(
@@ -303,9 +333,10 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                     result, batches = train_recovering(
                         run_loop, trainer, state, first, batches, step_fn, hooks,
                         config=config, run_dir=run_dir, checkpointer=checkpointer,
-                        build_trainer=lambda sizes, live: build_trainer(config, sizes, live),
+                        build_trainer=lambda sizes, live: build_trainer(config, sizes, live, ordered=True),
                         make_batches=lambda layout, start: make_iterator(config, layout, start_step=start),
                         make_eval=lambda layout: lambda: eval_batches(config, layout),
+                        joined=joined,
                     )  # fmt: skip
                 else:
                     result = run_loop(trainer, state, itertools.chain([first], batches), step_fn)

@@ -53,10 +53,10 @@ class StragglerWatch:
         self.rank = jax.process_index()
         self.own = 0.0  # seconds of host work since the window began
         self.window_start: float | None = None
-        self.first_step: int | None = None
         self.hosts: list[str] | None = None
         self.windows = 0
         self.per_step: list[float] = []  # this window's own seconds, step by step
+        self.step_times: list[float] = []  # this window's step times
         self.queued = runqueue_wait_s()
         self.slow_s, self.slow_from = _slow_seconds(self.rank)
 
@@ -78,17 +78,15 @@ class StragglerWatch:
         if not self.enabled:
             return None
         now = time.perf_counter()
-        if self.window_start is None:  # the first step (the compile) is no one's window
-            self.window_start, self.first_step, self.per_step, self.step_times = now, step, [], []
-            return None
-        self.step_times.append(now - self.window_start)
+        if self.window_start is not None:  # the first step's time (from the compile) is no one's
+            self.step_times.append(now - self.window_start)
         self.window_start = now
-        if (step - self.first_step) % self.window:
+        if step % self.window:  # windows end at the same steps on every process, one that rejoined included
             return None
         import jax
         import numpy as np
 
-        steps, step_s = self.window, statistics.median(self.step_times)  # a step's median: saves and evals left out
+        steps, step_s = self.window, statistics.median(self.step_times or [0.0])  # a step's median: saves and evals left out
         live = recoverable.MEMBERSHIP.live_processes()  # all of them, unless an in-process recovery left some out
         if self.hosts is None or len(self.hosts) != len(live):
             name = socket.gethostname().encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
