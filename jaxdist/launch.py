@@ -250,7 +250,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default="restart",
         choices=("restart", "in-process"),
         help="elastic, after a process dies: restart the set from the last checkpoint (default), or in-process: the survivors "
-        "go on from the failed step without a restart (one device per process; process 0's death still restarts)",
+        "go on from the failed step without a restart and a replacement rejoins them (one device per process; process 0's death "
+        "still restarts)",
     )
     parser.add_argument(
         "--peer-timeout",

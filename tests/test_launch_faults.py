@@ -142,6 +142,16 @@ def test_gloos_connection_line_is_chatter_unless_a_peer_is_missing():
     assert not distributed.is_gloo_chatter("[rank 0] step 1 | loss 5.9\n")
 
 
+def test_two_threads_interleaved_gloo_lines_are_chatter_unless_a_peer_is_missing():
+    """As seen from a process with two devices in a group: std::cout mixes the two threads' lines."""
+    start = "[Gloo] Rank {} is connected to {} peer ranks. Expected number of connected peer ranks is : "
+    mixed = start.format(1, 1) + start.format(0, 1) + "1\n"
+    chatter = distributed.GlooChatter()
+    assert [chatter(line) for line in (mixed, "1\n", "step 1 | loss 5.9\n", "1\n")] == [True, True, False, False]
+    missing = distributed.GlooChatter()
+    assert not missing(start.format(1, 1) + start.format(0, 0) + "1\n")  # rank 0 connected to none of its 1: shown
+
+
 def test_launcher_notes_follow_the_log_level(capsys):
     try:
         for level, shown in (("debug", True), ("info", True), ("warning", False), ("error", False)):

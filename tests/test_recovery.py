@@ -1,6 +1,7 @@
 """In-process recovery (``jaxdist.launch --recovery in-process``): the survivors of a SIGKILL go
-on from the failed step without a restart, with the uninterrupted run's losses; process 0's
-death takes the restart path; the JAX pieces it relies on are checked by name."""
+on from the failed step without a restart, a replacement rejoins and the run grows back, with
+the uninterrupted run's losses; process 0's death takes the restart path; the JAX pieces it
+relies on are checked by name."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from helpers import SMALL_TEXT, TINY, membership_changes, subprocess_env
 
 STEPS = 12
 OVERRIDES = (*TINY, *SMALL_TEXT, "train.global_batch=6", f"train.steps={STEPS}", "checkpoint.every_steps=4")
+GROW_STEPS = 40  # long enough for a replacement to start, connect and rejoin (about 17 steps here) before the end
+GROW_OVERRIDES = (*TINY, *SMALL_TEXT, "train.global_batch=6", f"train.steps={GROW_STEPS}", "checkpoint.every_steps=8")
 TAG = "JAXDIST_TEST_RECOVERY_RUN"  # marks every process a test run starts (Grain workers included)
 LAUNCH = ["--nproc", "3", "--min-nproc", "2", "--devices-per-proc", "1", "--recovery", "in-process", "--peer-timeout", "10"]
 
@@ -148,19 +151,42 @@ def _logged_losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(m["step"], m["loss"]) for m in _records(run_dir, "metrics.jsonl") if "loss" in m]
 
 
+@pytest.fixture(scope="module")
+def grown_reference_losses():
+    config = load_config(None, list(GROW_OVERRIDES))
+    return run(config, parse_mesh("data=1"), None, devices=jax.devices()[:1], progress=False).losses
+
+
 @pytest.mark.heavy
-def test_a_killed_process_is_recovered_in_process_with_the_uninterrupted_losses(tmp_path, reference_losses):
-    """With a Grain worker per process (data.workers=1): its data stream is rebuilt at the failed step too."""
-    rank, step = random.choice([1, 2]), random.randint(3, STEPS - 2)  # a SIGKILL of process 1 or 2 at a random step
+def test_a_killed_process_is_recovered_in_process_then_replaced_with_the_uninterrupted_losses(tmp_path, grown_reference_losses):
+    """With a Grain worker per process (data.workers=1): its data stream is rebuilt at the failed
+    step and again where the replacement rejoins; the checkpoints after the rejoin are saved by
+    all three (Orbax's save count carried over to the replacement)."""
+    rank, step = random.choice([1, 2]), random.randint(3, 8)  # a SIGKILL of process 1 or 2 at a random step
     run_dir = tmp_path / "run"
-    done = _launch(run_dir, f"{rank}:{step}", "data.workers=1")
+    env = {**subprocess_env(), "JAXDIST_FAULT_KILL_AT": f"{rank}:{step}", TAG: str(run_dir)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxdist.launch",
+        *LAUNCH,
+        "--",
+        "--mesh",
+        "data=-1",
+        "--run-dir",
+        str(run_dir),
+        *GROW_OVERRIDES,
+        "data.workers=1",
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420, start_new_session=True)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert f"rank {rank} was killed by SIGKILL; the other 2 recover in-process (--recovery in-process)" in out, out[-4000:]
     assert f"elastic: 3 -> 2 processes in-process, continuing at step {step}" in out, out[-4000:]
+    assert f"starting a replacement for rank {rank}; it rejoins the live processes at their next step" in out, out[-4000:]
     assert "resumed from step" not in out  # no restart, no checkpoint read
 
-    start, recovery = membership_changes(run_dir)
+    start, recovery, rejoin = membership_changes(run_dir)
     assert start["reason"] == "start"
     assert (recovery["reason"], recovery["from"], recovery["to"], recovery["failed_rank"], recovery["step"]) == (
         "in-process",
@@ -171,12 +197,37 @@ def test_a_killed_process_is_recovered_in_process_with_the_uninterrupted_losses(
     )
     assert recovery["mesh"] == "data=2"
     assert set(recovery["seconds"]) == {"detect", "agree", "reshard", "recompile", "first_step"}
+    assert (rejoin["reason"], rejoin["from"], rejoin["to"], rejoin["joined_rank"], rejoin["mesh"]) == ("rejoin", 2, 3, rank, "data=3")
+    assert step <= rejoin["step"] < GROW_STEPS
+    assert set(rejoin["seconds"]) == {"wait", "broadcast", "recompile", "first_step"}
+    assert f"elastic: 2 -> 3 processes, process {rank} rejoined; continuing at step {rejoin['step'] + 1} on mesh data=3" in out
 
     logged = _logged_losses(run_dir)
-    assert [s for s, _ in logged] == list(range(1, STEPS + 1)), logged  # every step once: none missing, none trained twice
-    np.testing.assert_allclose([loss for _, loss in logged], reference_losses, rtol=1e-5)
-    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())[-1] == STEPS  # the survivors save
-    assert _left_behind(str(run_dir)) == []  # no trainer or Grain worker outlives the run
+    assert [s for s, _ in logged] == list(range(1, GROW_STEPS + 1)), logged  # every step once: none missing, none trained twice
+    np.testing.assert_allclose([loss for _, loss in logged], grown_reference_losses, rtol=1e-5)
+    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] == GROW_STEPS
+    assert len(list((run_dir / "checkpoints" / str(GROW_STEPS) / "data").glob("process_*-of-3.json"))) == 3  # the replacement saved too
+    assert _left_behind(str(run_dir)) == []  # no trainer, replacement or Grain worker outlives the run
+
+
+def test_device_groups_are_every_axis_subsets_rows_in_mesh_order():
+    """Counted by hand for a 2x2 mesh: rows, columns and the whole mesh, each in the mesh's order."""
+    ids = np.array([[4, 1], [3, 2]])
+    assert recoverable.device_groups(ids) == {(4, 1), (3, 2), (4, 3), (1, 2), (4, 1, 3, 2)}
+
+
+def test_a_grown_mesh_order_repeats_no_group_of_a_rejoined_process():
+    """3 devices in a line: the first mesh's group (0, 1, 2) had device 1, which rejoins; any
+    rotation but the first is new. With 2 devices and both orders used, none is: None (a restart)."""
+    devices = [type("Device", (), {"id": i})() for i in range(3)]
+    order = recoverable.fresh_device_order(devices, [3], {(0, 1, 2)}, joined={1})
+    assert order is not None and tuple(d.id for d in order) != (0, 1, 2)
+    assert recoverable.fresh_device_order(devices, [3], {(0, 1, 2)}, joined=set()) == devices  # nobody rejoined: as they are
+    assert recoverable.fresh_device_order(devices[:2], [2], {(0, 1), (1, 0)}, joined={1}) is None
+    grid = recoverable.fresh_device_order(devices + [type("Device", (), {"id": 3})()], [2, 2], {(0, 1), (2, 3), (0, 2), (1, 3)}, joined={3})
+    ids = np.array([d.id for d in grid]).reshape(2, 2)
+    assert not {g for g in recoverable.device_groups(ids) if 3 in g} & {(0, 1), (2, 3), (0, 2), (1, 3)}
 
 
 @pytest.mark.heavy

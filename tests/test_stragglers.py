@@ -54,18 +54,18 @@ def _stragglers(run_dir) -> list[dict]:
 
 @pytest.mark.heavy
 def test_a_rank_slow_in_its_host_loop_is_named_and_nobody_before(tmp_path):
-    """Windows of 10 steps: 2-11 warms up, 12-41 are unperturbed (nobody named), then rank 2
-    sleeps 20 ms in each step's host work from step 42: named for steps 42-51 and 52-61 (the
-    last window, 62-71, holds the run's end and its save)."""
-    proc = _launch(tmp_path / "run", 71, 10, {"JAXDIST_FAULT_SLOW": "2:0.02:42"})
+    """Windows of 10 steps, ending at multiples of 10 on every process: 1-10 warms up, 11-40 are
+    unperturbed (nobody named), then rank 2 sleeps 20 ms in each step's host work from step 41:
+    named for steps 41-50 and 51-60 (and 61-70; step 71, the run's end and its save, is in no window)."""
+    proc = _launch(tmp_path / "run", 71, 10, {"JAXDIST_FAULT_SLOW": "2:0.02:41"})
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, out[-3000:]
     named = _stragglers(tmp_path / "run")
-    assert {(51, 2), (61, 2)} <= {(x["step"], x["process"]) for x in named} and {x["process"] for x in named} == {2}, named
-    assert min(x["step"] for x in named) == 51  # nobody in the unperturbed windows
+    assert {(50, 2), (60, 2)} <= {(x["step"], x["process"]) for x in named} and {x["process"] for x in named} == {2}, named
+    assert min(x["step"] for x in named) == 50  # nobody in the unperturbed windows
     assert all(x["own_ms_per_step"] > 20 and x["host"] for x in named)
     lines = [line for line in out.splitlines() if "straggler: process 2" in line]
-    assert len(lines) == len(named) and "over steps 42-51" in lines[0], out[-3000:]
+    assert len(lines) == len(named) and "over steps 41-50" in lines[0], out[-3000:]
     assert not [line for line in out.splitlines() if "straggler: process" in line and "process 2" not in line]
     membership = [json.loads(x) for x in (tmp_path / "run" / "elastic.jsonl").read_text().splitlines()]
     assert [(x["step"], x["process"]) for x in membership if x["reason"] == "straggler"] == [(x["step"], x["process"]) for x in named]

@@ -50,10 +50,39 @@ GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks
 log = logging.getLogger(__name__)
 
 
+GLOO_CONNECTED_START = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer ranks is : ")
+
+
 def is_gloo_chatter(line: str) -> bool:
     """gloo's line for a group of processes that connected completely (nothing to act on)."""
     match = GLOO_CONNECTED.fullmatch(line)
     return match is not None and match[1] == match[2]
+
+
+class GlooChatter:
+    """``is_gloo_chatter`` for one process's output, line by line, where two of its threads
+    (one per local device of a group) may print at once: std::cout then interleaves their
+    lines as ``[Gloo] ... is : [Gloo] ... is : 1`` and a next line ``1``. Such a pair is
+    chatter when both connected to the same count of peers and expected that count."""
+
+    def __init__(self):
+        self.owed: list[str] = []  # counts of interleaved lines whose "expected" number is still to come
+
+    def __call__(self, line: str) -> bool:
+        if is_gloo_chatter(line):
+            return True
+        starts = GLOO_CONNECTED_START.findall(line)
+        rest = GLOO_CONNECTED_START.sub(" ", line).split()
+        if not starts and not (self.owed and rest and len(rest) <= len(self.owed)):
+            self.owed = []
+            return False
+        owed = self.owed + starts
+        # which number ends which line is not known: only lines that all expect the same count qualify
+        if len(set(owed)) > 1 or not all(token.isdigit() for token in rest) or rest != owed[: len(rest)]:
+            self.owed = []
+            return False  # a group that did not connect completely, or not gloo's: shown
+        self.owed = owed[len(rest) :]
+        return True
 
 
 def hide_gloo_lines(log_level: str, group: ProcessGroup | None) -> None:
@@ -75,9 +104,10 @@ def hide_gloo_lines(log_level: str, group: ProcessGroup | None) -> None:
     os.close(write)
 
     def copy() -> None:
+        chatter = GlooChatter()
         with os.fdopen(read, "rb") as pipe, os.fdopen(real, "wb", buffering=0) as out:
             for line in pipe:
-                if not is_gloo_chatter(line.decode(errors="replace")):
+                if not chatter(line.decode(errors="replace")):
                     out.write(line)
 
     thread = threading.Thread(target=copy, name="jaxdist-stdout-filter", daemon=True)

@@ -35,7 +35,7 @@ from jaxdist.cluster.distributed import (
     ENV_OUTPUT_FILTERED,
     ENV_PROCESS_ID,
     EXIT_PORT_TAKEN,
-    is_gloo_chatter,
+    GlooChatter,
 )
 from jaxdist.cluster.heartbeat import DUMP_SIGNAL, ENV_DIR, ProgressWatch, Stall
 from jaxdist.cluster.lifetime import die_with_parent
@@ -78,8 +78,9 @@ def reserve_port(host: str, port: int | None = None) -> socket.socket:
 
 
 def _pump(rank: int, stream, out) -> None:
+    chatter = GlooChatter()
     for line in iter(stream.readline, ""):
-        if is_gloo_chatter(line) and not log.isEnabledFor(logging.DEBUG):  # a few per process and clique at start; gloo has no switch
+        if chatter(line) and not log.isEnabledFor(logging.DEBUG):  # a few per process and clique at start; gloo has no switch
             continue
         end = "" if line.endswith("\n") else "\n"  # a killed process's last line may be cut short
         out.write(f"[rank {rank}] {line}{end}")

@@ -214,7 +214,13 @@ class Checkpointer:
     ``checkpoint.params_every_steps`` it also writes weights-only checkpoints there."""
 
     def __init__(
-        self, directory: Path, cfg, *, read_only: bool = False, params_dir: Path | None = None, processes: tuple[list[int], int] | None = None
+        self,
+        directory: Path,
+        cfg,
+        *,
+        read_only: bool = False,
+        params_dir: Path | None = None,
+        processes: tuple[list[int], int] | None = None,
     ):
         """``processes``: (the live processes, the membership epoch) for a process that rejoined
         an in-process recovered run (``use_processes``)."""

@@ -390,7 +390,9 @@ def broadcast_state(host: list[np.ndarray] | None, trainer, order: list) -> Any:
     local = [d for d in order if d.process_index == me]
     pieces = [jax.device_put((mine if (me == 0 and i == 0) else np.zeros_like(mine)).view(np.int32)[None], d) for i, d in enumerate(local)]
     spread = jax.make_array_from_single_device_arrays((len(order), words), NamedSharding(mesh, PartitionSpec("all")), pieces)
-    summed = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "all"), mesh=mesh, in_specs=PartitionSpec("all"), out_specs=PartitionSpec()))(spread)
+    summed = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "all"), mesh=mesh, in_specs=PartitionSpec("all"), out_specs=PartitionSpec()))(
+        spread
+    )
     raw = np.asarray(summed.addressable_data(0)).reshape(-1).view(np.uint8)
     arrays, offset = [], 0
     for a, sharding, size in zip(leaves, jax.tree.leaves(trainer.state_shardings), nbytes, strict=True):
