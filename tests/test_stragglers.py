@@ -1,17 +1,23 @@
 """Live straggler detection (training/stragglers.py): the comparison itself against hand-made
-windows, and 3 processes on this machine where one is slowed in its host loop (a fault hook,
-after an unperturbed stretch that must name nobody): process 0 names it within a window, in
-one line and a metrics.jsonl record."""
+windows, and 3 processes on this machine where one is slowed in its host loop (a fault hook)
+or as a whole from outside (SIGSTOP / SIGCONT), after an unperturbed stretch that must name
+nobody: process 0 names it within a window, in one line and a metrics.jsonl record."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
+import psutil
 import pytest
 
-from jaxdist.training.stragglers import straggler, straggler_line
+from jaxdist.training.stragglers import slow_compute, straggler, straggler_line
 
 from helpers import TINY, subprocess_env
 
@@ -37,6 +43,24 @@ def test_the_comparison_names_the_worst_over_the_factor_and_the_floor(own_ms, st
     if named is not None:
         assert record["host"] == HOSTS[named] and record["steps"] == [11, 20]
         assert straggler_line(record, 1.3).startswith(f"straggler: process {named} on {HOSTS[named]} spent ")
+
+
+@pytest.mark.parametrize(
+    ("probe_ms", "named"),
+    [
+        ([80, 85, 170], 2),  # 2x the others' median
+        ([80, 85, 104], None),  # 1.26x: under the factor
+        ([5, 5, 14], None),  # 2.8x but 9 ms: timer noise
+        ([170, 80, 85], 0),
+        ([80, 80, 80], None),
+    ],
+)
+def test_the_probe_comparison_names_the_slowest_over_the_factor_and_the_floor(probe_ms, named):
+    record = slow_compute([x / 1e3 for x in probe_ms], 1.3, HOSTS, (1, 20))
+    assert (record or {}).get("process") == named
+    if named is not None:
+        assert (record["kind"], record["probe_ms"], record["steps"]) == ("compute", probe_ms[named], [1, 20])
+        assert straggler_line(record, 1.3).startswith(f"straggler: process {named} on {HOSTS[named]} took {probe_ms[named]:.1f} ms")
 
 
 def _launch(run_dir, steps: int, window: int, env: dict | None = None) -> subprocess.Popen:
@@ -69,3 +93,54 @@ def test_a_rank_slow_in_its_host_loop_is_named_and_nobody_before(tmp_path):
     assert not [line for line in out.splitlines() if "straggler: process" in line and "process 2" not in line]
     membership = [json.loads(x) for x in (tmp_path / "run" / "elastic.jsonl").read_text().splitlines()]
     assert [(x["step"], x["process"]) for x in membership if x["reason"] == "straggler"] == [(x["step"], x["process"]) for x in named]
+
+
+def _duty_cycle(pid: int, stop_s: float, run_s: float, until: threading.Event) -> None:
+    """SIGSTOP / SIGCONT ``pid`` in turn: a process whose CPU share is cut from outside."""
+    try:
+        while not until.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stop_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(run_s)
+    except ProcessLookupError:
+        return
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.heavy
+def test_a_rank_slowed_as_a_whole_from_outside_is_named_by_its_compute_and_nobody_before(tmp_path):
+    """Rank 1 is stopped 40 ms of every 80 ms from outside (as a CPU quota or a throttled device
+    would slow it) once step 30 is logged: a ``compute`` record names it for two windows after that
+    (its probe over the factor at the end of both), and nobody is named by compute before it
+    (windows of 10; 11-30 unperturbed)."""
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, 71, 10)
+    until = threading.Event()
+    try:
+        deadline = time.monotonic() + 240
+        while not _logged_step(run_dir, 30):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        (rank1,) = [p for p in psutil.Process(proc.pid).children() if p.environ().get("JAXDIST_PROCESS_ID") == "1"]
+        started = max(json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x)
+        threading.Thread(target=_duty_cycle, args=(rank1.pid, 0.04, 0.04, until), daemon=True).start()
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        until.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    compute = [x for x in _stragglers(run_dir) if x["kind"] == "compute"]
+    assert compute and {x["process"] for x in compute} == {1}, compute
+    assert min(x["steps"][0] for x in compute) > started - 20, (started, compute)  # nobody before the slowing
+    assert all(x["probe_ms"] > 1.3 * x["others_probe_ms"] for x in compute)
+    assert sum("straggler: process 1 on" in line and "slowed as a whole" in line for line in out.splitlines()) == len(compute)
+
+
+def _logged_step(run_dir, step: int) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and any(f'"step": {step},' in x and '"loss"' in x for x in path.read_text().splitlines())

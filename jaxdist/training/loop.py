@@ -185,7 +185,7 @@ def train_loop(
                     raise Preempted(step, hooks.preemption.reason)
                 energy.start()
                 data_wait = 0.0
-        if stragglers is not None and (record := stragglers.step_done(step)) is not None:
+        for record in stragglers.step_done(step, state) if stragglers is not None else ():
             log.warning(straggler_line(record, stragglers.factor))
             logger.log(step, {"straggler": record})
             if hooks.membership_record is not None:

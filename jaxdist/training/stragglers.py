@@ -11,13 +11,15 @@ time per step (one small all-gather) and process 0 names one whose time exceeds 
 others' median, when the excess is at least ``MIN_SHARE`` of the step and ``MIN_EXCESS_S``
 (less is this machine's noise, or costs nothing worth a line): one warning line, and a ``straggler`` record in metrics.jsonl.
 
-On CPU the devices' compute runs inside the same process and is not told apart from the
-waits: a slow loader or a slow host loop is seen, not a slow device. A process starved of CPU
-from outside is seen only through its host loop's share (its threads' run-queue waits), which
-is small against the step its starved compute stretches: tried here (pinned beside a busy loop
-at nice 10), it measured 14 ms against the others' 7 ms in 720 ms steps, under the floors.
-On GPUs a slow GPU would likewise show as the others' wait (its kernels' own time would need
-CUDA events; not built).
+The step's own device time is not told apart from its waits for peers inside one program, so
+a process slowed as a whole (its device throttled, its CPU share cut from outside) is seen
+another way: at each window's end every process times one fixed computation on its first
+device (``ComputeProbe``, 50-100 ms here; on CPU in turn, while the others wait at a barrier,
+so no process's probe competes with another's for the cores), and process 0 names one whose time is
+over ``train.straggler_factor`` times the others' median (and ``MIN_PROBE_EXCESS_S``) at the
+end of two windows in a row (one probe is noisier than a window of steps): a ``compute`` record
+beside the ``host`` one. A slow host loop leaves the probe alone, and a
+slowed device leaves the host loop alone, so the two kinds tell the causes apart.
 
 ``JAXDIST_FAULT_SLOW=RANK:SECONDS[:FROM_STEP]`` is a fault-injection hook for tests: that rank
 sleeps so long in each step's host work (from that step on), as a process with a slow loader would.
@@ -39,7 +41,35 @@ log = logging.getLogger(__name__)
 ENV_SLOW = "JAXDIST_FAULT_SLOW"  # test-only fault injection: "RANK:SECONDS"
 MIN_SHARE = 0.05  # an excess below this share of the step time is not named,
 MIN_EXCESS_S = 0.010  # nor one under 10 ms (process 0, which writes the metrics, runs a few ms over the others)
+MIN_PROBE_EXCESS_S = 0.010  # a probe under 10 ms over the others' is timer noise
 HOST_BYTES = 64
+PROBE = {"cpu": (256, 120), "gpu": (4096, 10)}  # (matrix size, matmuls in a row): 50-100 ms here (2 CPU cores), ~25 ms on an H100
+
+
+class ComputeProbe:
+    """A fixed chain of matmuls on this process's first device, compiled once, timed on demand."""
+
+    def __init__(self, device):
+        import jax
+        import jax.numpy as jnp
+
+        size, repeats = PROBE.get(device.platform, PROBE["gpu"])
+        self.x = jax.device_put(jnp.full((size, size), 1.0 / size, jnp.float32), device)
+        self.fn = jax.jit(lambda x: jax.lax.fori_loop(0, repeats, lambda _, y: jnp.tanh(y @ x), x))
+        jax.block_until_ready(self.fn(self.x))  # compiled and warm: the first window's time is the work's
+
+    def seconds(self, runs: int = 2) -> float:
+        """The fastest of ``runs``: a burst of another thread's work (a loader's read-ahead) is
+        left out, while a process stopped part of every period cannot run the whole chain in one
+        of its running stretches unless they are longer than the chain."""
+        import jax
+
+        best = float("inf")
+        for _ in range(runs):
+            start = time.perf_counter()
+            jax.block_until_ready(self.fn(self.x))
+            best = min(best, time.perf_counter() - start)
+        return best
 
 
 class StragglerWatch:
@@ -59,6 +89,8 @@ class StragglerWatch:
         self.step_times: list[float] = []  # this window's step times
         self.queued = runqueue_wait_s()
         self.slow_s, self.slow_from = _slow_seconds(self.rank)
+        self.probe = ComputeProbe(jax.local_devices()[0]) if self.enabled else None
+        self.slow_probe: int | None = None  # process 0: whose probe was over the factor in the last window
 
     def host_work(self, seconds: float) -> None:
         """``seconds`` of this step's own host work (not waiting for devices)."""
@@ -73,16 +105,17 @@ class StragglerWatch:
         if self.slow_s and step >= self.slow_from:
             time.sleep(self.slow_s)
 
-    def step_done(self, step: int) -> dict | None:
-        """Called by every process after each step: at the end of a window, the straggler record (process 0) or None."""
+    def step_done(self, step: int, state=None) -> list[dict]:
+        """Called by every process after each step (``state``: the step's result): at the end of a
+        window, process 0's straggler records (a ``host`` and a ``compute`` one at most), else []."""
         if not self.enabled:
-            return None
+            return []
         now = time.perf_counter()
         if self.window_start is not None:  # the first step's time (from the compile) is no one's
             self.step_times.append(now - self.window_start)
         self.window_start = now
         if step % self.window:  # windows end at the same steps on every process, one that rejoined included
-            return None
+            return []
         import jax
         import numpy as np
 
@@ -92,16 +125,41 @@ class StragglerWatch:
             name = socket.gethostname().encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
             gathered = recoverable.process_allgather(np.frombuffer(name, np.uint8), "straggler-hosts")
             self.hosts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in np.asarray(gathered).reshape(-1, HOST_BYTES)]
+        if state is not None:
+            jax.block_until_ready(state)  # the step still running would be in the probe's time
+        probe_s = self._probe_in_turn(live)
         # the median step: a pause of the machine's in one step is not a straggler
-        own = recoverable.process_allgather(np.float32(statistics.median(self.per_step or [0.0])), "straggler-own").reshape(-1)
+        mine = np.array([statistics.median(self.per_step or [0.0]), probe_s], np.float32)
+        own = np.asarray(recoverable.process_allgather(mine, "straggler-own")).reshape(-1, 2)
         self.window_start, self.per_step, self.step_times = time.perf_counter(), [], []
         self.windows += 1
         if jax.process_index() != 0 or self.windows == 1:  # the first window warms up (start-up noise): compared from the second
-            return None
-        record = straggler(own.tolist(), step_s, self.factor, self.hosts, (step - steps + 1, step))
-        if record is not None:
+            return []
+        steps_range = (step - steps + 1, step)
+        records = [straggler(own[:, 0].tolist(), step_s, self.factor, self.hosts, steps_range)]
+        compute = slow_compute(own[:, 1].tolist(), self.factor, self.hosts, (step - 2 * steps + 1, step))
+        named_before, self.slow_probe = self.slow_probe, None if compute is None else live[compute["process"]]
+        if compute is not None and named_before == self.slow_probe:  # one probe is noisier than a window of steps: two in a row
+            records.append(compute)
+        records = [r for r in records if r is not None]
+        for record in records:
             record["process"] = live[record["process"]]  # a row of the gather -> the process's own index
-        return record
+        return records
+
+    def _probe_in_turn(self, live: list[int]) -> float:
+        """This process's probe time. CPU devices share the host's cores, so there the processes
+        take turns (the others wait at a barrier); GPUs are each their own, so they probe at once."""
+        import jax
+
+        if self.probe.x.devices().pop().platform != "cpu":
+            recoverable.MEMBERSHIP.sync("straggler-probe")
+            return self.probe.seconds()
+        mine = 0.0
+        for process in live:
+            recoverable.MEMBERSHIP.sync("straggler-probe")
+            if process == jax.process_index():
+                mine = self.probe.seconds()
+        return mine
 
 
 def straggler(own_s: list[float], step_s: float, factor: float, hosts: list[str], steps: tuple[int, int]) -> dict | None:
@@ -118,6 +176,7 @@ def straggler(own_s: list[float], step_s: float, factor: float, hosts: list[str]
     rank, others, _ = worst
     return {
         "process": rank,
+        "kind": "host",
         "host": hosts[rank],
         "own_ms_per_step": round(1e3 * own_s[rank], 3),
         "others_median_ms": round(1e3 * others, 3),
@@ -126,7 +185,37 @@ def straggler(own_s: list[float], step_s: float, factor: float, hosts: list[str]
     }
 
 
+def slow_compute(probe_s: list[float], factor: float, hosts: list[str], steps: tuple[int, int]) -> dict | None:
+    """The process whose probe took longest over ``factor`` times the others' median (and over
+    ``MIN_PROBE_EXCESS_S``), as a ``compute`` record; None when nobody's did."""
+    worst = None
+    for rank, took in enumerate(probe_s):
+        others = statistics.median(probe_s[:rank] + probe_s[rank + 1 :])
+        if took > factor * others and took - others >= MIN_PROBE_EXCESS_S and (worst is None or took - others > worst[2]):
+            worst = (rank, others, took - others)
+    if worst is None:
+        return None
+    rank, others, _ = worst
+    return {
+        "process": rank,
+        "kind": "compute",
+        "host": hosts[rank],
+        "probe_ms": round(1e3 * probe_s[rank], 3),
+        "others_probe_ms": round(1e3 * others, 3),
+        "steps": list(steps),
+    }
+
+
 def straggler_line(record: dict, factor: float) -> str:
+    if record.get("kind") == "compute":
+        ratio = record["probe_ms"] / max(record["others_probe_ms"], 1e-9)
+        first, last = record["steps"]
+        return (
+            f"straggler: process {record['process']} on {record['host']} took {record['probe_ms']:.1f} ms for the fixed computation "
+            f"every process times, at the end of two windows in a row (steps {first}-{last}), {ratio:.1f}x the others' median "
+            f"{record['others_probe_ms']:.1f} ms: "
+            f"slowed as a whole (its device, or its share of the CPU) (train.straggler_factor {factor:g})"
+        )
     ratio = record["own_ms_per_step"] / max(record["others_median_ms"], 1e-9)
     first, last = record["steps"]
     return (
