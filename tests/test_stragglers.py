@@ -76,25 +76,6 @@ def _stragglers(run_dir) -> list[dict]:
     return [{"step": x["step"], **x["straggler"]} for x in lines if "straggler" in x]
 
 
-@pytest.mark.heavy
-def test_a_rank_slow_in_its_host_loop_is_named_and_nobody_before(tmp_path):
-    """Windows of 10 steps, ending at multiples of 10 on every process: 1-10 warms up, 11-40 are
-    unperturbed (nobody named), then rank 2 sleeps 20 ms in each step's host work from step 41:
-    named for steps 41-50 and 51-60 (and 61-70; step 71, the run's end and its save, is in no window)."""
-    proc = _launch(tmp_path / "run", 71, 10, {"JAXDIST_FAULT_SLOW": "2:0.02:41"})
-    out = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, out[-3000:]
-    named = _stragglers(tmp_path / "run")
-    assert {(50, 2), (60, 2)} <= {(x["step"], x["process"]) for x in named} and {x["process"] for x in named} == {2}, named
-    assert min(x["step"] for x in named) == 50  # nobody in the unperturbed windows
-    assert all(x["own_ms_per_step"] > 20 and x["host"] for x in named)
-    lines = [line for line in out.splitlines() if "straggler: process 2" in line]
-    assert len(lines) == len(named) and "over steps 41-50" in lines[0], out[-3000:]
-    assert not [line for line in out.splitlines() if "straggler: process" in line and "process 2" not in line]
-    membership = [json.loads(x) for x in (tmp_path / "run" / "elastic.jsonl").read_text().splitlines()]
-    assert [(x["step"], x["process"]) for x in membership if x["reason"] == "straggler"] == [(x["step"], x["process"]) for x in named]
-
-
 def _duty_cycle(pid: int, stop_s: float, run_s: float, until: threading.Event) -> None:
     """SIGSTOP / SIGCONT ``pid`` in turn: a process whose CPU share is cut from outside."""
     try:
@@ -111,13 +92,17 @@ def _duty_cycle(pid: int, stop_s: float, run_s: float, until: threading.Event) -
 
 
 @pytest.mark.heavy
-def test_a_rank_slowed_as_a_whole_from_outside_is_named_by_its_compute_and_nobody_before(tmp_path):
-    """Rank 1 is stopped 40 ms of every 80 ms from outside (as a CPU quota or a throttled device
-    would slow it) once step 30 is logged: a ``compute`` record names it for two windows after that
-    (its probe over the factor at the end of both), and nobody is named by compute before it
-    (windows of 10; 11-30 unperturbed)."""
+def test_a_rank_slow_in_its_host_loop_and_one_slowed_from_outside_are_each_named_by_their_kind(tmp_path):
+    """One run, windows of 10 steps ending at multiples of 10 on every process (1-10 warms up):
+    - rank 1 is stopped 50 ms of every 80 ms from outside (SIGSTOP / SIGCONT, as a CPU quota or a
+      throttled device would slow it) once step 30 is logged: ``compute`` names it once its probe
+      was over the factor at the end of two windows in a row (``host`` may too: on CPU its host
+      loop is stopped as well);
+    - rank 2 sleeps 20 ms in each step's host work from step 41 (the fault hook): ``host`` names
+      it for steps 41-50 and 51-60 (and 61-70; step 71, the run's end and its save, is in no window);
+    - nobody is named before (11-30 unperturbed), and ``compute`` never names rank 2."""
     run_dir = tmp_path / "run"
-    proc = _launch(run_dir, 71, 10)
+    proc = _launch(run_dir, 71, 10, {"JAXDIST_FAULT_SLOW": "2:0.02:41"})
     until = threading.Event()
     try:
         deadline = time.monotonic() + 240
@@ -126,7 +111,7 @@ def test_a_rank_slowed_as_a_whole_from_outside_is_named_by_its_compute_and_nobod
             time.sleep(0.1)
         (rank1,) = [p for p in psutil.Process(proc.pid).children() if p.environ().get("JAXDIST_PROCESS_ID") == "1"]
         started = max(json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x)
-        threading.Thread(target=_duty_cycle, args=(rank1.pid, 0.04, 0.04, until), daemon=True).start()
+        threading.Thread(target=_duty_cycle, args=(rank1.pid, 0.05, 0.03, until), daemon=True).start()
         out = proc.communicate(timeout=300)[0]
     finally:
         until.set()
@@ -134,11 +119,26 @@ def test_a_rank_slowed_as_a_whole_from_outside_is_named_by_its_compute_and_nobod
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, out[-3000:]
-    compute = [x for x in _stragglers(run_dir) if x["kind"] == "compute"]
+    named = _stragglers(run_dir)
+    host = [x for x in named if x["kind"] == "host"]
+    compute = [x for x in named if x["kind"] == "compute"]
+
+    slow_host = [x for x in host if x["process"] == 2]
+    assert {50, 60} <= {x["step"] for x in slow_host} and {x["process"] for x in host} <= {1, 2}, host
+    assert min(x["step"] for x in slow_host) == 50 and all(x["steps"][0] > started for x in host if x["process"] == 1), host
+    assert all(x["own_ms_per_step"] > 20 and x["host"] for x in slow_host)
+    host_lines = [line for line in out.splitlines() if "straggler: process 2 on" in line]
+    assert len(host_lines) == len(slow_host) and "over steps 41-50" in host_lines[0], out[-3000:]
+
     assert compute and {x["process"] for x in compute} == {1}, compute
     assert min(x["steps"][0] for x in compute) > started - 20, (started, compute)  # nobody before the slowing
     assert all(x["probe_ms"] > 1.3 * x["others_probe_ms"] for x in compute)
     assert sum("straggler: process 1 on" in line and "slowed as a whole" in line for line in out.splitlines()) == len(compute)
+
+    membership = [json.loads(x) for x in (run_dir / "elastic.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["process"], x["kind"]) for x in membership if x["reason"] == "straggler"] == [
+        (x["step"], x["process"], x["kind"]) for x in named
+    ]
 
 
 def _logged_step(run_dir, step: int) -> bool:
