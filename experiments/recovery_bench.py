@@ -1,6 +1,6 @@
 """Kill -> next step: in-process recovery against the restart path, side by side in one run.
 
-    python experiments/recovery_bench.py [--repeats 2] [--steps 30] [--kill-step 17] [--peer-timeout 10]
+    python experiments/recovery_bench.py [--repeats 2] [--steps 60] [--kill-step 17] [--peer-timeout 10]
 
 Each repeat launches the same elastic 3-process run (``--nproc 3 --min-nproc 2
 --devices-per-proc 1``, ``--mesh data=-1``, the tiny model on the stdlib corpus, a
@@ -9,8 +9,10 @@ it reaches ``--kill-step`` (the ``JAXDIST_FAULT_KILL_AT`` hook, which prints its
 before the kill). From the launcher's output, timestamped as it arrives, it reports the
 seconds from the kill to the next logged step, and to the failed step being done (the
 restart path trains the steps since its last checkpoint again first), plus the phase
-seconds in-process recovery writes to ``elastic.jsonl``. Medians over the repeats; the
-thread settings and the machine are printed with them.
+seconds in-process recovery writes to ``elastic.jsonl``. In-process, the launcher then starts a
+replacement that rejoins: the seconds from the kill until the first step on 3 processes again
+is done, and the grow's phases, are reported too. Medians over the repeats; the thread
+settings and the machine are printed with them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 STEP_LINE = re.compile(r"\[rank 0\] step (\d+) \|")
 KILL_LINE = "fault injection (JAXDIST_FAULT_KILL_AT)"
+GROWN_LINE = re.compile(r"elastic: 2 -> 3 processes, process \d+ rejoined; continuing at step (\d+)")
 
 
 def one_run(mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
@@ -44,13 +47,16 @@ def one_run(mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
         stderr=subprocess.STDOUT,
         text=True,
     )
-    killed = next_step = failed_step_done = None
+    killed = next_step = failed_step_done = grown_at = grown_step_done = None
     out = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115 - closed below
     for line in proc.stdout:
         now = time.monotonic()
         out.write(line)
         if KILL_LINE in line:
             killed = now
+        grown = GROWN_LINE.search(line)
+        if grown:
+            grown_at = int(grown.group(1))
         match = STEP_LINE.search(line)
         if match and killed is not None:
             step = int(match.group(1))
@@ -60,19 +66,29 @@ def one_run(mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
                 next_step = next_step or now
             if step == args.kill_step and failed_step_done is None:
                 failed_step_done = now
+            if grown_at is not None and step == grown_at and grown_step_done is None:
+                grown_step_done = now
     proc.wait()
     out.close()
     if proc.returncode != 0 or killed is None or failed_step_done is None:
         raise SystemExit(f"{mode}: the run failed (exit {proc.returncode}); see {run_dir} and {out.name}")
     records = [json.loads(x) for x in (run_dir / "elastic.jsonl").read_text().splitlines()]
     phases = next((r.get("seconds") for r in records if r["reason"] == "in-process"), None)
-    return {"next_step_s": next_step - killed, "failed_step_s": failed_step_done - killed, "phases": phases}
+    grow = next((r.get("seconds") for r in records if r["reason"] == "rejoin"), None)
+    regrown = None if grown_step_done is None else grown_step_done - killed
+    return {
+        "next_step_s": next_step - killed,
+        "failed_step_s": failed_step_done - killed,
+        "phases": phases,
+        "regrown_s": regrown,
+        "grow": grow,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--kill-step", type=int, default=17)
     parser.add_argument("--peer-timeout", type=float, default=10.0)
     parser.add_argument("--runs", default=None, help="keep the run directories and logs here (default: a temporary folder)")
@@ -98,6 +114,14 @@ def main() -> None:
     phases = [r["phases"] for r in results.get("in-process", []) if r["phases"]]
     if phases:
         print("in-process phases (median s): " + ", ".join(f"{k} {statistics.median(p[k] for p in phases):.2f}" for k in phases[0]))
+    regrown = [r["regrown_s"] for r in results.get("in-process", []) if r["regrown_s"] is not None]
+    grows = [r["grow"] for r in results.get("in-process", []) if r["grow"]]
+    if regrown:
+        print(
+            f"in-process, kill -> first step on 3 processes again (median s): {statistics.median(regrown):.1f} ({len(regrown)} of the runs rejoined)"
+        )
+    if grows:
+        print("rejoin phases (median s): " + ", ".join(f"{k} {statistics.median(g[k] for g in grows):.2f}" for k in grows[0]))
 
 
 if __name__ == "__main__":
