@@ -807,3 +807,32 @@ def test_the_launchers_processes_get_collective_timeouts_sized_from_the_hang_lim
     finally:
         watched.close()
         unwatched.close()
+
+
+def test_a_replacement_still_starting_when_the_run_ends_is_stopped_and_the_run_is_done(tmp_path):
+    """--recovery in-process: rank 2 dies, process 0 opens its slot (``recoverable.open_slot``'s
+    file), the launcher starts a replacement (JAXDIST_REJOIN=1) that never connects, and the
+    others finish: the replacement is stopped in one line and the run ends 0, not as a failure."""
+    body = """
+    beats = os.environ["JAXDIST_HEARTBEAT_DIR"]
+    if os.environ.get("JAXDIST_REJOIN") == "1":
+        open(f"{log}/replacement.{rank}", "w").close()
+        time.sleep(60)  # still starting (it never connects)
+    if rank == 2:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0:
+        time.sleep(1.5)  # the survivors recovered: the slot opens
+        open(os.path.join(beats, "open-2"), "w").close()
+        while not os.path.exists(f"{log}/replacement.2"):
+            time.sleep(0.05)
+    time.sleep(0.5)
+    """
+    flags = ["--nproc", "3", "--min-nproc", "2", "--devices-per-proc", "1", "--recovery", "in-process"]
+    train = ["--mesh", "data=-1", *OVERRIDES, "train.global_batch=6", "train.steps=5", "--run-dir", str(tmp_path / "run")]
+    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *train])
+    assert code == 0, out
+    assert "rank 2 was killed by SIGKILL; the other 2 recover in-process (--recovery in-process)" in out, out
+    assert "starting a replacement for rank 2; it rejoins the live processes at their next step" in out, out
+    assert "rank 2's replacement did not join before the run ended; the run is done" in out, out
+    assert (tmp_path / "log" / "replacement.2").exists()
