@@ -51,6 +51,11 @@ also the largest count the run takes.
   75) and restarts with that count, up or down. A value below ``--min-nproc`` saves and
   stops. An unreadable or malformed file is a warning; the count stays. The file's value
   at launch caps the first start.
+- ``--drop-stragglers``: a process that process 0 named a straggler (``straggler`` records in
+  ``RUN_DIR/elastic.jsonl``, see ``training.stragglers``) at the end of two windows in a row
+  is left out at the next membership change: its slot is lost as a dead one's (one line; the
+  change's record has ``dropped_straggler``). With ``--recovery in-process`` that is the next
+  restart (said at start); across nodes it has no effect (said at start).
 - Each change prints ``elastic: 4 -> 2 processes, resuming at step N`` (N: the newest
   checkpoint) and appends a JSON line to ``RUN_DIR/elastic.jsonl``: ``time``, ``from``,
   ``to``, ``reason`` (start | failure | hang | grow | shrink; the first start has ``from`` null),
@@ -271,6 +276,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--straggler-window", type=int, default=None, metavar="N", help="steps per straggler comparison (train.straggler_window; 0: off)"
     )
     parser.add_argument(
+        "--drop-stragglers",
+        action="store_true",
+        help="elastic: a process named a straggler at the end of two windows in a row is left out at the next membership change "
+        "(the next set has one process fewer)",
+    )
+    parser.add_argument(
         "--module",
         default="jaxdist.train",
         choices=MODULES,
@@ -298,6 +309,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.elastic = False
     if args.nodes:
         _check_node_args(args, parser)
+        if args.drop_stragglers:
+            log.warning("--drop-stragglers has no effect across nodes (--nnodes): stragglers are named there, not left out")
         return args
     given = [f"--{k.replace('_', '-')}" for k in NODE_FLAGS if getattr(args, k) != parser.get_default(k)]
     if given:
@@ -308,6 +321,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.elastic:
         _check_elastic_args(args)
     _check_recovery_args(args)
+    if args.drop_stragglers and not args.elastic:
+        raise JaxdistError("--drop-stragglers needs an elastic launch (--min-nproc M): the run goes on with fewer processes")
+    if args.drop_stragglers and args.recovery == "in-process":
+        log.warning(
+            "--drop-stragglers with --recovery in-process: a straggler is left out at the next restart, "
+            "not at an in-process recovery or rejoin (those keep the set's slots)"
+        )
     return args
 
 
@@ -411,6 +431,7 @@ def elastic_plan(args: argparse.Namespace) -> ElasticPlan:
         hang=args.hang,
         recovery=args.recovery,
         peer_timeout_s=args.peer_timeout,
+        drop_stragglers=args.drop_stragglers,
     )
 
 

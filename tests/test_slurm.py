@@ -324,7 +324,8 @@ def test_no_process_of_a_stopped_cluster_survives(tmp_path):
         cluster = SlurmCluster(root)
         cluster.client("sbatch", "--wrap=sleep 300", f"--output={tmp_path / 'sleep.out'}")
         _wait("the job to run", lambda: "RUNNING" in cluster.client("squeue", "-h", "-o", "%T").stdout, tmp_path, 30)
-        assert len(cluster.processes()) > 3  # the daemons, and the job's slurmstepd, shell and sleep
+        # the daemons, and the job's slurmstepd, shell and sleep (squeue says RUNNING a moment before they all exist)
+        _wait("the job's processes", lambda: len(cluster.processes()) > 3, tmp_path, 30)
         stopped = subprocess.run([*script, "stop", str(root)], capture_output=True, text=True, timeout=90)
         assert stopped.returncode == 0, stopped.stderr
         assert not cluster.processes()

@@ -50,7 +50,8 @@ GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks
 log = logging.getLogger(__name__)
 
 
-GLOO_CONNECTED_START = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer ranks is : ")
+# The fixed parts of that line, between which gloo writes the numbers (one operator<< each).
+GLOO_PARTS = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\. Expected number of connected peer ranks is :")
 
 
 def is_gloo_chatter(line: str) -> bool:
@@ -60,29 +61,25 @@ def is_gloo_chatter(line: str) -> bool:
 
 
 class GlooChatter:
-    """``is_gloo_chatter`` for one process's output, line by line, where two of its threads
-    (one per local device of a group) may print at once: std::cout then interleaves their
-    lines as ``[Gloo] ... is : [Gloo] ... is : 1`` and a next line ``1``. Such a pair is
-    chatter when both connected to the same count of peers and expected that count."""
+    """``is_gloo_chatter`` for one process's output, line by line. Two of its threads (one per
+    local device of a group) may print at once, and std::cout then interleaves their lines at
+    any of gloo's ``<<`` (``[Gloo] Rank [Gloo] Rank 0 is connected to 1 ...: 1`` and a next
+    line ``1 is connected to ...``). A line made of nothing but those lines' parts and numbers,
+    and a line of numbers alone right after one, is chatter too: which number belongs to which
+    message cannot be told there, and a missing peer is said in gloo's own next line (``is NOT
+    connected to``), which is never hidden."""
 
     def __init__(self):
-        self.owed: list[str] = []  # counts of interleaved lines whose "expected" number is still to come
+        self.mixed = False  # the last line was an interleaving of gloo's lines
 
     def __call__(self, line: str) -> bool:
-        if is_gloo_chatter(line):
-            return True
-        starts = GLOO_CONNECTED_START.findall(line)
-        rest = GLOO_CONNECTED_START.sub(" ", line).split()
-        if not starts and not (self.owed and rest and len(rest) <= len(self.owed)):
-            self.owed = []
-            return False
-        owed = self.owed + starts
-        # which number ends which line is not known: only lines that all expect the same count qualify
-        if len(set(owed)) > 1 or not all(token.isdigit() for token in rest) or rest != owed[: len(rest)]:
-            self.owed = []
-            return False  # a group that did not connect completely, or not gloo's: shown
-        self.owed = owed[len(rest) :]
-        return True
+        if GLOO_CONNECTED.fullmatch(line):
+            self.mixed = False
+            return is_gloo_chatter(line)
+        rest = GLOO_PARTS.sub(" ", line).split()
+        parts = len(GLOO_PARTS.findall(line))
+        was_mixed, self.mixed = self.mixed, parts > 0 and all(token.isdigit() for token in rest)
+        return self.mixed or (was_mixed and bool(rest) and all(token.isdigit() for token in rest))
 
 
 def hide_gloo_lines(log_level: str, group: ProcessGroup | None) -> None:

@@ -151,3 +151,31 @@ def record(run_dir: Path, **fields) -> None:
             out.write(line + "\n")
     except OSError as e:
         raise JaxdistError(f"cannot write run directory {run_dir}: {e.strerror}") from None
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """``RUN_DIR/elastic.jsonl``'s records, oldest first ([] before the first; a torn last line is left out)."""
+    try:
+        text = (Path(run_dir) / "elastic.jsonl").read_text()
+    except OSError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            continue
+    return records
+
+
+def persistent_straggler(named: list[dict], window: int) -> tuple[int, int, int] | None:
+    """(process, first step, last step) of the latest process named a straggler at the end of
+    two windows in a row (records ``window`` steps apart, any kind), among ``named``; else None."""
+    ends: dict[int, set[int]] = {}
+    found = None
+    for r in sorted(named, key=lambda r: r["step"]):
+        steps = ends.setdefault(r["process"], set())
+        if r["step"] - window in steps:
+            found = (r["process"], r["step"] - 2 * window + 1, r["step"])
+        steps.add(r["step"])
+    return found

@@ -44,6 +44,7 @@ class ElasticPlan:
     hang: HangLimits | None = None
     recovery: str = "restart"  # or in-process: the survivors of a death go on (training.recovery)
     peer_timeout_s: float = 10.0
+    drop_stragglers: bool = False  # a persistent straggler is left out at the next membership change
 
 
 class Elastic:
@@ -57,6 +58,8 @@ class Elastic:
         self.restarts = 0
         self.interrupted: int | None = None
         self.gen: Launcher | None = None
+        self.records_seen = 0  # elastic.jsonl's length when this set started: its straggler records come after
+        self.dropped: int | None = None  # the straggler left out at this change (said in its record)
 
     def on_signal(self, signum: int, frame=None) -> None:
         self.interrupted = signum
@@ -113,6 +116,7 @@ class Elastic:
             if self.interrupted is not None:  # before this set started: nothing to forward to
                 self.gen.close()
                 return 128 + self.interrupted
+            self.records_seen = len(elastic.read_records(self.plan.run_dir))
             self.gen.start()
             ended = self._watch(self.gen, n)
             self.gen.close()
@@ -147,11 +151,30 @@ class Elastic:
                 used = f"--max-restarts {self.plan.max_restarts} are used up"
                 log.error(f"{ended.describe()} and {used}; {self._stopped_at()}")
                 return None
+        if self.plan.drop_stragglers:
+            self._drop_straggler(ended.rank if failure else None)
         target = self._largest_usable()
         if target is None:
             left = f"{_processes(self.capacity)} left" if failure else f"--nproc-file allows {_processes(self.capacity)}"
             log.error(f"{left}, {self._no_usable_count()}; {self._stopped_at()}")
         return target
+
+    def _drop_straggler(self, failed_rank: int | None) -> None:
+        """--drop-stragglers, at a membership change: a process of this set named a straggler at
+        the end of two windows in a row (by process 0, in elastic.jsonl) is left out of the next
+        set: one slot fewer (said in one line and in the change's record)."""
+        window = self.plan.config.train.straggler_window
+        named = [r for r in elastic.read_records(self.plan.run_dir)[self.records_seen :] if r.get("reason") == "straggler"]
+        persistent = elastic.persistent_straggler(named, window)
+        if persistent is None or persistent[0] == failed_rank:  # the failed one's slot is lost already
+            return
+        process, first, last = persistent
+        self.capacity -= 1
+        self.dropped = process
+        log.info(
+            f"process {process} was named a straggler at the end of two windows in a row (steps {first}-{last}); "
+            "its slot is left out of the next set (--drop-stragglers)"
+        )
 
     def _watch(self, gen: Launcher, n: int) -> Ended:
         """Until the set ends: done, a failure, a hang, a user's signal, or a membership change."""
@@ -245,6 +268,8 @@ class Elastic:
         if old is not None:
             log.info(f"elastic: {old} -> {new} processes, resuming at step {step}")
         fields = {"from": old, "to": new, "reason": reason, "step": step, "failed_rank": rank, "exit_code": code}
+        if self.dropped is not None:
+            fields["dropped_straggler"], self.dropped = self.dropped, None
         mesh = format_mesh(elastic.mesh_for(self.plan.config, new, self.plan.devices_per_proc))
         elastic.record(self.plan.run_dir, **fields, mesh=mesh, restarts=self.restarts)
 

@@ -21,8 +21,8 @@ end of two windows in a row (one probe is noisier than a window of steps): a ``c
 beside the ``host`` one. A slow host loop leaves the probe alone, and a
 slowed device leaves the host loop alone, so the two kinds tell the causes apart.
 
-``JAXDIST_FAULT_SLOW=RANK:SECONDS[:FROM_STEP]`` is a fault-injection hook for tests: that rank
-sleeps so long in each step's host work (from that step on), as a process with a slow loader would.
+``JAXDIST_FAULT_SLOW=RANK:SECONDS[:FROM_STEP[:TO_STEP]]`` is a fault-injection hook for tests:
+that rank sleeps so long in each step's host work (in those steps), as a process with a slow loader would.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class StragglerWatch:
         self.per_step: list[float] = []  # this window's own seconds, step by step
         self.step_times: list[float] = []  # this window's step times
         self.queued = runqueue_wait_s()
-        self.slow_s, self.slow_from = _slow_seconds(self.rank)
+        self.slow_s, self.slow_from, self.slow_to = _slow_seconds(self.rank)
         self.probe = ComputeProbe(jax.local_devices()[0]) if self.enabled else None
         self.slow_probe: int | None = None  # process 0: whose probe was over the factor in the last window
 
@@ -102,7 +102,7 @@ class StragglerWatch:
         self.own, self.queued = 0.0, queued
 
     def injected_delay(self, step: int) -> None:
-        if self.slow_s and step >= self.slow_from:
+        if self.slow_s and step >= self.slow_from and (self.slow_to is None or step <= self.slow_to):
             time.sleep(self.slow_s)
 
     def step_done(self, step: int, state=None) -> list[dict]:
@@ -162,48 +162,40 @@ class StragglerWatch:
         return mine
 
 
+def furthest_over(values: list[float], factor: float, floor: float) -> tuple[int, float] | None:
+    """(the index, the others' median) of the value furthest over ``factor`` times the others'
+    median and at least ``floor`` above it; None when none is."""
+    worst = None
+    for rank, value in enumerate(values):
+        others = statistics.median(values[:rank] + values[rank + 1 :])
+        if value > factor * others and value - others >= floor and (worst is None or value - others > worst[2]):
+            worst = (rank, others, value - others)
+    return None if worst is None else worst[:2]
+
+
 def straggler(own_s: list[float], step_s: float, factor: float, hosts: list[str], steps: tuple[int, int]) -> dict | None:
     """The process furthest over ``factor`` times the others' median own time per step (and over
-    the floors), as a record; None when nobody is."""
-    worst = None
-    for rank, own in enumerate(own_s):
-        others = statistics.median(own_s[:rank] + own_s[rank + 1 :])
-        floor = max(MIN_SHARE * step_s, MIN_EXCESS_S)
-        if own > factor * others and own - others >= floor and (worst is None or own - others > worst[2]):
-            worst = (rank, others, own - others)
+    the floors), as a ``host`` record; None when nobody is."""
+    worst = furthest_over(own_s, factor, max(MIN_SHARE * step_s, MIN_EXCESS_S))
     if worst is None:
         return None
-    rank, others, _ = worst
-    return {
-        "process": rank,
-        "kind": "host",
-        "host": hosts[rank],
-        "own_ms_per_step": round(1e3 * own_s[rank], 3),
-        "others_median_ms": round(1e3 * others, 3),
-        "step_ms": round(1e3 * step_s, 3),
-        "steps": list(steps),
-    }
+    rank, others = worst
+    return _record("host", rank, hosts, steps, own_ms_per_step=own_s[rank], others_median_ms=others, step_ms=step_s)
 
 
 def slow_compute(probe_s: list[float], factor: float, hosts: list[str], steps: tuple[int, int]) -> dict | None:
     """The process whose probe took longest over ``factor`` times the others' median (and over
     ``MIN_PROBE_EXCESS_S``), as a ``compute`` record; None when nobody's did."""
-    worst = None
-    for rank, took in enumerate(probe_s):
-        others = statistics.median(probe_s[:rank] + probe_s[rank + 1 :])
-        if took > factor * others and took - others >= MIN_PROBE_EXCESS_S and (worst is None or took - others > worst[2]):
-            worst = (rank, others, took - others)
+    worst = furthest_over(probe_s, factor, MIN_PROBE_EXCESS_S)
     if worst is None:
         return None
-    rank, others, _ = worst
-    return {
-        "process": rank,
-        "kind": "compute",
-        "host": hosts[rank],
-        "probe_ms": round(1e3 * probe_s[rank], 3),
-        "others_probe_ms": round(1e3 * others, 3),
-        "steps": list(steps),
-    }
+    rank, others = worst
+    return _record("compute", rank, hosts, steps, probe_ms=probe_s[rank], others_probe_ms=others)
+
+
+def _record(kind: str, rank: int, hosts: list[str], steps: tuple[int, int], **seconds: float) -> dict:
+    """A straggler record: ``seconds`` written in milliseconds."""
+    return {"process": rank, "kind": kind, "host": hosts[rank], **{k: round(1e3 * v, 3) for k, v in seconds.items()}, "steps": list(steps)}
 
 
 def straggler_line(record: dict, factor: float) -> str:
@@ -225,16 +217,17 @@ def straggler_line(record: dict, factor: float) -> str:
     )
 
 
-def _slow_seconds(rank: int) -> tuple[float, int]:
+def _slow_seconds(rank: int) -> tuple[float, int, int | None]:
     spec = os.environ.get(ENV_SLOW)
     if not spec:
-        return 0.0, 0
+        return 0.0, 0, None
     parts = spec.split(":")
     try:
-        slow_rank, seconds, from_step = int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) > 2 else 0
+        slow_rank, seconds = int(parts[0]), float(parts[1])
+        from_step, to_step = int(parts[2]) if len(parts) > 2 else 0, int(parts[3]) if len(parts) > 3 else None
     except (ValueError, IndexError):
-        raise JaxdistError(f"{ENV_SLOW}={spec!r}: expected RANK:SECONDS[:FROM_STEP] (a fault-injection hook for tests)") from None
-    return (seconds, from_step) if slow_rank == rank else (0.0, 0)
+        raise JaxdistError(f"{ENV_SLOW}={spec!r}: expected RANK:SECONDS[:FROM_STEP[:TO_STEP]] (a fault-injection hook for tests)") from None
+    return (seconds, from_step, to_step) if slow_rank == rank else (0.0, 0, None)
 
 
 def runqueue_wait_s() -> float:
