@@ -148,6 +148,7 @@ from jaxdist.cluster.elastic_launch import ElasticPlan, run_elastic
 from jaxdist.cluster.etcd import Etcd, Tls, parse_endpoints
 from jaxdist.cluster.launcher import HangLimits, run_plain
 from jaxdist.cluster.node_launch import NodePlan, check_local_address, route_address, run_node
+from jaxdist.cluster.recovery_flags import DEFAULT_PEER_TIMEOUT_S, check_recovery_flags
 from jaxdist.cluster.rendezvous import check_name
 from jaxdist.cluster.supervise import child_argv
 from jaxdist.errors import JaxdistError, OneLineArgumentParser
@@ -158,7 +159,6 @@ log = logging.getLogger("jaxdist.launch")  # not __name__: run as -m it is __mai
 DEFAULT_MAX_RESTARTS = 3
 MODULES = ("jaxdist.train", "jaxdist.commbench")  # --module: the programs a plain launch can run
 DEFAULT_HANG_TIMEOUT_S = 1800.0
-DEFAULT_PEER_TIMEOUT_S = 10.0  # --recovery in-process: how soon a survivor gives up on a silent peer
 DEFAULT_FIRST_STEP_TIMEOUT_S = 3600.0
 DEFAULT_RDZV_TIMEOUT_S = 600.0
 DEFAULT_RDZV_SETTLE_S = 5.0
@@ -320,29 +320,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.elastic = any(getattr(args, k) is not None for k in ("min_nproc", "max_restarts", "nproc_file"))
     if args.elastic:
         _check_elastic_args(args)
-    _check_recovery_args(args)
-    if args.drop_stragglers and not args.elastic:
-        raise JaxdistError("--drop-stragglers needs an elastic launch (--min-nproc M): the run goes on with fewer processes")
-    if args.drop_stragglers and args.recovery == "in-process":
-        log.warning(
-            "--drop-stragglers with --recovery in-process: a straggler is left out at the next restart, "
-            "not at an in-process recovery or rejoin (those keep the set's slots)"
-        )
+    check_recovery_flags(args)
     return args
-
-
-def _check_recovery_args(args: argparse.Namespace) -> None:
-    if args.recovery == "restart":
-        if args.peer_timeout != DEFAULT_PEER_TIMEOUT_S:
-            log.warning(f"--peer-timeout {args.peer_timeout:g} has no effect with --recovery restart (it is in-process recovery's)")
-        return
-    if not args.elastic:
-        raise JaxdistError("--recovery in-process needs an elastic launch (--min-nproc M): the survivors go on with fewer processes")
-    if args.devices_per_proc != 1:
-        raise JaxdistError(
-            f"--recovery in-process needs --devices-per-proc 1, got {args.devices_per_proc}: with several devices per process, "
-            "gloo aborts a survivor when a peer dies (jax 0.10)"
-        )
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
