@@ -371,7 +371,9 @@ def host_copy(trainer, state) -> list[np.ndarray]:
 
 def broadcast_state(host: list[np.ndarray] | None, trainer, order: list) -> Any:
     """The state on ``trainer``'s shardings, from process 0's ``host`` copy: its bytes summed over
-    the grown mesh with every other process's zeros (one all-reduce, exact for any dtype)."""
+    the grown mesh with every other process's zeros (one all-reduce, exact for any dtype).
+    Not ``multihost_utils.broadcast_one_to_all``: its mesh is ``jax.devices()`` in their own
+    order, a device group the dead process was in (a stale gloo communicator, see ``recoverable``)."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 

@@ -53,6 +53,7 @@ class ComputeProbe:
         import jax
         import jax.numpy as jnp
 
+        self.platform = device.platform
         size, repeats = PROBE.get(device.platform, PROBE["gpu"])
         self.x = jax.device_put(jnp.full((size, size), 1.0 / size, jnp.float32), device)
         self.fn = jax.jit(lambda x: jax.lax.fori_loop(0, repeats, lambda _, y: jnp.tanh(y @ x), x))
@@ -151,7 +152,7 @@ class StragglerWatch:
         take turns (the others wait at a barrier); GPUs are each their own, so they probe at once."""
         import jax
 
-        if self.probe.x.devices().pop().platform != "cpu":
+        if self.probe.platform != "cpu":
             recoverable.MEMBERSHIP.sync("straggler-probe")
             return self.probe.seconds()
         mine = 0.0
