@@ -582,17 +582,41 @@ def test_an_elastic_run_restarts_without_a_stalled_rank(tmp_path):
 
 
 def test_a_killed_rank_is_blamed_before_the_peer_that_aborted_after_it(tmp_path):
-    """Rank 3 is killed from outside; rank 0 notices at once and aborts (as JAX does when a
-    peer's heartbeat stops). Both exits reach the launcher in one look: the killed rank is
-    the failure the elastic record names, not the lower rank that aborted."""
+    """Rank 3 is killed; rank 0 aborts after it (as JAX does when a peer's heartbeat stops).
+    Both exits reach the launcher in one look: the killed rank is the failure the elastic record
+    names, not the lower rank that aborted. "One look" is made certain, not raced: rank 0 stops
+    the launcher (SIGSTOP) before either dies, and a helper (the stub again) resumes it once both
+    are zombies (under load, rank 0's abort was once seen a look before rank 3's kill)."""
     body = """
+    def dead(pid):  # a zombie: its exit waits for its (stopped) parent to collect it
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+    def wait_for(check):
+        deadline = time.monotonic() + 30
+        while not check() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    if "STUB_RESUME" in os.environ:  # the helper: resume the launcher once rank 0 is dead
+        aborted, launcher = map(int, os.environ["STUB_RESUME"].split(":"))
+        wait_for(lambda: dead(aborted))
+        os.kill(launcher, signal.SIGCONT)
+        sys.exit(0)
     nproc = int(os.environ["JAXDIST_NUM_PROCESSES"])
     if nproc == 4 and rank == 3:
-        open(f"{log}/rank3.dying", "w").close()
+        wait_for(lambda: os.path.exists(f"{log}/launcher.stopped"))
+        with open(f"{log}/rank3.pid.part", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(f"{log}/rank3.pid.part", f"{log}/rank3.pid")
         os.kill(os.getpid(), signal.SIGKILL)
     if nproc == 4 and rank == 0:
-        while not os.path.exists(f"{log}/rank3.dying"):
-            time.sleep(0.001)
+        import subprocess
+        launcher = os.getppid()
+        os.kill(launcher, signal.SIGSTOP)
+        open(f"{log}/launcher.stopped", "w").close()
+        wait_for(lambda: os.path.exists(f"{log}/rank3.pid") and dead(int(open(f"{log}/rank3.pid").read())))
+        helper_env = {**os.environ, "STUB_RESUME": f"{os.getpid()}:{launcher}"}
+        subprocess.Popen([sys.argv[0]], env=helper_env, start_new_session=True)
         os.abort()
     if nproc == 4:
         time.sleep(30)
