@@ -21,6 +21,8 @@ from jaxdist.config import load_config  # noqa: E402
 from jaxdist.data.sources import resolve_vocab  # noqa: E402
 from jaxdist.inspect.gpu_program import collective_schedule, kernel_counts  # noqa: E402
 from jaxdist.layout.mesh import parse_mesh  # noqa: E402
+from jaxdist.plan.cost import predict  # noqa: E402
+from jaxdist.plan.gpu_cost import gpu_program_cost  # noqa: E402
 from jaxdist.plan.gpu_target import compile_for_target, target_hardware, target_report  # noqa: E402
 
 from helpers import TINY, subprocess_env  # noqa: E402
@@ -61,6 +63,15 @@ def test_the_h100_program_has_cudnn_attention_in_every_layer_and_async_gradient_
     assert reduce["count"] > 0 and reduce["async"] == reduce["count"] and reduce["overlapped_fraction"] > 0
     assert report["memory_per_device_bytes"]["peak"] > 0 and report["fits"]
     assert "xla_gpu_enable_latency_hiding_scheduler" in report["xla_flags"]
+    # exposure: the planner's replay of the same program says the same step and waits, split by kind
+    predicted = predict(
+        gpu_program_cost(hlo, report["mesh"]), target_hardware("h100"), report["mesh"], model_flops_per_step=1, tokens_per_step=1
+    )
+    kinds = {kind: s["exposed_s"] for kind, s in report["collectives"].items()}
+    assert report["step_s"] == pytest.approx(predicted.step_time_s) and report["step_s"] > 0
+    assert report["exposed_s"] == pytest.approx(predicted.step_time_s - predicted.compute_s) == pytest.approx(sum(kinds.values()))
+    assert report["exposed_fraction"] == pytest.approx(report["exposed_s"] / report["step_s"]) and 0 <= report["exposed_fraction"] < 1
+    assert all(seconds == 0 for kind, seconds in kinds.items() if not report["collectives"][kind]["count"])
 
 
 def test_kernel_and_overlap_reading_on_a_hand_written_schedule():
@@ -116,6 +127,8 @@ def test_analyze_target_cli_prints_the_report_and_writes_the_hlo(tmp_path, capsy
     table = capsys.readouterr().out
     assert "NVIDIA H100 80GB HBM3 (compute capability 9.0), 1 host(s) of 2" in table
     assert f"attention_cudnn_fwd {report['kernels']['attention_cudnn_fwd']}" in table and "fits            yes" in table
+    exposed = f"exposed         {report['exposed_s'] * 1e3:.1f} ms of a {report['step_s'] * 1e3:.1f} ms step predicted"
+    assert exposed in table, table
 
 
 @pytest.mark.parametrize(

@@ -188,3 +188,62 @@ def test_a_gpu_count_that_is_not_whole_nodes_is_one_line(capsys):
     assert plan_cli.main(argv) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxdist")]
     assert err == ["jaxdist: error: --gpus 12 is not a whole number of nodes of 8 (--gpus-per-node)"]
+
+
+def test_exposure_is_what_each_collective_kind_makes_the_compute_stream_wait():
+    """A loop of 4: an asynchronous all-reduce longer than the one GEMM in its window (its window
+    holds compute, so ``overlapped_fraction`` calls it overlapped, yet its excess over the GEMM
+    shows), then a synchronous all-gather (all of it exposed). Counted by hand, per kind."""
+    hlo = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%gemm (p0: bf16[8192,8192], p1: bf16[8192,8192]) -> bf16[8192,8192] {
+  %p0 = bf16[8192,8192]{1,0} parameter(0)
+  %p1 = bf16[8192,8192]{1,0} parameter(1)
+  ROOT %d = bf16[8192,8192]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (s32[], bf16[8192,8192], f32[268435456], f32[1048576])) -> (s32[], bf16[8192,8192], f32[268435456], f32[2097152]) {
+  %p = (s32[], bf16[8192,8192], f32[268435456], f32[1048576]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[8192,8192]{1,0} get-tuple-element(%p), index=1
+  %y = f32[268435456]{0} get-tuple-element(%p), index=2
+  %z = f32[1048576]{0} get-tuple-element(%p), index=3
+  %ars = f32[268435456]{0} all-reduce-start(%y), replica_groups={{0,1}}, to_apply=%add, backend_config={"collective_backend_config":{"is_sync":false}}
+  %g = bf16[8192,8192]{1,0} fusion(%x, %x), kind=kCustom, calls=%gemm, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %ard = f32[268435456]{0} all-reduce-done(%ars)
+  %ag = f32[2097152]{0} all-gather(%z), replica_groups={{0,1}}, dimensions={0}
+  ROOT %t = (s32[], bf16[8192,8192], f32[268435456], f32[2097152]) tuple(%i, %g, %ard, %ag)
+}
+
+%cond (q: (s32[], bf16[8192,8192], f32[268435456], f32[1048576])) -> pred[] {
+  %q = (s32[], bf16[8192,8192], f32[268435456], f32[1048576]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x0: bf16[8192,8192], y0: f32[268435456], z0: f32[1048576]) -> (s32[], bf16[8192,8192], f32[268435456], f32[2097152]) {
+  %x0 = bf16[8192,8192]{1,0} parameter(0)
+  %y0 = f32[268435456]{0} parameter(1)
+  %z0 = f32[1048576]{0} parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[8192,8192], f32[268435456], f32[1048576]) tuple(%zero, %x0, %y0, %z0)
+  ROOT %w = (s32[], bf16[8192,8192], f32[268435456], f32[2097152]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+    from jaxdist.inspect.gpu_program import collective_schedule
+    from jaxdist.plan.gpu_cost import gpu_program_cost
+
+    h100 = load_hardware("h100")
+    p = predict(gpu_program_cost(hlo, {"data": 2}), h100, {"data": 2}, model_flops_per_step=1.0, tokens_per_step=1.0)
+    gemm = 2.0 * 8192**3 / BF16_RATE
+    reduce = collective_time("all-reduce", 2 * (1 / 2) * 2**30, 2, h100.intra_node)  # 2(n-1)/n of 1 GiB on the wire
+    gather = collective_time("all-gather", (1 / 2) * 8 * 2**20, 2, h100.intra_node)  # (n-1)/n of its 8 MiB result
+    assert reduce > gemm  # the GEMM in its window hides only part of it
+    assert collective_schedule(hlo)["all-reduce"]["overlapped_fraction"] == 1.0  # what that figure cannot tell
+    assert p.exposed_s == pytest.approx({"all-gather": 4 * gather, "all-reduce": 4 * (reduce - gemm)})
+    assert p.comm_exposed_s == pytest.approx(sum(p.exposed_s.values())) and p.step_time_s == pytest.approx(4 * (reduce + gather))

@@ -169,6 +169,11 @@ def _human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _exposed_by_kind(report: dict[str, Any]) -> str:
+    kinds = sorted(((s.get("exposed_s") or 0.0, kind) for kind, s in report["collectives"].items()), reverse=True)
+    return ", ".join(f"{kind} {seconds * 1e3:.1f} ms" for seconds, kind in kinds if seconds > 0)
+
+
 def format_report(report: dict[str, Any]) -> str:
     mesh = ",".join(f"{a}={s}" for a, s in report["mesh"].items())
     mem = report["memory_per_device_bytes"]
@@ -228,6 +233,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"fits            {'yes' if report['fits'] else 'NO'}: {report['fits_note']}",
             f"kernels/step    {kernels}",
             f"overlap         {overlap or 'no collectives'}",
+            f"exposed         {report['exposed_s'] * 1e3:.1f} ms of a {report['step_s'] * 1e3:.1f} ms step predicted "
+            f"({report['exposed_fraction']:.0%})" + (f": {exposed}" if (exposed := _exposed_by_kind(report)) else ""),
         ]
     lines += ["", *(f"note: {n}" for n in report["notes"])]
     return "\n".join(lines)

@@ -39,7 +39,9 @@ streams, compute and collectives:
     loop       = trip count x one iteration in steady state (a collective started at the end of
                  one iteration and done in the next overlaps the next one)
     conditional = the mean of its branches
-    step       = ENTRY's time; compute = the kernels' busy time; exposed = step - compute
+    step       = ENTRY's time; compute = the kernels' busy time; exposed = step - compute, the
+                 compute stream's waits, each counted to the collective kind it waited for
+                 (``exposed_s``: per kind, they add up to the step's exposed time)
 
 so what overlaps is what XLA:GPU's latency-hiding scheduler put between a collective's start and
 done, with the kernels' own times.
@@ -96,6 +98,9 @@ class Prediction:
     mfu: float
     tokens_per_sec_per_device: float
     kernel_s: dict[str, float] | None = None  # XLA:GPU's program: busy seconds per step by kernel kind
+    # XLA:GPU's program: seconds per step the compute stream waits for each collective kind (at its
+    # done, or through a synchronous one): the part of its time no kernel in its window covers
+    exposed_s: dict[str, float] | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -248,6 +253,11 @@ class _Run:
     elapsed: float = 0.0
     busy: float = 0.0
     kinds: dict[str, float] = dataclasses.field(default_factory=dict)
+    exposed: dict[str, float] = dataclasses.field(default_factory=dict)  # collective kind -> seconds waited for it
+
+    def wait(self, kind: str, seconds: float) -> None:
+        if seconds > 0:
+            self.exposed[kind] = self.exposed.get(kind, 0.0) + seconds
 
 
 class _Replay:
@@ -256,6 +266,7 @@ class _Replay:
     def __init__(self, cost: ProgramCost, hardware: Hardware, op_seconds: list[float]):
         self.events = dict(cost.schedule)
         self.hardware, self.op_seconds = hardware, op_seconds
+        self.op_kinds = [op.kind for op in cost.collectives]
         self.done: dict[str, _Run] = {}
 
     def run(self, name: str, loop: bool = True) -> _Run:
@@ -266,8 +277,10 @@ class _Replay:
             first, net, pending = self._pass(events, 0.0, {})
             if pending and loop:  # collectives in flight at the end: a pipelined loop's, done in the next iteration
                 second, _, _ = self._pass(events, net - first.elapsed, {k: t - first.elapsed for k, t in pending.items()})
-                first.elapsed = second.elapsed
+                first.elapsed, first.exposed = second.elapsed, second.exposed
             elif pending:
+                last = max(pending, key=pending.get)
+                first.wait(self.op_kinds[last], pending[last] - first.elapsed)
                 first.elapsed = max(first.elapsed, *pending.values())
             self.done[name] = first
         return self.done[name]
@@ -285,9 +298,13 @@ class _Replay:
                 net = max(t, net) + self.op_seconds[event[1]]
                 pending[event[1]] = net
             elif tag == "d":
-                t = max(t, pending.pop(event[1], t))
+                ready = pending.pop(event[1], t)
+                run.wait(self.op_kinds[event[1]], ready - t)
+                t = max(t, ready)
             elif tag == "c":
-                t = net = max(t, net) + self.op_seconds[event[1]]
+                net = max(t, net) + self.op_seconds[event[1]]
+                run.wait(self.op_kinds[event[1]], net - t)
+                t = net
             else:  # a loop ("l", body, trips) or a conditional's branches ("b", names): their mean
                 parts = [(self.run(event[1]), event[2])] if tag == "l" else [(self.run(b), 1 / len(event[1])) for b in event[1]]
                 for part, times in parts:
@@ -295,6 +312,8 @@ class _Replay:
                     run.busy += times * part.busy
                     for kind, seconds in part.kinds.items():
                         run.kinds[kind] = run.kinds.get(kind, 0.0) + times * seconds
+                    for kind, seconds in part.exposed.items():
+                        run.wait(kind, times * seconds)
         run.elapsed = t
         return run, net, pending
 
@@ -324,4 +343,5 @@ def _predict_schedule(
         mfu=model_flops_per_step / (step * devices * hardware.peak_flops) if step else 0.0,
         tokens_per_sec_per_device=tokens_per_step / (step * devices) if step else 0.0,
         kernel_s=dict(sorted(run.kinds.items())),
+        exposed_s=dict(sorted(run.exposed.items())),
     )

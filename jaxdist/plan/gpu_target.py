@@ -20,6 +20,7 @@ imports it, themselves.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -194,7 +195,8 @@ def allowed_memory(hardware: Hardware) -> float:
 def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict[str, Any], gpus_per_node: int) -> dict[str, Any]:
     """``analyze --target``'s JSON: the CPU report's keys for the GPU program, plus ``target``,
     ``memory_per_device_bytes.peak``, ``fits`` (and ``fits_note``), ``kernels``, each
-    collective kind's ``async`` and ``overlapped_fraction``, and ``xla_flags``."""
+    collective kind's ``async``, ``overlapped_fraction`` and ``exposed_s``, ``step_s``,
+    ``exposed_s`` and ``exposed_fraction`` (``exposure``), and ``xla_flags``."""
     from jaxdist.inspect.step_report import build_report  # imports JAX (see the module doc)
     from jaxdist.models.fp8 import amax_sync_note
 
@@ -221,9 +223,39 @@ def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict
         if kind in report["collectives"]:
             report["collectives"][kind]["async"] = schedule["async"]
             report["collectives"][kind]["overlapped_fraction"] = schedule["overlapped_fraction"]
+    report.update(exposure(trainer, module, dataclasses.replace(hardware, gpus_per_node=gpus_per_node), report))
     report["xla_flags"] = xla_flags_in_force(options)
     report["notes"] = [note for note in report["notes"] if "xla_flops_per_device" not in note]
     amax_note = amax_sync_note(trainer.config.model, collective_schedule(module).get("all-reduce", {}))
     if amax_note:
         report["notes"].append(amax_note)
     return report
+
+
+def exposure(trainer: Any, module: Any, hardware: Hardware, report: dict[str, Any]) -> dict[str, Any]:
+    """The planner's price of XLA:GPU's schedule (``plan.cost``'s replay, its kernel model):
+    ``step_s`` (one step, predicted), per collective kind in ``collectives`` its ``exposed_s``
+    (the seconds per step the compute stream waits for that kind: the part of its time no kernel
+    in its start..done window covers, loops' trip counts included), and their sum ``exposed_s``
+    with its share of the step ``exposed_fraction``. Unlike ``overlapped_fraction`` (a window
+    with any kernel in it counts as overlapped), a collective longer than its window's compute
+    shows here by how much."""
+    from jaxdist.plan.cost import predict
+    from jaxdist.plan.gpu_cost import gpu_program_cost
+
+    config = trainer.config
+    cost = gpu_program_cost(module, report["mesh"])
+    prediction = predict(
+        cost,
+        hardware,
+        report["mesh"],
+        model_flops_per_step=report["flops_per_step"],
+        tokens_per_step=float(trainer.task.tokens_per_example * config.train.global_batch),
+        bubble=float(report.get("pipeline", {}).get("bubble", 0.0)),
+    )
+    by_kind = prediction.exposed_s or {}
+    for kind, stats in report["collectives"].items():
+        stats["exposed_s"] = by_kind.get(kind, 0.0) if stats["count"] else 0.0
+    total = sum(by_kind.values())
+    step = prediction.step_time_s
+    return {"step_s": step, "exposed_s": total, "exposed_fraction": total / step if step else 0.0}
