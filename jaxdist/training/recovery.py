@@ -25,9 +25,7 @@ coordination service; the survivors gather the state on their mesh, process 0 br
 over the grown one, the data stream is rebuilt at that step and the step recompiled. The run
 goes on with every process, at the step it had reached (``reason: rejoin`` in elastic.jsonl).
 
-``JAXDIST_FAULT_HOLD_FOR_REJOIN=STEP`` is a fault-injection hook for tests: while a process is
-missing, the live ones wait before that step until a replacement has connected, so a test of
-the rejoin does not depend on the replacement starting before the run's end.
+A test's fault hook (``rejoin_hold``) can hold the live processes until a replacement has joined.
 """
 
 from __future__ import annotations
@@ -48,6 +46,7 @@ import numpy as np
 
 from jaxdist.cluster import recoverable
 from jaxdist.errors import EXIT_RECOVERY, JaxdistError
+from jaxdist.training.rejoin_hold import POLL_S, RejoinHold
 
 log = logging.getLogger(__name__)
 
@@ -72,20 +71,6 @@ class PeerJoined(Exception):
         self.step, self.state, self.devices = step, state, devices
 
 
-ENV_HOLD = "JAXDIST_FAULT_HOLD_FOR_REJOIN"  # test-only: "STEP", hold there until a replacement rejoins
-HOLD_POLL_S = 0.1
-HOLD_POLLS = 3000  # about 5 min of polls, then the run goes on without the replacement
-
-
-def _hold_step() -> int | None:
-    spec = os.environ.get(ENV_HOLD, "")
-    if not spec:
-        return None
-    if not spec.isdigit():
-        raise JaxdistError(f"{ENV_HOLD}={spec!r}: expected STEP (a fault-injection hook for tests)")
-    return int(spec)
-
-
 class StepGuard:
     """Runs each step inside ``live_devices`` over every device the run started with, and waits
     for it, so that every survivor of a death leaves the same step, before its state is replaced,
@@ -95,7 +80,7 @@ class StepGuard:
         self.all_devices = list(all_devices)  # live_devices' barrier: a replacement connected again is in it
         self.devices = list(devices)  # the mesh's: those the step runs on
         self.after_first_step = None  # set by a recovery: called once the next step is done
-        self.hold_step = _hold_step()
+        self.hold = RejoinHold()  # a test's fault hook (JAXDIST_FAULT_HOLD_FOR_REJOIN)
 
     def __call__(self, step_fn, state, batch, step: int):
         import jax
@@ -107,13 +92,13 @@ class StepGuard:
                 with recoverable.live_devices(self.all_devices) as live:
                     current = set(self.devices)
                     joined = [d for d in live if d not in current]
-                    hold = not joined and self.hold_for_rejoin(step, live, held)
+                    hold = not joined and self.hold.holds(step, len(live), len(self.all_devices), held)
                     if not joined and not hold:
                         new_state, metrics = step_fn(state, batch)
                         jax.block_until_ready(metrics)  # one executable: its metrics are ready when its state is
                 if not hold:
                     break
-                time.sleep(HOLD_POLL_S)
+                time.sleep(POLL_S)
         except Exception as e:
             if recoverable.is_process_failure(e):
                 raise PeerLost(step, state, set(e.failed_devices), time.perf_counter() - start) from None
@@ -131,19 +116,6 @@ class StepGuard:
             done, self.after_first_step = self.after_first_step, None
             done(time.perf_counter() - start)
         return new_state, metrics
-
-    def hold_for_rejoin(self, step: int, live: list, polls: int) -> bool:
-        """The ``JAXDIST_FAULT_HOLD_FOR_REJOIN=STEP`` hook (tests): whether the live processes wait
-        before ``step`` for a replacement, while a process is missing. Every live process decides
-        the same: ``live`` is agreed and each poll is a barrier, so the bound is a count of polls."""
-        if step != self.hold_step or len(live) == len(self.all_devices):
-            return False
-        if polls == 0:
-            log.info(f"fault injection ({ENV_HOLD}): holding before step {step} until a replacement rejoins")
-        if polls < HOLD_POLLS:
-            return True
-        log.warning(f"fault injection ({ENV_HOLD}): no replacement rejoined within {HOLD_POLLS} polls; going on without it")
-        return False
 
 
 @dataclasses.dataclass
