@@ -224,6 +224,21 @@ def test_a_finished_run_starts_no_generation(etcd_server, tmp_path, capsys, no_p
 # --- several endpoints (an etcd cluster's members): fail over ---
 
 
+def test_a_node_still_registered_after_it_left_is_not_counted_for_the_next_generation():
+    """m2 reported leaving generation 3 (at revision 40) and has stopped its processes, but its
+    key (created at revision 12) is not deleted yet: the next generation cannot count on it (the
+    fresh-clone CI run where m1 proposed a generation with m2 and recorded a "leave" change).
+    A new registration of m2 after the leave (revision 50) counts again."""
+    gen = Generation(3, ("m1", "m2"), "127.0.0.1:1", 1, 0, {}, "")
+    left = {3: Ending("leave", "m2", revision=40)}
+    m1, m2 = rendezvous.Node("m1", "a", 3, 10), rendezvous.Node("m2", "b", 3, 12)
+    assert [n.id for n in rendezvous.State(45, [m1, m2], gen, 30, left).candidates()] == ["m1"]
+    again = rendezvous.Node("m2", "b", 3, 50)
+    assert [n.id for n in rendezvous.State(55, [m1, again], gen, 30, left).candidates()] == ["m1", "m2"]
+    failed = {3: Ending("failure", "m2", rank=1, exit_code=1, revision=40)}  # a failed node's launcher stays: it counts
+    assert [n.id for n in rendezvous.State(45, [m1, m2], gen, 30, failed).candidates()] == ["m1", "m2"]
+
+
 def test_an_endpoint_list_parses_like_etcdctls():
     assert parse_endpoints("etcd://a:1,etcd://b:2,a:1,[::1]:3") == [("a", 1), ("b", 2), ("::1", 3)]
     assert parse_endpoints("etcd://a:1") == [("a", 1)]

@@ -233,8 +233,9 @@ class NodeElastic:
                 return ending.code if ending.code is not None else 0
             number = (gen.number if gen is not None else 0) + 1
             stable = settle.stable_for(state.node_ids(), now)
-            free = [n for n in state.nodes if n.stopped >= number - 1]
-            waiting_for_busy = len(free) < len(state.nodes) and now - started < STOP_WAIT_S
+            nodes = state.candidates()
+            free = [n for n in nodes if n.stopped >= number - 1]
+            waiting_for_busy = len(free) < len(nodes) and now - started < STOP_WAIT_S
             resuming = elastic.latest_step(p.run_dir) is not None
             count = self.usable(p.min_nodes, len(free), resuming)
             members = [n.id for n in free[: count or 0]]

@@ -120,6 +120,16 @@ class State:
     def node_ids(self) -> list[str]:
         return [n.id for n in self.nodes]
 
+    def candidates(self) -> list[Node]:
+        """The registered nodes a next generation may count on: all but one that reported leaving
+        the last generation and is still registered under the key it left with (it deletes the
+        key as it exits; counted in between, a generation was once proposed with it, recording a
+        "leave" change the run never made). A later registration of that node counts again."""
+        ending = self.endings.get(self.generation.number) if self.generation is not None else None
+        if ending is None or ending.reason != "leave":
+            return list(self.nodes)
+        return [n for n in self.nodes if not (n.id == ending.node and n.revision < ending.revision)]
+
 
 def _json(kv: KeyValue) -> dict | None:
     try:
