@@ -18,6 +18,21 @@ from jaxdist.plan import __main__ as plan_cli  # noqa: E402
 from jaxdist.plan.cost import collective_time, predict  # noqa: E402
 from jaxdist.plan.hardware import load_hardware  # noqa: E402
 
+# The reduction and the 8192^3 GEMM the hand-written schedules below share
+ADD_AND_GEMM = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%gemm (p0: bf16[8192,8192], p1: bf16[8192,8192]) -> bf16[8192,8192] {
+  %p0 = bf16[8192,8192]{1,0} parameter(0)
+  %p1 = bf16[8192,8192]{1,0} parameter(1)
+  ROOT %d = bf16[8192,8192]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
 BF16_RATE = 989e12 * 0.75  # h100.yaml: the dense bf16 peak at its sustained matmul share
 
 SMALL = [
@@ -101,20 +116,9 @@ def test_fp8_gemms_are_priced_at_the_fp8_rate():
 def test_the_schedule_decides_what_a_collective_hides_behind():
     """A loop of 4 runs a GEMM with an asynchronous all-reduce in flight across it (hidden), and
     a synchronous all-reduce after it (exposed): the step is 4 x (GEMM + one all-reduce)."""
-    hlo = """HloModule m, is_scheduled=true
-
-%add (a: f32[], b: f32[]) -> f32[] {
-  %a = f32[] parameter(0)
-  %b = f32[] parameter(1)
-  ROOT %s = f32[] add(%a, %b)
-}
-
-%gemm (p0: bf16[8192,8192], p1: bf16[8192,8192]) -> bf16[8192,8192] {
-  %p0 = bf16[8192,8192]{1,0} parameter(0)
-  %p1 = bf16[8192,8192]{1,0} parameter(1)
-  ROOT %d = bf16[8192,8192]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
+    hlo = (
+        ADD_AND_GEMM
+        + """
 %body (p: (s32[], bf16[8192,8192], f32[1048576])) -> (s32[], bf16[8192,8192], f32[1048576]) {
   %p = (s32[], bf16[8192,8192], f32[1048576]) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
@@ -140,6 +144,7 @@ ENTRY %main (x0: bf16[8192,8192], y0: f32[1048576]) -> (s32[], bf16[8192,8192], 
   ROOT %w = (s32[], bf16[8192,8192], f32[1048576]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
 }
 """
+    )
     from jaxdist.plan.gpu_cost import gpu_program_cost
 
     h100 = load_hardware("h100")
@@ -194,20 +199,9 @@ def test_exposure_is_what_each_collective_kind_makes_the_compute_stream_wait():
     """A loop of 4: an asynchronous all-reduce longer than the one GEMM in its window (its window
     holds compute, so ``overlapped_fraction`` calls it overlapped, yet its excess over the GEMM
     shows), then a synchronous all-gather (all of it exposed). Counted by hand, per kind."""
-    hlo = """HloModule m, is_scheduled=true
-
-%add (a: f32[], b: f32[]) -> f32[] {
-  %a = f32[] parameter(0)
-  %b = f32[] parameter(1)
-  ROOT %s = f32[] add(%a, %b)
-}
-
-%gemm (p0: bf16[8192,8192], p1: bf16[8192,8192]) -> bf16[8192,8192] {
-  %p0 = bf16[8192,8192]{1,0} parameter(0)
-  %p1 = bf16[8192,8192]{1,0} parameter(1)
-  ROOT %d = bf16[8192,8192]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
+    hlo = (
+        ADD_AND_GEMM
+        + """
 %body (p: (s32[], bf16[8192,8192], f32[268435456], f32[1048576])) -> (s32[], bf16[8192,8192], f32[268435456], f32[2097152]) {
   %p = (s32[], bf16[8192,8192], f32[268435456], f32[1048576]) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
@@ -235,6 +229,7 @@ ENTRY %main (x0: bf16[8192,8192], y0: f32[268435456], z0: f32[1048576]) -> (s32[
   ROOT %w = (s32[], bf16[8192,8192], f32[268435456], f32[2097152]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
 }
 """
+    )
     from jaxdist.inspect.gpu_program import collective_schedule
     from jaxdist.plan.gpu_cost import gpu_program_cost
 
