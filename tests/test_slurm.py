@@ -36,6 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "configs" / "launch" / "slurm.sbatch"
 CPU_JOB = ("--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1")  # overrides the template's GPU-node lines
 MESH = "data=2"
+START_S = 300  # a job's start to its first steps: two JAX processes and a compile, with a second job on the machine
+WARNING_S = 300  # the time-limit warning's lead (--signal=B:USR1@300): the save's time before the limit
 SCHEDULE = 120  # every run here shares one schedule (and so one compiled program), whatever its train.steps
 
 
@@ -253,9 +255,9 @@ def test_a_sigterm_to_the_job_saves_requeues_and_resumes(cluster, jobs, referenc
     on a step, save, exit 75; the template requeues the job, which resumes and finishes."""
     steps = 60  # the processes agree on a step some steps after the signal (7 here)
     job = _submit(cluster, jobs, tmp_path, steps, "--time=5")
-    _wait("step 2", lambda: len(_losses(tmp_path / "run")) >= 2, tmp_path, 90)
+    _wait("step 2", lambda: len(_losses(tmp_path / "run")) >= 2, tmp_path, START_S)
     cluster.client("scancel", "--signal=TERM", job)
-    info = _wait_done(cluster, job, tmp_path)
+    info = _wait_done(cluster, job, tmp_path, timeout=START_S)
     out = _output(tmp_path)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), out[-4000:]
     assert f"jaxdist: saved on SIGTERM; requeueing job {job}" in out
@@ -267,23 +269,34 @@ def test_a_sigterm_to_the_job_saves_requeues_and_resumes(cluster, jobs, referenc
 
 @pytest.mark.heavy
 def test_the_time_limit_warning_saves_requeues_and_finishes(cluster, jobs, reference, tmp_path):
-    """``--signal=B:USR1@100``: SLURM warns the batch shell 100 s before the time limit
+    """``--signal=B:USR1@300``: SLURM warns the batch shell 300 s before the time limit
     (checking every 30 s); the template asks the tasks to save and requeues. Once training
-    runs, the test cuts the limit to 2 minutes, so the warning is due at slurmctld's next
-    check; the requeued run gets a long limit again (a full slot) and finishes."""
+    runs, the test cuts the limit to 4-5 minutes past the job's elapsed time, so the warning
+    is due at slurmctld's next check and the save has minutes before the limit itself, however
+    long the start took; the requeued run gets a long limit again (a full slot) and finishes."""
     steps = 120  # ~0.3 s each: still training at the next check, up to 30 s on
-    job = _submit(cluster, jobs, tmp_path, steps, "--time=10", "--signal=B:USR1@100", latency_ms=75)
-    _wait("step 1", lambda: len(_losses(tmp_path / "run")) >= 1, tmp_path, 90)
-    cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=2")
-    _wait("the requeue", lambda: _job(cluster, job)["Restarts"] == "1", tmp_path, 90)
-    cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=10")
-    info = _wait_done(cluster, job, tmp_path)
+    job = _submit(cluster, jobs, tmp_path, steps, "--time=15", f"--signal=B:USR1@{WARNING_S}", latency_ms=75)
+    _wait("step 1", lambda: len(_losses(tmp_path / "run")) >= 1, tmp_path, START_S)
+    # the limit is counted from the job's start: from its elapsed time, not a fixed 2 minutes,
+    # or a start slowed by a second job on the machine left too little time to save
+    limit_min = (_elapsed_s(_job(cluster, job)["RunTime"]) + WARNING_S) // 60
+    cluster.client("scontrol", "update", f"JobId={job}", f"TimeLimit={limit_min}")
+    _wait("the requeue", lambda: _job(cluster, job)["Restarts"] == "1", tmp_path, WARNING_S)
+    cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=15")
+    info = _wait_done(cluster, job, tmp_path, timeout=START_S)
     out = _output(tmp_path)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), out[-4000:]
     assert f"jaxdist: saved before the time limit; requeueing job {job}" in out
     assert 1 <= _saved_step(out) < steps, out[-4000:]
     losses = _losses(tmp_path / "run")
     np.testing.assert_allclose([losses[s] for s in range(1, steps + 1)], reference[:steps], rtol=1e-5)
+
+
+def _elapsed_s(run_time: str) -> int:
+    """Seconds of SLURM's ``[D-]HH:MM:SS`` (scontrol's RunTime)."""
+    days, _, clock = run_time.rpartition("-")
+    hours, minutes, seconds = (int(x) for x in clock.split(":"))
+    return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
 
 
 STUB_TRAINER = """#!/bin/bash
