@@ -130,11 +130,7 @@ def test_recompute_without_effect_says_so(mesh, schedule, warned):
     if warned is None:
         assert warnings == []
     else:
-        assert (
-            len(warnings) == 1
-            and warned in warnings[0]
-            and warnings[0].startswith("jaxdist: warning: parallel.pipeline_recompute=True has no effect")
-        )
+        assert len(warnings) == 1 and warned in warnings[0] and warnings[0].startswith("parallel.pipeline_recompute=True has no effect")
 
 
 def test_planner_prices_recompute_keep_and_interleaving():

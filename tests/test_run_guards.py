@@ -119,7 +119,38 @@ def test_a_key_with_no_effect_says_so_in_one_line(override):
     config = load_config(None, [*TINY, "model.dtype=float32", override])
     lines = [x for x in check_config_on_mesh(config, parse_mesh("data=2")) if "has no effect" in x]
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"jaxdist: warning: {override.split('=')[0]}=") and UNUSED[override] in lines[0], lines
+    assert lines[0].startswith(f"{override.split('=')[0]}=") and UNUSED[override] in lines[0], lines
+
+
+def test_a_no_effect_warning_reaches_stderr_with_one_prefix(capsys):
+    """The check returns bare messages; the logger adds ``jaxdist: warning:`` once."""
+    build_trainer(load_config(None, [*TINY, "model.fp8_history=8"]), parse_mesh("data=1"), jax.devices()[:1])
+    lines = [x for x in capsys.readouterr().err.splitlines() if "fp8_history" in x]
+    assert lines and all(x.startswith("jaxdist: warning: model.fp8_history=8 has no effect") for x in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warned"),
+    [
+        (("train.steps=5", "train.warmup_steps=8"), True),
+        (("train.steps=5", "train.warmup_steps=8", "train.schedule_steps=20"), False),
+        (("train.steps=8", "train.warmup_steps=8"), False),
+    ],
+)
+def test_a_warmup_longer_than_the_schedule_is_one_warning(overrides, warned):
+    """optax's warmup reaches train.lr at step warmup_steps: past the schedule, never."""
+    import optax
+
+    config = load_config(None, [*TINY, *overrides])
+    lines = [x for x in check_config_on_mesh(config, parse_mesh("data=2")) if "warmup_steps" in x]
+    t = config.train
+    reached = float(optax.linear_schedule(0.0, t.lr, t.warmup_steps)(t.schedule_length())) >= t.lr
+    assert warned == (not reached)
+    assert lines == (
+        [f"train.warmup_steps=8 is longer than the {t.schedule_length()}-step schedule: the learning rate never reaches train.lr"]
+        if warned
+        else []
+    )
 
 
 def test_keys_that_apply_are_not_warned_about():

@@ -32,11 +32,20 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
     _check_diloco(config, sizes)
     _check_fp8(config, sizes)
     warnings.extend(unused_keys(config, sizes))
+    warnings.extend(_short_schedule(config))
     if sizes["pipe"] > 1:
         _check_pipeline(config, sizes)
         if config.parallel.grad_reduce != "float32":
             raise ConfigError(f"parallel.grad_reduce={config.parallel.grad_reduce} does not support a pipe axis yet (use float32)")
     return warnings
+
+
+def _short_schedule(config: Config) -> list[str]:
+    """A warmup the user set longer than the schedule: the rate never reaches train.lr."""
+    t, length = config.train, config.train.schedule_length()
+    if t.warmup_steps > length and t.warmup_steps != Config().train.warmup_steps:
+        return [f"train.warmup_steps={t.warmup_steps} is longer than the {length}-step schedule: the learning rate never reaches train.lr"]
+    return []
 
 
 def batch_shards(sizes: MeshSizes) -> int:
@@ -97,9 +106,7 @@ def _check_strategy(config: Config, sizes: MeshSizes, warnings: list[str]) -> No
             f"parallel.strategy {name!r} shards parameters over the fsdp mesh axis, but the mesh has none (e.g. --mesh fsdp=8 or data=2,fsdp=4)"
         )
     if zero == "zero1" and sizes["data"] * sizes["fsdp"] == 1:
-        warnings.append(
-            "jaxdist: warning: parallel.strategy=zero1 on a mesh without data or fsdp axes: the optimizer state stays replicated"
-        )
+        warnings.append("parallel.strategy=zero1 on a mesh without data or fsdp axes: the optimizer state stays replicated")
 
 
 def _embed_shards(config: Config, sizes: MeshSizes) -> tuple[int, str]:
@@ -296,7 +303,7 @@ def unused_keys(config: Config, sizes: MeshSizes) -> list[str]:
                 found.append((f"log.{key}", "log.wandb=false (nothing is sent to Weights & Biases)"))
     if not config.checkpoint.local_dir and changed("checkpoint", "remote_every_steps"):
         found.append(("checkpoint.remote_every_steps", "checkpoint.local_dir unset (checkpoints are saved to the run directory directly)"))
-    return [f"jaxdist: warning: {key}={_show(config, key)} has no effect with {why}" for key, why in found]
+    return [f"{key}={_show(config, key)} has no effect with {why}" for key, why in found]
 
 
 def _show(config: Config, key: str) -> str:
