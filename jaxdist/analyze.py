@@ -71,7 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _analyze_target(args, config):
     hardware = target_hardware(args.target)
     sizes = parse_mesh(config.parallel.mesh)
-    gpus = args.gpus or (mesh_device_count(sizes) if sizes is not None and -1 not in sizes.values() else 8)
+    if args.gpus is not None and args.gpus < 1:  # 0 is a count like -4, not "the default"
+        raise JaxdistError(f"--gpus {args.gpus}: the run needs at least one GPU")
+    default = mesh_device_count(sizes) if sizes is not None and -1 not in sizes.values() else 8
+    gpus = default if args.gpus is None else args.gpus
     if sizes is not None and -1 in sizes.values():
         settle_remaining_axis(config, 1, gpus)
         sizes = parse_mesh(config.parallel.mesh)

@@ -137,6 +137,8 @@ def test_analyze_target_cli_prints_the_report_and_writes_the_hlo(tmp_path, capsy
         (["--target", "v100"], "unknown GPU target 'v100'"),
         (["--target", "h100", "--mesh", "data=4", "--gpus", "8"], "mesh of 4 devices on 8 target GPUs"),
         (["--mesh", "data=2", "--gpus", "2"], "--gpus needs --target"),
+        (["--target", "h100", "--gpus", "0"], "--gpus 0: the run needs at least one GPU"),  # not the default's 8
+        (["--target", "h100", "--gpus", "-4"], "--gpus -4: the run needs at least one GPU"),
     ],
 )
 def test_analyze_target_bad_input_is_one_line(argv, expected, capsys):
@@ -151,6 +153,20 @@ def test_without_the_plugin_analyze_target_says_how_to_install_it(monkeypatch, c
     monkeypatch.setattr(devices, "cuda_plugin_installed", lambda: False)
     assert analyze.main(["--target", "h100", *TINY]) == 2
     assert "needs JAX's CUDA plugin: pip install" in capsys.readouterr().err
+
+
+def test_a_plugin_built_for_another_jaxlib_is_one_line(monkeypatch, capsys):
+    import importlib.metadata
+
+    installed = importlib.metadata.version
+    assert installed("jax-cuda12-plugin") == installed("jaxlib")  # what pip install -e ".[dev]" resolves (jax's pin)
+    monkeypatch.setattr(importlib.metadata, "version", lambda p: "9.9.9" if p == "jax-cuda12-plugin" else installed(p))
+    assert analyze.main(["--target", "h100", *TINY]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == [
+        f"jaxdist: error: jax-cuda12-plugin 9.9.9 is not built for jaxlib {installed('jaxlib')}: "
+        f'pip install "jax-cuda12-plugin=={installed("jaxlib")}" (or pip install -e ".[dev]")'
+    ], err
 
 
 @pytest.mark.heavy

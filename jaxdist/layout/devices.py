@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -81,6 +82,24 @@ CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda1
 def cuda_plugin_installed() -> bool:
     """Whether a JAX CUDA plugin is installed (it may have no GPU to run on)."""
     return any(_module_exists(p) for p in CUDA_PLUGINS)
+
+
+def cuda_plugin_mismatch() -> str | None:
+    """One line when the installed CUDA plugin is not built for the installed jaxlib (a
+    plugin release ahead of jaxlib fails deep inside the compile); read from the packages'
+    metadata, so JAX need not start."""
+    try:
+        jaxlib = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for package in ("jax-cuda12-plugin", "jax-cuda13-plugin"):
+        try:
+            plugin = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if plugin != jaxlib:
+            return f'{package} {plugin} is not built for jaxlib {jaxlib}: pip install "{package}=={jaxlib}" (or pip install -e ".[dev]")'
+    return None
 
 
 def gpu_plugin_installed() -> bool:

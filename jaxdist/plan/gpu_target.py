@@ -45,6 +45,9 @@ def prepare_target() -> None:
     """Before JAX starts: the compile-only route needs the plugin and a CPU backend."""
     if not devices.cuda_plugin_installed():
         raise JaxdistError(INSTALL_HINT)
+    mismatch = devices.cuda_plugin_mismatch()
+    if mismatch:
+        raise JaxdistError(mismatch)
     if os.environ.get("JAX_PLATFORMS", "cpu").strip().lower() != "cpu":
         raise JaxdistError(f"compiling for a GPU target needs JAX_PLATFORMS=cpu, got {os.environ['JAX_PLATFORMS']!r}")
     os.environ["JAX_PLATFORMS"] = "cpu"
