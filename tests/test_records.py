@@ -5,6 +5,7 @@ naming the file and the record, or are skipped and counted (``data.bad_records``
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import subprocess
@@ -74,6 +75,17 @@ def test_another_field_name_and_a_glob_over_formats(tmp_path, as_text_files):
     _write(tmp_path / "a.jsonl.gz", DOCUMENTS[:100], field="content")
     _write(tmp_path / "b.parquet", DOCUMENTS[100:], field="content")
     np.testing.assert_array_equal(_stream(tmp_path / "*", "data.text_field=content"), as_text_files)
+
+
+@pytest.mark.parametrize("name", ["bom.jsonl", "bom.jsonl.gz"])
+def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path, name, as_text_files):
+    """Windows tools start UTF-8 files with a BOM: every document is read, none counted bad."""
+    data = codecs.BOM_UTF8 + _jsonl(DOCUMENTS)
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    np.testing.assert_array_equal(_stream(path), as_text_files)
+    meta = prepare(str(path), tmp_path / "prepared", progress=False, bad_records="skip")
+    assert meta["documents"] == len(DOCUMENTS) and meta["skipped_records"] == 0
 
 
 def test_parquet_is_read_one_row_group_at_a_time(tmp_path, monkeypatch, as_text_files):
@@ -180,5 +192,5 @@ def test_prepare_cli_reads_records_and_a_bad_one_is_one_line_exit_2(tmp_path):
     )
     assert bad.returncode == 2
     lines = [line for line in bad.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "corpus.jsonl.gz: record 1: no field 'text'" in lines[0], bad.stderr
+    assert len(lines) == 1 and "corpus.jsonl.gz: record 1: no field 'text' (--bad-records skip skips" in lines[0], bad.stderr
     assert not (tmp_path / "bad").exists()

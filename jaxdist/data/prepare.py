@@ -92,7 +92,7 @@ def prepare(
         raise JaxdistError(f"shard_tokens must be >= 1, got {shard_tokens}")
     if workers < 0:
         raise JaxdistError(f"workers must be >= 0, got {workers}")
-    records = RecordReading(text_field, bad_records)
+    records = RecordReading(text_field, bad_records, skip_hint="--bad-records skip")  # prepare's own flag
     tokenizer = load_tokenizer(tokenizer_path)
     dtype = token_dtype(tokenizer.vocab_size)
     remote = is_remote(output)

@@ -13,6 +13,7 @@ and counted (``"skip"``), the count said in one line at the end by the caller.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import gzip
@@ -43,6 +44,7 @@ class RecordReading:
     bad_records: str = "stop"
     skipped: int = 0
     first_skipped: str = ""  # "FILE: record N: why" of the first one
+    skip_hint: str = "data.bad_records=skip"  # how the caller's user asks to skip (a config key, or prepare's flag)
 
     def __post_init__(self):
         if self.bad_records not in BAD_RECORDS:
@@ -53,7 +55,7 @@ class RecordReading:
     def bad(self, path: Path | str, record: int, why: str) -> None:
         where = f"{path}: record {record}: {why}"
         if self.bad_records == "stop":
-            raise JaxdistError(f"{where} (data.bad_records=skip skips such records and counts them)")
+            raise JaxdistError(f"{where} ({self.skip_hint} skips such records and counts them)")
         self.skipped += 1
         self.first_skipped = self.first_skipped or where
 
@@ -61,7 +63,7 @@ class RecordReading:
         """One line on what was skipped; None when nothing was."""
         if not self.skipped:
             return None
-        return f"skipped {self.skipped} bad record(s) (data.bad_records=skip); the first: {self.first_skipped}"
+        return f"skipped {self.skipped} bad record(s) ({self.skip_hint}); the first: {self.first_skipped}"
 
 
 def record_blocks(path: Path | str, reading: RecordReading) -> Iterator[tuple[list[str], int]]:
@@ -148,6 +150,8 @@ def jsonl_lines(path: Path | str, reading: RecordReading) -> Iterator[tuple[int,
             if not line:
                 return
             record += 1
+            if record == 1 and line.startswith(codecs.BOM_UTF8):  # written by Windows tools: not part of the first record
+                line = line[len(codecs.BOM_UTF8) :]
             if line.strip():
                 yield record, line
 
