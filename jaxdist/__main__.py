@@ -7,10 +7,13 @@ The command's module is imported only once it is chosen, so a bad command costs 
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 
+from jaxdist import errors
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_OK
 
 COMMANDS = {
@@ -29,7 +32,7 @@ COMMANDS = {
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: jaxdist COMMAND [ARGS ...]   (jaxdist COMMAND --help for a command's own flags)", "", "commands:"]
+    lines = ["usage: jaxdist COMMAND [ARGS ...]   (jaxdist COMMAND --help for a command's own flags; jaxdist --version)", "", "commands:"]
     lines += [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -40,10 +43,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return EXIT_OK if argv else EXIT_BAD_INPUT
     name, rest = argv[0], argv[1:]
+    if name in ("-V", "--version"):
+        print(f"jaxdist {importlib.metadata.version('jaxdist')}")
+        return EXIT_OK
     if name not in COMMANDS:
-        print(f"jaxdist: error: unknown command {name!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        close = difflib.get_close_matches(name, COMMANDS, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
+        print(f"jaxdist: error: unknown command {name!r} ({hint}commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return importlib.import_module(COMMANDS[name][0]).main(rest)
+    errors.ONE_COMMAND_PREFIX = "jaxdist "  # the chosen CLI's usage lines say "jaxdist NAME"
+    try:
+        return importlib.import_module(COMMANDS[name][0]).main(rest)
+    finally:
+        errors.ONE_COMMAND_PREFIX = None
 
 
 if __name__ == "__main__":

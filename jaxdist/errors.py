@@ -65,8 +65,18 @@ def command(main: Callable[..., int]) -> Callable[..., int]:
     return wrapped
 
 
+# "jaxdist " once the one command (``jaxdist COMMAND``) chose the CLI: usage lines then name
+# the command the user typed, not ``python -m jaxdist.COMMAND``
+ONE_COMMAND_PREFIX: str | None = None
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors become a JaxdistError: one line and exit 2, like every other bad input."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if ONE_COMMAND_PREFIX and self.prog.startswith("python -m jaxdist."):
+            self.prog = ONE_COMMAND_PREFIX + self.prog.removeprefix("python -m jaxdist.")
 
     def error(self, message: str) -> None:
         raise JaxdistError(message)

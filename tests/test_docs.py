@@ -49,10 +49,15 @@ def test_one_command_runs_each_cli_with_its_own_arguments():
 
     for name, (module, _) in COMMANDS.items():
         own = _help(importlib.import_module(module).main, ["--help"])
-        assert own and _help(jaxdist_main, [name, "--help"]) == own, name
+        prog = module.removesuffix(".__main__").removeprefix("jaxdist.")
+        assert own.startswith(f"usage: python -m jaxdist.{prog}"), own[:80]
+        # the same flags; the usage names the command as typed (argparse wraps it to that name's width)
+        one = _help(jaxdist_main, [name, "--help"])
+        assert one.split() == own.replace(f"python -m jaxdist.{prog}", f"jaxdist {prog}").split(), name
 
 
 def test_the_console_script_and_python_m_agree(tmp_path):
+    import importlib.metadata
     import shutil
     import subprocess
     import sys
@@ -66,7 +71,11 @@ def test_the_console_script_and_python_m_agree(tmp_path):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert proc.returncode == 0 and "  steps: 3\n" in proc.stdout, proc.stderr
     proc = subprocess.run([script, "trian"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.startswith("jaxdist: error: unknown command 'trian'"), proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("jaxdist: error: unknown command 'trian' (did you mean train? "), proc.stderr
+    proc = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (0, f"jaxdist {importlib.metadata.version('jaxdist')}\n"), proc.stderr
+    proc = subprocess.run([script, "zzz"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "did you mean" not in proc.stderr, proc.stderr
 
 
 def test_every_config_key_is_documented_and_configs_readme_is_current():
