@@ -51,11 +51,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def s3_server_process(bucket: str, *, check_credentials: bool = False) -> Iterator[tuple[object, str]]:
+def s3_server_process(bucket: str, *, check_credentials: bool = False, port: int | None = None) -> Iterator[tuple[object, str]]:
     """moto's server in a process of its own (a test may kill it), with ``bucket`` made:
     ``(the process, its endpoint)``; killed at the end. The caller sets the variables.
     ``check_credentials``: every request must be signed with a key the server knows (it knows
-    none, so every key is wrong, and no bucket is made)."""
+    none, so every key is wrong, and no bucket is made). ``port``: the one an earlier server
+    had (a store back after an outage, empty)."""
     import subprocess
     import sys
     import time
@@ -64,7 +65,7 @@ def s3_server_process(bucket: str, *, check_credentials: bool = False) -> Iterat
 
     import s3fs
 
-    endpoint = f"http://127.0.0.1:{free_port()}"
+    endpoint = f"http://127.0.0.1:{port or free_port()}"
     port = endpoint.rsplit(":", 1)[1]
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", port],

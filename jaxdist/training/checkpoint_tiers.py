@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 COMMIT = "COMMIT"  # written last into a copied step: {"step", "files": {relative path: bytes}}
 CHECKPOINTS = "checkpoints"
 WORK = ".tiers"  # inside the local tier: downloads and upload snapshots in progress
+OWNER = "durable"  # in WORK: the durable tier this local tier belongs to (its identity)
 COMMIT_WAIT_S = 3600.0  # how long the copier waits for Orbax to commit a step locally
 
 
@@ -58,7 +59,8 @@ def run_tiers(run_dir: str, local_dir: str) -> tuple[Path, str | None]:
         return Path(run_dir), None
     if is_remote(local_dir):
         raise JaxdistError(f"checkpoint.local_dir={redact(local_dir)}: must be a local folder (the run directory may be remote)")
-    if not is_remote(run_dir) and Path(run_dir).absolute() == Path(local_dir).absolute():
+    # resolved: runs/../runs/x and a symlink to the run directory are the run directory too
+    if not is_remote(run_dir) and Path(run_dir).expanduser().resolve() == Path(local_dir).expanduser().resolve():
         raise JaxdistError(
             f"checkpoint.local_dir is the run directory ({run_dir}): give a separate, faster local folder, or leave it unset"
         )
@@ -79,6 +81,11 @@ class DurableTier:
 
     def __str__(self) -> str:
         return redact(self.location)
+
+    @property
+    def identity(self) -> str:
+        """What names this tier in a local tier's owner mark: the URL, or the resolved path."""
+        return self.location if is_remote(self.location) else str(Path(self.location).expanduser().resolve())
 
     def _call(self, what: str, fn, *args, **kwargs):
         try:
@@ -193,14 +200,16 @@ def prepare_local_tier(local: Path, durable: str, resume: str) -> None:
     one ``--resume STEP`` names) into the local tier when the local tier lacks it, and the
     top-level files it lacks; finish copies a killed run cut short (the local tier still
     has the step) and discard the others. Every process calls it; one does the work."""
+    tier = DurableTier(durable)
+    tier.steps()  # an unreachable store or a missing bucket is refused before anything is written locally
     try:
         local.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise JaxdistError(f"checkpoint.local_dir {local}: cannot create it ({e.strerror})") from None
-    tier = DurableTier(durable)
     with _locked(local):
         complete, partial = tier.steps()
         have = checkpoint_steps(local / CHECKPOINTS)
+        _claim(local, tier, have, complete)
         for step in partial:
             if step in have:
                 seconds = tier.upload_step(local / CHECKPOINTS / str(step), step)
@@ -223,6 +232,27 @@ def prepare_local_tier(local: Path, durable: str, resume: str) -> None:
         (local / CHECKPOINTS).mkdir(exist_ok=True)
         tier.download_step(wanted, local / CHECKPOINTS / str(wanted))
         log.info(f"checkpoint step {wanted} fetched from {tier} into {local} ({time.perf_counter() - start:.1f}s)")
+
+
+def _claim(local: Path, tier: DurableTier, have: list[int], complete: list[int]) -> None:
+    """Tie the local tier to its durable tier (an owner mark written at first use): a folder
+    another run wrote is refused, never continued as if it were this run's."""
+    mark = local / WORK / OWNER
+    if mark.is_file():
+        owner = mark.read_text(encoding="utf-8").strip()
+        if owner != tier.identity:
+            raise JaxdistError(
+                f"checkpoint.local_dir {local} is the local tier of another run ({redact(owner)}), not of --run-dir {tier}: "
+                "give each run its own local_dir (or remove that folder)"
+            )
+        return
+    # a folder with a run's files but no mark: an unrelated run's, unless the durable tier has this run
+    if (have or (local / "config.yaml").exists()) and not complete:
+        raise JaxdistError(
+            f"checkpoint.local_dir {local} holds another run's files (no mark of --run-dir {tier}, which has no checkpoint): "
+            "give this run an empty local_dir"
+        )
+    mark.write_text(tier.identity + "\n", encoding="utf-8")
 
 
 def durable_steps(durable: str) -> list[int]:
@@ -275,30 +305,56 @@ class Replicator:
 
     def _work(self) -> None:
         while True:
-            step = self._queue.get()
+            batch = [self._queue.get()]
+            while True:  # copies queued behind a slow one: only the newest is worth copying
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            steps = sorted(s for s in batch if s is not None)
             try:
-                if step is None:
-                    return
-                self._copy(step)
-                self.failure = None
+                if steps:
+                    if len(steps) > 1:
+                        log.info(f"checkpoint steps {', '.join(map(str, steps[:-1]))} not copied to {self.tier}: step {steps[-1]} is newer")
+                    self._copy(steps[-1])
+                    self.failure = None
+            except _Removed as e:  # not a failure: a newer step is saved, and is copied next
+                log.warning(str(e))
             except Exception as e:  # noqa: BLE001 - training goes on from the local tier; said in one line
-                message = f"copying checkpoint step {step} to {self.tier} failed: {redact(str(e).splitlines()[0] if str(e) else type(e).__name__)}"
+                message = f"copying checkpoint step {steps[-1]} to {self.tier} failed: {redact(str(e).splitlines()[0] if str(e) else type(e).__name__)}"
                 log.warning(message)
-                self.failure = _Failure(step, message)
+                self.failure = _Failure(steps[-1], message)
             finally:
-                self._queue.task_done()
+                for _ in batch:
+                    self._queue.task_done()
+            if None in batch:
+                return
+
+    def _removed(self, step: int) -> _Removed:
+        return _Removed(
+            f"checkpoint step {step} was removed from the local tier before it was copied to {self.tier} "
+            "(checkpoint.keep is smaller than the copies behind): skipped, the newer step is copied"
+        )
 
     def _copy(self, step: int) -> None:
         committed = self.local / CHECKPOINTS / str(step)
         deadline = time.monotonic() + COMMIT_WAIT_S
         while not committed.is_dir():  # Orbax renames the step's folder into place when every process is done
+            if any(s > step for s in checkpoint_steps(self.local / CHECKPOINTS)):  # saved, then deleted by the keep policy
+                raise self._removed(step)
             if self._closing.is_set() or time.monotonic() > deadline:
                 raise JaxdistError(f"step {step} was not committed locally")
             time.sleep(0.05)
         snapshot = self.local / WORK / f"upload-{step}"
         if self.tier.files(f"{CHECKPOINTS}/{step}"):  # another branch's step of that number: replaced, marker first
             self.tier.remove_step(step)
-        _link_tree(committed, snapshot)  # the local tier's keep policy may delete the step while it uploads
+        try:
+            _link_tree(committed, snapshot)  # the local tier's keep policy may delete the step while it uploads
+        except OSError:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            if not committed.is_dir():  # deleted while it was being linked
+                raise self._removed(step) from None
+            raise
         try:
             seconds = self.tier.upload_step(snapshot, step)
         finally:
@@ -311,15 +367,15 @@ class Replicator:
         log.info(f"checkpoint step {step} copied to {self.tier} in {seconds:.1f}s")
 
 
+class _Removed(Exception):
+    """A step the local tier deleted before its copy began."""
+
+
 def _link_tree(source: Path, target: Path) -> None:
     """``target`` as hard links to ``source``'s files (a copy where links are refused)."""
     shutil.rmtree(target, ignore_errors=True)
     try:
         shutil.copytree(source, target, copy_function=os.link)
-    except FileNotFoundError:
-        raise JaxdistError(
-            f"step folder {source} was removed before it was copied (checkpoint.keep is smaller than the copies behind)"
-        ) from None
     except OSError:
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(source, target)
