@@ -17,7 +17,7 @@ from jaxdist.config import load_config
 from jaxdist.data.batches import make_iterator
 from jaxdist.data.prepare import prepare, read_meta
 from jaxdist.data.sources import RemoteShard, open_corpus, resolve_vocab
-from jaxdist.errors import JaxdistError
+from jaxdist.errors import ConfigError, JaxdistError
 from jaxdist.layout.mesh import parse_mesh
 from jaxdist.storage.remote import Folder, redact
 from jaxdist.training.run import run
@@ -351,6 +351,9 @@ def test_the_disk_cache_serves_a_second_run_without_requests_and_stays_under_its
     _batches(url, 20, "data=2", f"data.cache_dir={small}", f"data.cache_gb={limit / 1e9}")
     used = sum(p.stat().st_size for p in small.glob("*.blk"))
     assert 0 < used <= limit
+    with pytest.raises(ConfigError, match=r"data.cache_gb=5e-07 is less than one cached block .* \(0.000001 GB\)") as error:
+        _batches(url, 1, "data=2", f"data.cache_dir={tmp_path / 'tiny'}", "data.cache_gb=5e-7")  # a block is 512 bytes here
+    assert "\n" not in str(error.value) and not (tmp_path / "tiny").exists()
 
 
 def test_wrong_credentials_are_one_line_that_shows_none_of_them(prepared, tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from jaxdist.data.prepared import lengths_file, read_meta
 from jaxdist.data.records import RecordReading
 from jaxdist.data.text import expand_inputs, iter_documents
 from jaxdist.data.tokenizers import file_sha256, load_tokenizer
-from jaxdist.errors import JaxdistError
+from jaxdist.errors import ConfigError, JaxdistError
 from jaxdist.storage.block_cache import BlockCache, block_cache
 from jaxdist.storage.remote import Folder, is_remote, redact
 
@@ -225,6 +225,12 @@ def _prepared_corpus(path: str, tokenizer: str, cache_dir: str = "", cache_gb: f
         location = path.rstrip("/")
         versions = {name: version for name, (_, version) in Folder(location).listing().items()}
         cache = (cache_dir, int(cache_gb * 1e9)) if cache_dir else None
+        block_bytes = RemoteShard.BLOCK_TOKENS * np.dtype(meta["dtype"]).itemsize
+        if cache and cache[1] < block_bytes:  # every block would be over the limit: nothing cached, silently
+            raise ConfigError(
+                f"data.cache_gb={cache_gb:g} is less than one cached block of {path} ({block_bytes / 1e9:.6f} GB): "
+                "nothing would be cached; raise it, or unset data.cache_dir"
+            )
         shards = [RemoteShard(location, s["path"], meta["dtype"], s["tokens"], versions.get(s["path"], ""), cache) for s in meta["shards"]]
         return Corpus(f"tokens:{redact(location)}", ShardedStream(shards), meta["vocab_size"], meta["eod_id"], meta["max_token_id"])
     root = Path(path)
