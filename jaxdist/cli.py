@@ -7,10 +7,13 @@ and ``key=value`` overrides; flags and overrides mix in any order.
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 
 from jaxdist.config import Config, load_config
 from jaxdist.errors import OneLineArgumentParser
+
+log = logging.getLogger(__name__)
 
 
 def config_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -84,8 +87,22 @@ def resolved_config_yaml(args: argparse.Namespace) -> str:
 
     if getattr(args, "profile_steps", None) is not None:
         args.overrides.append(f"train.profile_steps={args.profile_steps}")
+    from jaxdist.layout import devices
+    from jaxdist.layout.mesh import has_remaining_axis, parse_mesh
+    from jaxdist.layout.validate import check_config_on_mesh
+
     config = config_from_args(args)
     derive(config)
+    # the run's own sizing and checks, so what prints is what would run: a -1 axis over the
+    # devices JAX would see (the driver's count, or the fake CPU devices), without starting JAX
+    gpus = devices.cuda_device_count() if devices.gpu_plugin_installed() else None
+    devices.settle_remaining_axis(config, n_devices=gpus or None)
+    if config.parallel.dcn_mesh:
+        parse_mesh(config.parallel.dcn_mesh)
+    sizes = parse_mesh(config.parallel.mesh)
+    if sizes is not None and not has_remaining_axis(sizes):
+        for line in check_config_on_mesh(config, sizes):
+            log.warning(line)
     return config.to_yaml()
 
 

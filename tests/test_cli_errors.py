@@ -224,6 +224,29 @@ def test_print_config_prints_the_resolved_config_that_loads_back(tmp_path, capsy
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("mesh", "expected"),
+    [("dta=2", "unknown axis 'dta'"), ("data=3", "train.global_batch (16) must be divisible by"), ("data=2,tensor=3", "tensor")],
+)
+def test_print_config_refuses_what_the_run_refuses(mesh, expected, capsys):
+    """The same derivation as the run: a mesh the run would refuse is exit 2 here too."""
+    assert main(["--config", "tiny", "--mesh", mesh, "--steps", "1", "--run-dir", "unused"]) == 2  # the run itself
+    run_said = capsys.readouterr().err.strip()
+    assert main(["--config", "tiny", "--mesh", mesh, "--print-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == run_said and len(err.splitlines()) == 1 and expected in err, (err, run_said)
+
+
+def test_print_config_records_the_sized_axis_and_says_what_has_no_effect(capsys):
+    import jax
+
+    assert main(["--config", "tiny", "--mesh", "data=-1,tensor=2", "model.fp8_history=8", "--print-config"]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["parallel"]["mesh"] == f"data={jax.device_count() // 2},tensor=2"  # this session's fake devices
+    (line,) = [x for x in err.splitlines() if "fp8_history" in x]
+    assert line.startswith("jaxdist: warning: model.fp8_history=8 has no effect with model.fp8=off"), err
+
+
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
     argv, expected = BAD_INPUTS[case]
