@@ -362,6 +362,14 @@ def test_generate_chat_and_messages_use_the_template(sft_flow, capsys, tmp_path)
     assert got["text"] == f"v{ANSWER[3]}" and got["decoded"] == 2  # the answer, then </s>: a stop id
     (tmp_path / "m.json").write_text(json.dumps({"messages": chat("k1", f"v{ANSWER[1]}", "k5")}))
     assert generate("--messages", str(tmp_path / "m.json"))["text"] == f"v{ANSWER[5]}"
+    # a checkpoint not trained on chat data (data.source=stdlib), a template given as a key: used, and not warned about
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant : ")
+    argv = ["--chat", "k3", f"data.chat_template={tmp_path / 't.jinja'}", "data.source=stdlib", "train.momentum=0.5"]
+    assert generate_cli.main(["--checkpoint", str(sft_flow / "run"), "--max-new-tokens", "4", "--json", *argv]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["chat_prompt"] == "user : k3 assistant : "
+    no_effect = [x for x in err.splitlines() if "has no effect" in x]
+    assert len(no_effect) == 1 and "train.momentum=0.5" in no_effect[0], err  # the others are still said
     (tmp_path / "bad.json").write_text(json.dumps(chat("k1", "v1")))
     assert generate_cli.main(["--checkpoint", str(sft_flow / "run"), "--messages", str(tmp_path / "bad.json")]) == 2
     assert "ends with the assistant's message" in capsys.readouterr().err

@@ -190,7 +190,7 @@ def generate(
         stops += [i for i in turn_end if i not in stops]
     else:
         ids = prompt_ids(prompt, ids_text, tokenizer, m.valid_vocab or m.vocab_size)
-    loaded = load(config, step_dir)
+    loaded = load(config, step_dir, used_keys=("data.chat_template",) if messages is not None else ())
     compiled = compile_generate(loaded, (1, len(ids)), max_new_tokens, temperature, top_p, stops)
     tokens, steps = jax.device_get(compiled(loaded.params, np.asarray([ids], np.int32), jax.random.key(seed)))
     new = [int(i) for i in np.asarray(tokens)[0, : int(steps)]]

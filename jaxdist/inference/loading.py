@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,12 @@ def checkpoint_arg_parser(prog: str, description: str) -> argparse.ArgumentParse
     parser.add_argument("--mesh", default="1", help="devices to run on, e.g. tensor=2 (default: one device)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--log-level", default="info", choices=LEVELS, help="what reaches stderr (default info)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides on top of the checkpoint's, e.g. data.path=...")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides (key=value) on top of the checkpoint's, e.g. data.path=... data.chat_template=FILE",
+    )
     return parser
 
 
@@ -58,9 +64,10 @@ def load_config(parser: argparse.ArgumentParser, argv) -> tuple[argparse.Namespa
     return args, config, step_dir
 
 
-def load(config: Config, step_dir: Path) -> Loaded:
-    """Devices, the model's layout and its parameters from the checkpoint."""
+def load(config: Config, step_dir: Path, used_keys: Collection[str] = ()) -> Loaded:
+    """Devices, the model's layout and its parameters from the checkpoint. ``used_keys``:
+    keys the caller reads itself (not warned about as having no effect)."""
     sizes = prepare_devices(config)
-    trainer = build_trainer(config, sizes)
+    trainer = build_trainer(config, sizes, used_keys=used_keys)
     params = restore_params(step_dir, trainer.abstract_params())
     return Loaded(config, step_dir, int(step_dir.name), trainer, params)

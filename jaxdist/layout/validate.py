@@ -9,6 +9,7 @@ check returns a one-line warning for the caller to print.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 from jaxdist.config import Config
 from jaxdist.errors import ConfigError, MeshError
@@ -18,8 +19,9 @@ from jaxdist.layout.strategy import zero_stage
 from jaxdist.parallel.pipeline_schedule import pipeline_spec, validate
 
 
-def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
-    """Raise ``MeshError`` / ``ConfigError`` for a config the mesh cannot run; return warnings."""
+def check_config_on_mesh(config: Config, sizes: MeshSizes, used: Collection[str] = ()) -> list[str]:
+    """Raise ``MeshError`` / ``ConfigError`` for a config the mesh cannot run; return warnings.
+    ``used``: keys the caller itself reads (``generate --chat`` renders with data.chat_template)."""
     warnings: list[str] = []
     _check_batch(config, sizes)
     _check_strategy(config, sizes, warnings)
@@ -31,7 +33,7 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes) -> list[str]:
         _check_resnet(config, sizes)
     _check_diloco(config, sizes)
     _check_fp8(config, sizes)
-    warnings.extend(unused_keys(config, sizes))
+    warnings.extend(unused_keys(config, sizes, used))
     warnings.extend(_short_schedule(config))
     if sizes["pipe"] > 1:
         _check_pipeline(config, sizes)
@@ -240,7 +242,7 @@ def _check_pipeline(config: Config, sizes: MeshSizes) -> None:
         )
 
 
-def unused_keys(config: Config, sizes: MeshSizes) -> list[str]:
+def unused_keys(config: Config, sizes: MeshSizes, used: Collection[str] = ()) -> list[str]:
     """One warning line per key set away from its default that this config and mesh
     ignore (a key must never be accepted and silently do nothing)."""
     defaults = Config()
@@ -303,7 +305,7 @@ def unused_keys(config: Config, sizes: MeshSizes) -> list[str]:
                 found.append((f"log.{key}", "log.wandb=false (nothing is sent to Weights & Biases)"))
     if not config.checkpoint.local_dir and changed("checkpoint", "remote_every_steps"):
         found.append(("checkpoint.remote_every_steps", "checkpoint.local_dir unset (checkpoints are saved to the run directory directly)"))
-    return [f"{key}={_show(config, key)} has no effect with {why}" for key, why in found]
+    return [f"{key}={_show(config, key)} has no effect with {why}" for key, why in found if key not in used]
 
 
 def _show(config: Config, key: str) -> str:

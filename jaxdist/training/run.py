@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from jaxdist.cli import config_from_args
@@ -127,7 +128,7 @@ def _join(args: argparse.Namespace, config: Config, run_dir: Path, durable: str 
 # -- the run -----------------------------------------------------------------------------------
 
 
-def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None, *, ordered: bool = False):
+def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None, *, ordered: bool = False, used_keys: Collection[str] = ()):
     """The Trainer for ``config`` on a mesh of ``devices`` (default: JAX's); nothing is
     allocated yet (shapes only). ``ordered``: the mesh takes ``devices`` in their order (``build_mesh``)."""
     import jax
@@ -146,7 +147,7 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None, *,
     task = build_task(config, devices[0].platform, getattr(devices[0], "compute_capability", None))
     if mesh_sizes is None:
         mesh_sizes = auto_mesh(len(devices), task.n_params)
-    for line in check_config_on_mesh(config, mesh_sizes):  # raises before anything is built
+    for line in check_config_on_mesh(config, mesh_sizes, used_keys):  # raises before anything is built
         log.warning(line)
     dcn = parse_mesh(config.parallel.dcn_mesh) if config.parallel.dcn_mesh else None
     mesh = build_mesh(mesh_sizes, devices, dcn, ordered=ordered)
