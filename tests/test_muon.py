@@ -355,4 +355,8 @@ def test_matrices_gathered_over_an_axis_are_said_once(capsys):
     assert "muon:" not in capsys.readouterr().err
     build_trainer(_config(), parse_mesh("fsdp=8"), jax.devices()[:8])
     lines = [line for line in capsys.readouterr().err.splitlines() if "muon:" in line]
-    assert len(lines) == 1 and "over fsdp: blocks/attn/wo, blocks/attn/wqkv/k" in lines[0], lines
+    assert len(lines) == 1 and "over fsdp (8); 2 layers: blocks/attn/wo, blocks/attn/wqkv/k" in lines[0], lines
+    # 2 layers divide over fsdp=2 or context=2, not both: the line says which axis took the stack
+    build_trainer(_config(), parse_mesh("fsdp=2,context=2"), jax.devices()[:4])
+    lines = [line for line in capsys.readouterr().err.splitlines() if "muon:" in line]
+    assert len(lines) == 1 and "over fsdp (2); 2 layers split 2 ways over context: blocks/attn/wo" in lines[0], lines

@@ -192,10 +192,17 @@ class MatrixPlacement:
                 if fits:
                     current[fits[0]].append(axis)
                 else:
-                    left.append(axis)
+                    left.append(f"{axis} ({mesh.shape[axis]})")
                 route.append(_spec(current))
         if left:
-            self.gathered[path] = " x ".join(left)
+            # why: what each stack holds once the earlier axes moved onto it (a stack may divide
+            # over each axis alone, not over all of them together)
+            held = ", ".join(
+                f"{shape[j]} {axes[j]}"
+                + (f" split {math.prod(mesh.shape[a] for a in current[j])} ways over {' x '.join(current[j])}" if current[j] else "")
+                for j in stacks
+            )
+            self.gathered[path] = f"{' x '.join(left)}; {held or 'no layer or expert stack'}"
         return route
 
     def to_whole(self, view: Any) -> Any:
@@ -229,10 +236,10 @@ class MatrixPlacement:
         for path, axes in sorted(self.gathered.items()):
             by_axes.setdefault(axes, []).append(path)
         if by_axes:
-            said = "; ".join(f"over {axes}: {', '.join(paths)}" for axes, paths in by_axes.items())
+            said = " | ".join(f"over {axes}: {', '.join(paths)}" for axes, paths in by_axes.items())
             log.info(
-                "muon: the layer/expert stacks of these matrices do not divide over a mesh axis that shards them, so each "
-                f"device of that axis gathers them and repeats their Newton-Schulz work ({said})"
+                "muon: the layer/expert stacks of these matrices cannot take every mesh axis that shards them, so each "
+                f"device of the axes left gathers them and repeats their Newton-Schulz work ({said})"
             )
 
 
