@@ -17,8 +17,6 @@ node's cluster-internal address). ``0.0.0.0`` or ``::`` asks for every interface
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
 import errno
 import ipaddress
@@ -26,13 +24,12 @@ import logging
 import os
 import re
 import socket
-import sys
-import threading
 import time
 
 import jaxdist
 from jaxdist.cluster import recoverable
 from jaxdist.errors import JaxdistError
+from jaxdist.layout.native_output import filter_descriptor
 
 ENV_COORDINATOR = "JAXDIST_COORDINATOR"
 ENV_COORDINATOR_BIND = "JAXDIST_COORDINATOR_BIND"
@@ -91,33 +88,7 @@ def hide_gloo_lines(log_level: str, group: ProcessGroup | None) -> None:
     what is left in the pipe is copied (up to a second) and stdout restored."""
     if group is None or log_level == "debug" or os.environ.get(ENV_OUTPUT_FILTERED):
         return
-    try:
-        sys.stdout.flush()
-        real, saved = os.dup(1), os.dup(1)  # the thread writes to one; the other is put back at exit
-    except (OSError, ValueError):  # no stdout: nothing to keep clean
-        return
-    read, write = os.pipe()
-    os.dup2(write, 1)
-    os.close(write)
-
-    def copy() -> None:
-        chatter = GlooChatter()
-        with os.fdopen(read, "rb") as pipe, os.fdopen(real, "wb", buffering=0) as out:
-            for line in pipe:
-                if not chatter(line.decode(errors="replace")):
-                    out.write(line)
-
-    thread = threading.Thread(target=copy, name="jaxdist-stdout-filter", daemon=True)
-    thread.start()
-
-    def restore() -> None:
-        with contextlib.suppress(OSError, ValueError):
-            sys.stdout.flush()
-        os.dup2(saved, 1)  # the pipe's last writer here closes: the thread reads to its end
-        os.close(saved)
-        thread.join(timeout=1.0)  # longer only when a child process still holds the pipe
-
-    atexit.register(restore)
+    filter_descriptor(1, GlooChatter)
 
 
 class CoordinatorPortTaken(JaxdistError):

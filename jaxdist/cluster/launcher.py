@@ -41,6 +41,7 @@ from jaxdist.cluster.heartbeat import DUMP_SIGNAL, ENV_DIR, ProgressWatch, Stall
 from jaxdist.cluster.lifetime import die_with_parent
 from jaxdist.cluster.recoverable import ENV_PEER_TIMEOUT, ENV_RECOVERY, ENV_REJOIN, open_slot_path
 from jaxdist.errors import EXIT_PREEMPTED, JaxdistError
+from jaxdist.layout.native_output import is_plugin_noise
 from jaxdist.layout.xla_flags import with_collective_timeouts
 
 LOOPBACK = "127.0.0.1"  # where the coordinator listens: the processes all run on this machine
@@ -80,7 +81,8 @@ def reserve_port(host: str, port: int | None = None) -> socket.socket:
 def _pump(rank: int, stream, out) -> None:
     chatter = GlooChatter()
     for line in iter(stream.readline, ""):
-        if chatter(line) and not log.isEnabledFor(logging.DEBUG):  # a few per process and clique at start; gloo has no switch
+        # gloo's: a few per process and clique at start, with no switch; the coordination service's notice
+        if (chatter(line) or is_plugin_noise(line)) and not log.isEnabledFor(logging.DEBUG):
             continue
         end = "" if line.endswith("\n") else "\n"  # a killed process's last line may be cut short
         out.write(f"[rank {rank}] {line}{end}")

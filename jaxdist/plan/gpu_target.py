@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +32,7 @@ from jaxdist.inspect.gpu_program import collective_schedule, kernel_counts, xla_
 from jaxdist.inspect.hlo import parse_hlo
 from jaxdist.layout import devices
 from jaxdist.layout.mesh import MeshSizes, mesh_device_count
+from jaxdist.layout.native_output import hide_plugin_noise
 from jaxdist.layout.xla_flags import gpu_flags
 from jaxdist.plan.hardware import Hardware, load_hardware
 from jaxdist.training.run import build_trainer
@@ -51,7 +53,7 @@ def prepare_target() -> None:
     if os.environ.get("JAX_PLATFORMS", "cpu").strip().lower() != "cpu":
         raise JaxdistError(f"compiling for a GPU target needs JAX_PLATFORMS=cpu, got {os.environ['JAX_PLATFORMS']!r}")
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # the plugin's "Could not find cuda drivers" info line
+    hide_plugin_noise(logging.getLogger("jaxdist").isEnabledFor(logging.DEBUG))  # its "Could not find cuda drivers" lines
 
 
 def target_hardware(name: str) -> Hardware:

@@ -1,0 +1,77 @@
+"""Lines native code writes straight to stderr (JAX's CUDA plugin without a GPU, the
+coordination service's notice for recoverable tasks) stay out of what a user sees, and only
+those: a refused ``analyze --target`` prints its one line alone, and ``--log-level debug``
+still shows the plugin's lines."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from jaxdist.cluster.launcher import _pump
+from jaxdist.layout.native_output import is_plugin_noise
+
+from helpers import TINY, subprocess_env
+
+# as the CUDA plugin (jax-cuda12-plugin 0.10.2) and the coordination service print them
+PREAMBLE = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+NO_DRIVER = "I0000 00:00:1796452953.438442   24310 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will not be used."
+RECOVERABLE = (
+    "W0000 00:00:1796452953.440708   24310 coordination_service.cc:185] The recoverable task feature is experimental "
+    "and may change or be removed"
+)
+KEPT = [
+    "E0000 00:00:1796452953.441369   24310 pjrt_client.cc:77] a real error from the same library",
+    "jaxdist: error: something to act on",
+    "Traceback (most recent call last):",
+]
+
+
+def test_the_noise_is_named_and_nothing_else():
+    assert all(is_plugin_noise(line + "\n") for line in (PREAMBLE, NO_DRIVER, RECOVERABLE))
+    assert not any(is_plugin_noise(line) for line in KEPT)
+
+
+def test_a_filtered_descriptor_drops_native_noise_and_keeps_the_rest_in_order():
+    """Written with os.write (as C++ would) and print, in one process that exits normally."""
+    script = (
+        "import os, sys\n"
+        "from jaxdist.layout.native_output import hide_plugin_noise\n"
+        "hide_plugin_noise(debug=False)\n"
+        f"lines = {[PREAMBLE, KEPT[0], NO_DRIVER, KEPT[1], RECOVERABLE]!r}\n"
+        "for i, line in enumerate(lines):\n"
+        "    os.write(2, (line + '\\n').encode()) if i % 2 == 0 else print(line, file=sys.stderr, flush=True)\n"
+        f"print({KEPT[2]!r}, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr.splitlines() == KEPT, proc.stderr
+
+
+def test_the_launcher_drops_the_coordination_services_notice_from_its_processes_output():
+    out = io.StringIO()
+    _pump(0, io.StringIO(f"{RECOVERABLE}\nstep 1\n"), out)
+    assert out.getvalue() == "[rank 0] step 1\n"
+
+
+@pytest.mark.heavy
+def test_a_refused_analyze_target_prints_its_one_line_alone():
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="JAX's CUDA plugin is not installed (pip install -e '.[dev]')")
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxdist.analyze",
+        "--target",
+        "a100",
+        *TINY,
+        "model.dtype=bfloat16",
+        "model.fp8=current",
+        "model.fp8_keep_ends=false",
+    ]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("jaxdist: error: model.fp8=current needs fp8 GEMMs"), proc.stderr
+    debug = subprocess.run([*cmd, "--log-level", "debug"], env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert debug.returncode == 2 and "Could not find cuda drivers" in debug.stderr  # hidden, not gone
