@@ -101,6 +101,43 @@ def test_each_failure_loses_a_slot_until_min_or_the_restarts_run_out(tmp_path, c
     assert "rank 3 was killed by SIGKILL and --max-restarts 0 are used up" in capsys.readouterr().err
 
 
+def test_survivors_that_die_before_a_step_past_their_recovery_restart_without_losing_their_slots(tmp_path, capsys):
+    """--recovery in-process, 4 processes: rank 3 is killed at step 5 and the others are told to
+    recover; they die before any starts step 6 (the recovery came while they compiled). That is a
+    failed recovery: a restart on the 3 slots left (2 by the batch), not 1 slot lost per death
+    until --min-nproc cannot be met."""
+    from jaxdist.cluster.heartbeat import beat_path
+
+    class Set:
+        lost: set[int] = set()
+        beats, first_id, nproc = tmp_path, 0, 4
+
+    def beats(*steps):
+        for rank, step in enumerate(steps):
+            beat_path(tmp_path, rank).write_text(f"{step}")
+
+    def planned():
+        flags = ["--nproc", "4", "--min-nproc", "2", "--devices-per-proc", "1", "--recovery", "in-process", "--max-restarts", "10"]
+        argv = [*flags, "--", "--mesh", "data=-1", *OVERRIDES, "--run-dir", str(tmp_path / "run")]
+        return elastic_launch.Elastic(launch.elastic_plan(launch.parse_args(argv)))
+
+    elastic = planned()
+    beats(5, 5, 5, 5)
+    killed = launcher.Ended("failure", 137, rank=3, raw_code=-signal.SIGKILL, failed=[(3, -signal.SIGKILL)])
+    assert elastic._recovers_in_process(Set, killed, 4) and Set.lost == {3}
+    aborted = launcher.Ended("failure", 134, rank=2, raw_code=-signal.SIGABRT, failed=[(2, -signal.SIGABRT)])
+    assert not elastic._recovers_in_process(Set, aborted, 4)
+    assert "the in-process recovery did not get under way (rank 2 was killed by SIGABRT): restarting" in capsys.readouterr().err
+    assert elastic._next_count(aborted, 4 - len(Set.lost)) == 2 and elastic.capacity == 3
+    # once a survivor starts a later step the recovery worked: a death then is a lost slot again
+    elastic = planned()
+    Set.lost = set()
+    beats(5, 5, 5, 5)
+    assert elastic._recovers_in_process(Set, killed, 4)
+    beats(7, 7, 7, 5)
+    assert elastic._recovers_in_process(Set, aborted, 4) and Set.lost == {2, 3} and elastic.capacity == 2
+
+
 def test_a_save_for_the_file_picks_the_largest_usable_count(tmp_path):
     elastic = _planned(tmp_path, "--nproc-file", str(tmp_path / "nproc"))
     saved = launcher.Ended("saved", EXIT_PREEMPTED, raw_code=EXIT_PREEMPTED)

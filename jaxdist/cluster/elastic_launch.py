@@ -15,6 +15,7 @@ from pathlib import Path
 
 from jaxdist.cluster import elastic
 from jaxdist.cluster.distributed import EXIT_PORT_TAKEN
+from jaxdist.cluster.heartbeat import beat_step
 from jaxdist.cluster.launcher import PORT_ATTEMPTS, SAVE_GRACE_S, Ended, HangLimits, Launcher, describe_exit, exit_status
 from jaxdist.config import Config
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_RECOVERY, JaxdistError
@@ -60,6 +61,11 @@ class Elastic:
         self.gen: Launcher | None = None
         self.records_seen = 0  # elastic.jsonl's length when this set started: its straggler records come after
         self.dropped: int | None = None  # the straggler left out at this change (said in its record)
+        # --recovery in-process: the furthest step any process had started when the survivors were
+        # told to recover (None: no recovery in this set); a survivor's death before any process
+        # starts a later step is that recovery failing, not a machine lost
+        self.recovery_step: int | None = None
+        self.failed_recovery = False
 
     def on_signal(self, signum: int, frame=None) -> None:
         self.interrupted = signum
@@ -117,6 +123,7 @@ class Elastic:
                 self.gen.close()
                 return 128 + self.interrupted
             self.records_seen = len(elastic.read_records(self.plan.run_dir))
+            self.recovery_step, self.failed_recovery = None, False
             self.gen.start()
             ended = self._watch(self.gen, n)
             self.gen.close()
@@ -146,7 +153,7 @@ class Elastic:
             self.restarts += 1
             # that slot is lost (a hung process's machine is as suspect as a dead one's); after a failed
             # in-process recovery the lost slot was counted already
-            self.capacity = n if ended.raw_code == EXIT_RECOVERY else n - 1
+            self.capacity = n if ended.raw_code == EXIT_RECOVERY or self.failed_recovery else n - 1
             if self.restarts > self.plan.max_restarts:
                 used = f"--max-restarts {self.plan.max_restarts} are used up"
                 log.error(f"{ended.describe()} and {used}; {self._stopped_at()}")
@@ -212,6 +219,12 @@ class Elastic:
         (said in one line); False sends the set down the restart path."""
         if self.plan.recovery != "in-process":
             return False
+        if self.recovery_step is not None and self._furthest_step(gen) <= self.recovery_step:
+            # the survivors died before taking a step past the recovery (it came while they started,
+            # compiled or joined): a restart, and their slots are not lost
+            self.failed_recovery = True
+            log.info(f"the in-process recovery did not get under way (rank {ended.rank} {describe_exit(ended.raw_code)}): restarting")
+            return False
         dead = [rank for rank, code in ended.failed if code not in FINAL_CODES and code != EXIT_RECOVERY]
         if len(dead) != len(ended.failed):  # a survivor gave up (EXIT_RECOVERY says why) or a final error
             return False
@@ -228,10 +241,17 @@ class Elastic:
         if self.restarts > self.plan.max_restarts:
             return False
         self.capacity = live
+        self.recovery_step = self._furthest_step(gen)
         log.info(
             f"rank {', '.join(map(str, dead))} {describe_exit(ended.raw_code)}; the other {live} recover in-process (--recovery in-process)"
         )
         return True
+
+    @staticmethod
+    def _furthest_step(gen: Launcher) -> int:
+        """The furthest step any process of the set has started (-1: none has)."""
+        steps = [beat_step(gen.beats, rank) for rank in range(gen.first_id, gen.first_id + gen.nproc)]
+        return max((s for s in steps if s is not None), default=-1)
 
     def _stop_late_replacements(self, gen: Launcher) -> None:
         """Every other process finished the run: a replacement still starting (or failed since)

@@ -39,6 +39,15 @@ def beat_path(directory: Path, rank: int) -> Path:
     return Path(directory) / f"rank-{rank}"
 
 
+def beat_step(directory: Path, rank: int) -> int | None:
+    """The step ``rank`` last started (its beat file's first field); None before its first beat."""
+    try:
+        fields = beat_path(directory, rank).read_text().split()
+    except OSError:
+        return None
+    return int(fields[0]) if fields and fields[0].isascii() and fields[0].isdigit() else None
+
+
 class _Beat:
     """This process's beat file, kept open: a beat is one pwrite (steps only grow, so a
     shorter number never leaves digits behind)."""
