@@ -105,7 +105,8 @@ def test_survivors_that_die_before_a_step_past_their_recovery_restart_without_lo
     """--recovery in-process, 4 processes: rank 3 is killed at step 5 and the others are told to
     recover; they die before any starts step 6 (the recovery came while they compiled). That is a
     failed recovery: a restart on the 3 slots left (2 by the batch), not 1 slot lost per death
-    until --min-nproc cannot be met."""
+    until --min-nproc cannot be met. A death before every process has started its first step is
+    a restart at once (recovery runs inside a step)."""
     from jaxdist.cluster.heartbeat import beat_path
 
     class Set:
@@ -122,8 +123,11 @@ def test_survivors_that_die_before_a_step_past_their_recovery_restart_without_lo
         return elastic_launch.Elastic(launch.elastic_plan(launch.parse_args(argv)))
 
     elastic = planned()
-    beats(5, 5, 5, 5)
     killed = launcher.Ended("failure", 137, rank=3, raw_code=-signal.SIGKILL, failed=[(3, -signal.SIGKILL)])
+    beats(5, 5)  # ranks 2 and 3 still start: no live_devices to recover in yet
+    assert not elastic._recovers_in_process(Set, killed, 4) and Set.lost == set()
+    assert "before every process had started its first step: the run restarts" in capsys.readouterr().err
+    beats(5, 5, 5, 5)
     assert elastic._recovers_in_process(Set, killed, 4) and Set.lost == {3}
     aborted = launcher.Ended("failure", 134, rank=2, raw_code=-signal.SIGABRT, failed=[(2, -signal.SIGABRT)])
     assert not elastic._recovers_in_process(Set, aborted, 4)

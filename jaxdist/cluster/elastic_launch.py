@@ -228,6 +228,13 @@ class Elastic:
         dead = [rank for rank, code in ended.failed if code not in FINAL_CODES and code != EXIT_RECOVERY]
         if len(dead) != len(ended.failed):  # a survivor gave up (EXIT_RECOVERY says why) or a final error
             return False
+        live_ranks = [r for r in range(gen.first_id, gen.first_id + gen.nproc) if r not in gen.lost and r not in dead]
+        if any(beat_step(gen.beats, r) is None for r in live_ranks):  # recovery runs inside a step's live_devices
+            log.info(
+                f"rank {', '.join(map(str, dead))} {describe_exit(ended.raw_code)} before every process had started its first step: "
+                "the run restarts (in-process recovery begins at the first step)"
+            )
+            return False
         if 0 in dead:
             log.info(
                 f"rank 0 {describe_exit(ended.raw_code)}: it holds the coordination service, so the run restarts from its last checkpoint"
