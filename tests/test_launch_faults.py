@@ -847,6 +847,11 @@ def test_a_replacement_still_starting_when_the_run_ends_is_stopped_and_the_run_i
     others finish: the replacement is stopped in one line and the run ends 0, not as a failure."""
     body = """
     beats = os.environ["JAXDIST_HEARTBEAT_DIR"]
+    if os.environ.get("JAXDIST_REJOIN") != "1":  # every process has started its first step (as a trainer beats)
+        with open(os.path.join(beats, f"rank-{rank}"), "w") as f:
+            f.write("0 0")
+        while not all(os.path.exists(os.path.join(beats, f"rank-{r}")) for r in range(3)):
+            time.sleep(0.05)
     if os.environ.get("JAXDIST_REJOIN") == "1":
         open(f"{log}/replacement.{rank}", "w").close()
         time.sleep(60)  # still starting (it never connects)
