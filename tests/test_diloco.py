@@ -101,17 +101,17 @@ def test_only_the_outer_step_crosses_the_replica_axis(reduce):
 
 @pytest.mark.heavy
 def test_two_replicas_every_20_steps_train_like_ddp():
-    """The issue's check: tiny, 600 steps, 2 replicas, H=20: held-out loss within 5% of
-    DDP's, with 1/20 of DDP's gradient all-reduce bytes crossing between the replicas.
-    Outer momentum 0.5 rather than the paper's 0.9 (tuned for H=500): 30 rounds are
-    too few for heavy momentum (0.9 ends 11% behind DDP here)."""
-    common = ("train.lr=3e-3", "train.warmup_steps=20", "train.log_every=100", "train.eval_every=600", "train.eval_batches=8")
+    """tiny, 180 steps (9 rounds), 2 replicas, H=20: held-out loss within 5% of DDP's, with
+    1/20 of DDP's gradient all-reduce bytes crossing between the replicas. The issue's 600
+    steps: ``experiments/convergence.py --only diloco``. Outer momentum 0.5 rather than the
+    paper's 0.9 (tuned for H=500): a few dozen rounds are too few for heavy momentum."""
+    common = ("train.lr=3e-3", "train.warmup_steps=20", "train.log_every=100", "train.eval_every=180", "train.eval_batches=8")
     outer = ("parallel.diloco_inner_steps=20", "parallel.diloco_outer_lr=0.7", "parallel.diloco_outer_momentum=0.5")
-    ddp_run, dl_run = long_runs(("data=2", common, 600), ("replica=2", (*common, *outer), 600))
-    ddp, dl = ddp_run["eval_losses"][600], dl_run["eval_losses"][600]
-    assert dl < ddp * 1.05, (dl, ddp)
-    ddp_bytes = _report("data=2", "train.steps=600", *common)["collectives_by_axes"]["data"]["wire_bytes"]
-    dl_bytes = _report("replica=2", "train.steps=600", *common, *outer)["diloco"]["cross_replica_wire_bytes_per_step"]
+    ddp_run, dl_run = long_runs(("data=2", common, 180), ("replica=2", (*common, *outer), 180))
+    ddp, dl = ddp_run["eval_losses"][180], dl_run["eval_losses"][180]
+    assert dl != ddp and dl < ddp * 1.05, (dl, ddp)
+    ddp_bytes = _report("data=2", "train.steps=180", *common)["collectives_by_axes"]["data"]["wire_bytes"]
+    dl_bytes = _report("replica=2", "train.steps=180", *common, *outer)["diloco"]["cross_replica_wire_bytes_per_step"]
     assert dl_bytes / ddp_bytes == pytest.approx(1 / 20, rel=0.1)
 
 

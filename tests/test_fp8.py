@@ -342,18 +342,17 @@ def test_histories_resume_bitwise_and_onto_another_mesh(one_device, tmp_path):
 
 
 @pytest.mark.heavy
-def test_300_steps_with_current_and_delayed_scaling_end_within_2_percent_of_bf16():
-    """``tiny``-sized TINY (bf16 compute, the stdlib corpus, 2 layers), every layer's
-    projections in fp8 (``model.fp8_keep_ends=false``: the stricter case, and half the layers
-    of a 4-layer run that keeps its ends); loss = the mean of the last 10 logged (every 10 steps)."""
-    steps, last = 300, 10
+def test_current_and_delayed_scaling_train_within_2_percent_of_bf16():
+    """90 steps of ``tiny``-sized TINY (bf16 compute, the stdlib corpus, 2 layers), every
+    layer's projections in fp8 (``model.fp8_keep_ends=false``: the stricter case); loss = the
+    mean of the last 10 steps'. The issue's 300 steps: ``experiments/convergence.py --only fp8``."""
     base = ("model.dtype=bfloat16", "train.log_every=10")
     every_layer = ("model.fp8_keep_ends=false",)
     modes = {"bf16": (), "current": ("model.fp8=current", *every_layer), "delayed": ("model.fp8=delayed", *every_layer)}
-    runs = long_runs(*(("data=1", (*base, *overrides), steps) for overrides in modes.values()))
-    final = {name: float(np.mean(r["losses"][-last:])) for name, r in zip(modes, runs, strict=True)}
+    runs = long_runs(*(("data=1", (*base, *overrides), 90) for overrides in modes.values()))
+    assert runs[1]["losses"] != runs[0]["losses"] != runs[2]["losses"]  # fp8 changed the numbers
+    final = {name: float(np.mean(r["losses"][-10:])) for name, r in zip(modes, runs, strict=True)}
     gap = {name: value / final["bf16"] - 1 for name, value in final.items()}
-    print("fp8 loss gaps against bf16:", final, gap)
     assert abs(gap["current"]) <= 0.02, (final, gap)
     assert abs(gap["delayed"]) <= 0.02, (final, gap)
 

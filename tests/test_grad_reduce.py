@@ -150,25 +150,18 @@ def test_error_feedback_residuals_do_not_depend_on_the_loss_scale():
 
 
 @pytest.mark.heavy
-def test_convergence_of_each_mode_against_float32():
-    """200 steps of ``tiny`` on the stdlib corpus, fp32 compute, data=2 (mean of the losses
-    logged every 10 steps over the last 100; no sync in between). The issue's goal for topk 1% (within 5%) is not met with AdamW -- see the
-    README; this guards what holds today and that error feedback helps."""
-    steps, last = 200, 10
-    modes = {
-        "float32": (),
-        "bfloat16": ("parallel.grad_reduce=bfloat16",),
-        "int8": ("parallel.grad_reduce=int8",),
-        "topk": ("parallel.grad_reduce=topk",),
-        "topk without error feedback": ("parallel.grad_reduce=topk", "parallel.error_feedback=false"),
-    }
-    runs = long_runs(*(("data=2", (*overrides, "train.log_every=10"), steps) for overrides in modes.values()))
-    final = {name: float(np.mean(r["losses"][-last:])) for name, r in zip(modes, runs, strict=True)}
+def test_bfloat16_and_int8_reductions_train_like_float32():
+    """60 steps of ``tiny`` on the stdlib corpus, fp32 compute, data=2 (mean of the last 10
+    steps' losses). The 200-step comparison of every mode, top-k
+    with and without error feedback included (which needs the length to tell them apart), is
+    ``experiments/convergence.py --only grad_reduce``."""
+    modes = {"float32": (), "bfloat16": ("parallel.grad_reduce=bfloat16",), "int8": ("parallel.grad_reduce=int8",)}
+    runs = long_runs(*(("data=2", (*overrides, "train.log_every=10"), 60) for overrides in modes.values()))
+    final = {name: float(np.mean(r["losses"][-10:])) for name, r in zip(modes, runs, strict=True)}
     gap = {name: value / final["float32"] - 1 for name, value in final.items()}
+    assert runs[1]["losses"] != runs[0]["losses"] and runs[2]["losses"] != runs[0]["losses"]  # each mode changed the sums
     assert abs(gap["bfloat16"]) <= 0.01, gap
     assert abs(gap["int8"]) <= 0.03, gap
-    assert gap["topk without error feedback"] > gap["topk"] + 0.03, gap  # measurably worse without it
-    assert gap["topk"] < 0.25, gap
 
 
 def _run(tmp_path, name: str, mesh: str, stop: int, *overrides: str, resume: str = "auto"):

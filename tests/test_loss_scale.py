@@ -18,9 +18,10 @@ FP16 = ("model.dtype=float16",)
 
 @pytest.mark.heavy
 def test_fp16_with_a_dynamic_scale_matches_fp32():
-    steps, last = 200, 10
-    fp32_run, fp16_run = long_runs(("data=2", (), steps), ("data=2", FP16, steps))
-    fp32, fp16 = np.mean(fp32_run["losses"][-last:]), np.mean(fp16_run["losses"][-last:])
+    """60 steps; the issue's 200: ``experiments/convergence.py --only fp16``."""
+    fp32_run, fp16_run = long_runs(("data=2", (), 60), ("data=2", FP16, 60))
+    assert fp16_run["losses"] != fp32_run["losses"]  # float16 changed the numbers
+    fp32, fp16 = np.mean(fp32_run["losses"][-10:]), np.mean(fp16_run["losses"][-10:])
     assert abs(fp16 / fp32 - 1) <= 0.03, (fp16, fp32)
 
 
