@@ -266,3 +266,39 @@ def test_process_0s_death_takes_the_restart_path_in_one_line(tmp_path, reference
     logged = dict(_logged_losses(run_dir))  # the steps since the last checkpoint run again after the restart
     assert set(logged) == set(range(1, STEPS + 1))
     np.testing.assert_allclose([logged[s] for s in range(1, STEPS + 1)], reference_losses, rtol=1e-5)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(("rank", "phase"), [(1, "save"), (2, "eval")])
+def test_a_death_off_a_step_boundary_restarts_and_ends_on_the_uninterrupted_losses(rank, phase, tmp_path, reference_losses):
+    """A process killed as it enters the save (or the evaluation) of step 8 (a fault hook, not a
+    race): the survivors' collectives fail outside a step, where JAX cannot recover in place, so
+    each says so in one line and exits 78; the launcher restarts from step 4's checkpoint on the
+    2 left, and the run ends 0 on the uninterrupted losses with nothing left running."""
+    run_dir = tmp_path / "run"
+    env = {
+        **subprocess_env(),
+        "JAXDIST_FAULT_KILL_AT": f"{rank}:8:{phase}",
+        "JAXDIST_FAULT_KILL_ONCE": str(tmp_path / "killed"),
+        TAG: str(run_dir),
+    }
+    extra = ["train.eval_every=4", "train.eval_batches=2"]
+    cmd = [sys.executable, "-m", "jaxdist.launch", *LAUNCH, "--", "--mesh", "data=-1", "--run-dir", str(run_dir), *OVERRIDES, *extra]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420, start_new_session=True)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    what = {"save": "a checkpoint save", "eval": "an evaluation"}[phase]
+    lines = [x for x in out.splitlines() if f"a peer process was lost during {what} (" in x]
+    said = {int(x.split("]")[0].removeprefix("[rank ")) for x in lines}
+    # the launcher kills the other survivor once the first leaves: it may not have said it yet
+    assert said and said <= {0, 1, 2} - {rank}, out[-4000:]
+    assert all("leaving for the launcher's restart (exit 78)" in x for x in lines), lines
+    assert "Traceback" not in out and "Check failure" not in out, out[-4000:]
+    for survivor in said:
+        assert "Traceback" in (run_dir / f"peer-failure.rank-{survivor}.txt").read_text()  # kept, not printed
+    reasons = [(c["reason"], c["from"], c["to"]) for c in membership_changes(run_dir)]
+    assert reasons == [("start", None, 3), ("failure", 3, 2)], reasons
+    logged = dict(_logged_losses(run_dir))  # steps 5-8 run again after the restart from step 4
+    assert set(logged) == set(range(1, STEPS + 1))
+    np.testing.assert_allclose([logged[s] for s in range(1, STEPS + 1)], reference_losses, rtol=1e-5)
+    assert _left_behind(str(run_dir)) == []

@@ -66,6 +66,7 @@ class Elastic:
         # starts a later step is that recovery failing, not a machine lost
         self.recovery_step: int | None = None
         self.failed_recovery = False
+        self.recovered_death: tuple[int, int, int] | None = None  # (rank, raw exit, how many died) of the last in-process recovery
 
     def on_signal(self, signum: int, frame=None) -> None:
         self.interrupted = signum
@@ -123,7 +124,7 @@ class Elastic:
                 self.gen.close()
                 return 128 + self.interrupted
             self.records_seen = len(elastic.read_records(self.plan.run_dir))
-            self.recovery_step, self.failed_recovery = None, False
+            self.recovery_step, self.failed_recovery, self.recovered_death = None, False, None
             self.gen.start()
             ended = self._watch(self.gen, n)
             self.gen.close()
@@ -143,14 +144,19 @@ class Elastic:
             if target is None:
                 return ended.code if ended.kind in ("failure", "hang") else EXIT_PREEMPTED
             reason = ended.kind if ended.kind in ("failure", "hang") else ("grow" if target > n else "shrink")
-            self._change(n, target, reason, ended.rank, ended.raw_code)
+            if self.failed_recovery and self.recovered_death is not None:  # the death the recovery was for restarts the set
+                rank, code, died = self.recovered_death
+                self._change(n + died, target, reason, rank, code)
+            else:
+                self._change(n, target, reason, ended.rank, ended.raw_code)
             n = target
 
     def _next_count(self, ended: Ended, n: int) -> int | None:
         """The count to relaunch with after a failure or a save; None (said why) to stop."""
         failure = ended.kind in ("failure", "hang")
         if failure:
-            self.restarts += 1
+            if not self.failed_recovery:  # a failed recovery and its restart are one failure: the recovery counted it
+                self.restarts += 1
             # that slot is lost (a hung process's machine is as suspect as a dead one's); after a failed
             # in-process recovery the lost slot was counted already
             self.capacity = n if ended.raw_code == EXIT_RECOVERY or self.failed_recovery else n - 1
@@ -249,6 +255,7 @@ class Elastic:
             return False
         self.capacity = live
         self.recovery_step = self._furthest_step(gen)
+        self.recovered_death = (dead[0], ended.raw_code, len(dead))
         log.info(
             f"rank {', '.join(map(str, dead))} {describe_exit(ended.raw_code)}; the other {live} recover in-process (--recovery in-process)"
         )

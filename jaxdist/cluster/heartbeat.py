@@ -27,7 +27,8 @@ from jaxdist.errors import JaxdistError
 
 ENV_DIR = "JAXDIST_HEARTBEAT_DIR"
 ENV_STALL = "JAXDIST_FAULT_STALL_AT"  # test-only fault injection: "RANK:STEP"
-ENV_KILL = "JAXDIST_FAULT_KILL_AT"  # test-only fault injection: "RANK:STEP"
+ENV_KILL = "JAXDIST_FAULT_KILL_AT"  # test-only fault injection: "RANK:STEP", or "RANK:STEP:PHASE" (save, eval)
+ENV_KILL_ONCE = "JAXDIST_FAULT_KILL_ONCE"  # test-only: a file the kill creates first; once it exists, no more kills (restarts run clean)
 ENV_RANK = "JAXDIST_PROCESS_ID"  # set by jaxdist.launch (jaxdist.cluster.distributed.ENV_PROCESS_ID)
 DUMP_SIGNAL = signal.SIGUSR1
 EVERY_PROCESS = {"every_process": True}  # this rank's own lines: said whatever its process index
@@ -56,7 +57,7 @@ class _Beat:
         directory = os.environ.get(ENV_DIR)
         self.rank = int(os.environ.get(ENV_RANK, "0") or 0)
         self.stall_step = _fault_step(ENV_STALL, self.rank)
-        self.kill_step = _fault_step(ENV_KILL, self.rank)
+        self.kill_step, self.kill_phase = _fault_point(ENV_KILL, self.rank)
         self.first_step: int | None = None
         self.fd = None
         if directory:
@@ -67,10 +68,14 @@ class _Beat:
                     f"cannot write the launcher's heartbeat in {directory} ({e.strerror}); a hang will not be noticed", extra=EVERY_PROCESS
                 )
 
-    def __call__(self, step: int) -> None:
-        if step == self.kill_step:
-            log.info(f"fault injection ({ENV_KILL}): rank {self.rank} is killed at step {step}", extra=EVERY_PROCESS)
+    def kill_if(self, step: int, phase: str | None) -> None:
+        if step == self.kill_step and phase == self.kill_phase and _first_kill():
+            where = f"step {step}" if phase is None else f"the {phase} of step {step}"
+            log.info(f"fault injection ({ENV_KILL}): rank {self.rank} is killed at {where}", extra=EVERY_PROCESS)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def __call__(self, step: int) -> None:
+        self.kill_if(step, None)
         if step == self.stall_step:
             log.info(f"fault injection ({ENV_STALL}): rank {self.rank} stalls at step {step}", extra=EVERY_PROCESS)
             while True:
@@ -81,14 +86,39 @@ class _Beat:
             os.pwrite(self.fd, b"%d %d\n" % (step, self.first_step), 0)
 
 
+FAULT_PHASES = ("save", "eval")
+
+
+def _first_kill() -> bool:
+    """No ``JAXDIST_FAULT_KILL_ONCE`` file, or this call created it: the kill happens."""
+    once = os.environ.get(ENV_KILL_ONCE)
+    if not once:
+        return True
+    try:
+        os.close(os.open(once, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    return True
+
+
 def _fault_step(variable: str, rank: int) -> int | None:
+    step, phase = _fault_point(variable, rank)
+    if phase is not None:
+        raise JaxdistError(f"{variable}: expected RANK:STEP (a fault-injection hook for tests)")
+    return step
+
+
+def _fault_point(variable: str, rank: int) -> tuple[int | None, str | None]:
+    """(step, phase) of ``variable``'s "RANK:STEP[:PHASE]" when RANK is ``rank``, else (None, None)."""
     spec = os.environ.get(variable)
     if not spec:
-        return None
-    fault_rank, _, step = spec.partition(":")
-    if not (fault_rank.isdigit() and step.isdigit()):
-        raise JaxdistError(f"{variable}={spec!r}: expected RANK:STEP (a fault-injection hook for tests)")
-    return int(step) if int(fault_rank) == rank else None
+        return None, None
+    fault_rank, step, *phase = spec.split(":")
+    if not (fault_rank.isdigit() and step.isdigit()) or len(phase) > 1 or (phase and phase[0] not in FAULT_PHASES):
+        raise JaxdistError(
+            f"{variable}={spec!r}: expected RANK:STEP or RANK:STEP:PHASE, PHASE one of {', '.join(FAULT_PHASES)} (a fault-injection hook for tests)"
+        )
+    return (int(step), phase[0] if phase else None) if int(fault_rank) == rank else (None, None)
 
 
 _beat: _Beat | None = None
@@ -100,6 +130,13 @@ def beat(step: int) -> None:
     if _beat is None:
         _beat = _Beat()
     _beat(step)
+
+
+def fault_point(phase: str, step: int) -> None:
+    """The loop enters ``phase`` (one of FAULT_PHASES) of ``step``: where a test's
+    ``JAXDIST_FAULT_KILL_AT=RANK:STEP:PHASE`` kills this process."""
+    if _beat is not None:
+        _beat.kill_if(step, phase)
 
 
 def install_stack_dump() -> None:

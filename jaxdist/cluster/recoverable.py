@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -140,6 +141,33 @@ def is_process_failure(error: BaseException) -> bool:
     from jax.experimental import multihost_utils
 
     return isinstance(error, multihost_utils.ProcessFailureError)
+
+
+# What a collective or a coordination-service call says when the process at its other end is
+# gone (gloo on CPU, NCCL on GPU, the coordination service's RPCs): a peer's death seen outside
+# ``live_devices``, where JAX raises a plain runtime error rather than ProcessFailureError, and
+# Orbax re-raises that error's text as a ValueError. Both start with the runtime's status code.
+PEER_GONE_MARKS = ("Gloo", "gloo", "NCCL", "Connection closed", "Connection reset", "Broken pipe", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+_SOURCE_LOCATION = re.compile(r" ?\[[^\]]*\.(cc|h):\d+\]")  # "[external/gloo/.../pair.cc:538]"
+_STATUS_CODE = re.compile(r"^(UNKNOWN|UNAVAILABLE|INTERNAL|DEADLINE_EXCEEDED|ABORTED|CANCELLED|FAILED_PRECONDITION): ")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """``error``, or what it was raised from, is JAX's word that a peer process is gone."""
+    return peer_failure_text(error) is not None
+
+
+def peer_failure_text(error: BaseException) -> str | None:
+    """The first line of JAX's word that a peer is gone in ``error``'s chain, without the C++
+    source locations; None when the chain holds none."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = (str(error).strip().splitlines() or [""])[0]
+        if is_process_failure(error) or (_STATUS_CODE.match(text) and any(mark in text for mark in PEER_GONE_MARKS)):
+            return _SOURCE_LOCATION.sub("", text) or type(error).__name__
+        error = error.__cause__ or error.__context__
+    return None
 
 
 class Membership:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jaxdist.cluster.heartbeat import beat
+from jaxdist.cluster.heartbeat import beat, fault_point
 from jaxdist.errors import NonFiniteLoss
 from jaxdist.inspect.trace_capture import StepTracer
 from jaxdist.models import Batch
@@ -166,11 +166,13 @@ def train_loop(
                 eval_metrics = None
                 if eval_now:
                     with tracer.phase("eval"):
+                        fault_point("eval", step)
                         result.eval_losses[step] = evaluate(trainer, state, hooks.eval_batches())
                     eval_metrics = {"eval_loss": result.eval_losses[step]}
                     logger.log(step, eval_metrics)
                 if save_now or params_now:
                     with tracer.phase("checkpoint"):
+                        fault_point("save", step)
                         if not bool(trainer.params_finite(state.params)):
                             raise NonFiniteLoss(f"parameters became non-finite at step {step}; not saving them{_last_saved(checkpointer)}")
                         if save_now:

@@ -60,13 +60,20 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
         from jaxdist.training.checkpoint_tiers import prepare_local_tier
 
         prepare_local_tier(run_dir, durable, args.resume)
-    plan = _join(args, config, run_dir, durable)
-    interactive = sys.stderr.isatty()
-    result = run_resolved(plan, progress=interactive, print_lines=not interactive)
-    import jax
+    try:
+        plan = _join(args, config, run_dir, durable)
+        interactive = sys.stderr.isatty()
+        result = run_resolved(plan, progress=interactive, print_lines=not interactive)
+        import jax
 
-    if recoverable.in_process_recovery() and jax.process_count() > 1:
-        recoverable.MEMBERSHIP.leave()  # recoverable tasks skip JAX's shutdown barrier: the live ones meet here
+        if recoverable.in_process_recovery() and jax.process_count() > 1:
+            recoverable.MEMBERSHIP.leave()  # recoverable tasks skip JAX's shutdown barrier: the live ones meet here
+    except Exception as e:
+        if not (recoverable.in_process_recovery() and recoverable.is_peer_failure(e)):
+            raise
+        from jaxdist.training.peer_failure import leave_for_a_restart
+
+        return leave_for_a_restart(e, run_dir)  # a death off a step boundary: the launcher restarts
     if result.losses:
         t = plan.config.train
         end = t.stop_after_step if 0 < t.stop_after_step < t.steps else t.steps

@@ -1,0 +1,72 @@
+"""A peer's death that in-process recovery cannot take in place: one line and ``EXIT_RECOVERY``.
+
+Recovery works at a step boundary (``training.recovery.StepGuard``): a death while the
+processes start, connect, compile, save, evaluate or recover reaches a survivor as a runtime
+error from gloo, NCCL or the coordination service instead. Under ``--recovery in-process``
+such a survivor says so in one line, keeps the traceback in the run directory (for the day
+the cause is not a death), and leaves with ``EXIT_RECOVERY``: the launcher restarts from the
+last checkpoint, as the default mode would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from pathlib import Path
+
+from jaxdist.cluster import recoverable
+from jaxdist.cluster.distributed import ENV_PROCESS_ID
+from jaxdist.errors import EXIT_RECOVERY
+
+log = logging.getLogger(__name__)
+
+# Where in the run a survivor was, by the functions on its stack (innermost first wins).
+_PHASES = {
+    "initialize": "joining the process group",
+    "announce": "a replacement's rejoin",
+    "grow": "a replacement's rejoin",
+    "plan_growth": "a replacement's rejoin",
+    "recover": "an in-process recovery",
+    "evaluate": "an evaluation",
+    "save": "a checkpoint save",
+    "save_params": "a checkpoint save",
+    "wait": "a checkpoint save",
+    "restore": "the restore",
+    "step_done": "a straggler window's gather",
+    "compile": "the compile",
+    "lower": "the compile",
+}
+
+
+def phase_of(error: BaseException) -> str:
+    names = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
+    for name in reversed(names):
+        if name in _PHASES:
+            return _PHASES[name]
+    return "outside a step"
+
+
+def leave_for_a_restart(error: BaseException, run_dir: Path | None) -> int:
+    """Say in one line that a peer died where this process cannot recover in place, keep the
+    traceback in ``RUN_DIR/peer-failure.rank-I.txt``, and exit ``EXIT_RECOVERY`` (past any
+    save thread still waiting for the dead process)."""
+    from jaxdist.training.recovery import leave_past_abandoned_saves
+
+    rank = int(os.environ.get(ENV_PROCESS_ID, "0") or 0)
+    kept = ""
+    if run_dir is not None:
+        path = Path(run_dir) / f"peer-failure.rank-{rank}.txt"
+        try:
+            path.write_text("".join(traceback.format_exception(error)))
+            kept = f"; its traceback is in {path}"
+        except OSError:
+            pass
+    first = (recoverable.peer_failure_text(error) or type(error).__name__)[:200]
+    log.error(
+        f"a peer process was lost during {phase_of(error)} ({first}): in-process recovery takes deaths at a step "
+        f"boundary only; leaving for the launcher's restart (exit {EXIT_RECOVERY}){kept}",
+        extra={"every_process": True},
+    )
+    leave_past_abandoned_saves(EXIT_RECOVERY)
+    return EXIT_RECOVERY

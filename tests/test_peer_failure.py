@@ -1,0 +1,122 @@
+"""A peer's death off a step boundary under ``--recovery in-process``: one line and exit 78
+(the launcher's restart path), never a traceback; any other error is still raised as it is.
+The whole path, a process killed as it enters a save, runs in
+``test_recovery.py::test_a_death_at_a_save_restarts_and_ends_on_the_uninterrupted_losses``."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import jaxdist.train
+from jaxdist.cluster import heartbeat, recoverable
+from jaxdist.errors import EXIT_RECOVERY, JaxdistError
+from jaxdist.training import recovery
+from jaxdist.training import run as run_module
+from jaxdist.training.peer_failure import leave_for_a_restart
+
+GLOO_GONE = (
+    "UNKNOWN: Gloo AllGather failed: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41231"
+)
+
+
+def _raised_in(function_name: str, error: BaseException) -> BaseException:
+    """``error`` raised from inside a function called ``function_name`` (its traceback names it)."""
+    namespace: dict = {}
+    exec(f"def {function_name}(e):\n    raise e\n", namespace)
+    try:
+        namespace[function_name](error)
+    except BaseException as raised:
+        return raised
+    raise AssertionError("not raised")
+
+
+@pytest.mark.parametrize(
+    ("error", "is_peer"),
+    [
+        (jax.errors.JaxRuntimeError(GLOO_GONE), True),
+        (jax.errors.JaxRuntimeError("UNAVAILABLE: failed to connect to all addresses"), True),
+        (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB"), False),
+        (ValueError(GLOO_GONE), True),  # as Orbax re-raises it
+        (ValueError("Connection closed by peer"), False),  # not the runtime's word (no status code)
+        (jax.errors.JaxRuntimeError("INTERNAL: Gloo is not built with TCP"), True),
+    ],
+    ids=["gloo", "coordination", "oom", "orbax", "not-jax", "gloo-internal"],
+)
+def test_only_jaxs_word_that_a_peer_is_gone_counts_as_a_peer_failure(error, is_peer):
+    assert recoverable.is_peer_failure(error) is is_peer
+    wrapped = RuntimeError("the save failed")
+    wrapped.__cause__ = error  # as Orbax re-raises it
+    assert recoverable.is_peer_failure(wrapped) is is_peer
+
+
+@pytest.fixture(autouse=True)
+def exits(monkeypatch) -> list[int]:
+    """The exit past a save's blocked threads (``os._exit``), recorded instead: under pytest
+    some thread is always alive, and the exit would end the test session."""
+    codes: list[int] = []
+    monkeypatch.setattr(recovery, "leave_past_abandoned_saves", codes.append)
+    return codes
+
+
+def test_the_line_names_the_phase_and_the_traceback_is_kept(tmp_path, capsys, monkeypatch, exits):
+    monkeypatch.setenv("JAXDIST_PROCESS_ID", "2")
+    error = _raised_in("save", jax.errors.JaxRuntimeError(GLOO_GONE))
+    assert leave_for_a_restart(error, tmp_path) == EXIT_RECOVERY
+    assert exits == [EXIT_RECOVERY]  # and past a save's threads still waiting for the dead process
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "a peer process was lost during a checkpoint save (UNKNOWN: Gloo AllGather failed: Connection closed by peer" in err[0], err
+    assert f"leaving for the launcher's restart (exit {EXIT_RECOVERY})" in err[0], err
+    kept = tmp_path / "peer-failure.rank-2.txt"
+    assert str(kept) in err[0] and "Traceback" in kept.read_text() and "in save" in kept.read_text()
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "default"])
+def test_train_says_a_lost_peer_in_one_line_only_under_in_process_recovery(in_process, tmp_path, capsys, monkeypatch):
+    """jaxdist.train with a start-up that loses its peer: exit 78 and one line under
+    --recovery in-process; raised as it is otherwise (the default mode's launcher restarts
+    on any failure, and shows the traceback)."""
+    if in_process:
+        monkeypatch.setenv(recoverable.ENV_RECOVERY, "in-process")
+    else:
+        monkeypatch.delenv(recoverable.ENV_RECOVERY, raising=False)
+
+    def initialize(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(GLOO_GONE)
+
+    monkeypatch.setattr(run_module, "_join", initialize)
+    argv = ["--config", "tiny", "--run-dir", str(tmp_path / "run"), "--steps", "2"]
+    if not in_process:
+        with pytest.raises(jax.errors.JaxRuntimeError):
+            jaxdist.train.main(argv)
+        return
+    assert jaxdist.train.main(argv) == EXIT_RECOVERY
+    err = capsys.readouterr().err
+    assert len([line for line in err.splitlines() if "peer process was lost during" in line]) == 1 and "Traceback" not in err, err
+
+
+def test_a_non_peer_error_under_in_process_recovery_is_raised_as_it_is(tmp_path, monkeypatch):
+    monkeypatch.setenv(recoverable.ENV_RECOVERY, "in-process")
+
+    def initialize(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("INTERNAL: a compiler bug")
+
+    monkeypatch.setattr(run_module, "_join", initialize)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="a compiler bug"):
+        jaxdist.train.main(["--config", "tiny", "--run-dir", str(tmp_path / "run"), "--steps", "2"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "step", "phase"),
+    [("1:5", 5, None), ("1:5:save", 5, "save"), ("1:7:eval", 7, "eval"), ("0:5:save", None, None)],
+)
+def test_the_kill_hook_takes_a_phase(spec, step, phase, monkeypatch):
+    monkeypatch.setenv(heartbeat.ENV_KILL, spec)
+    assert heartbeat._fault_point(heartbeat.ENV_KILL, 1) == (step, phase)
+
+
+def test_a_kill_hook_at_an_unknown_phase_is_refused(monkeypatch):
+    monkeypatch.setenv(heartbeat.ENV_KILL, "1:5:compile")
+    with pytest.raises(JaxdistError, match="PHASE one of save, eval"):
+        heartbeat._fault_point(heartbeat.ENV_KILL, 1)
