@@ -44,6 +44,11 @@ class NonFiniteLoss(RunStopped):
     exit_code = EXIT_NONFINITE
 
 
+# Called with a stopped command's exit code once its line is said: in-process recovery adds
+# one that exits past save threads still waiting for a dead peer (Python's exit would join them)
+BEFORE_ERROR_EXIT: list[Callable[[int], None]] = []
+
+
 def command(main: Callable[..., int]) -> Callable[..., int]:
     """A CLI's ``main``: bad input is one ``jaxdist: error:`` line and exit 2, a stopped run
     its line and its exit code (a preemption, whose state was saved, is not an error); never
@@ -57,10 +62,13 @@ def command(main: Callable[..., int]) -> Callable[..., int]:
             return main(*args, **kwargs)
         except JaxdistError as e:
             log.error(str(e), extra=every)
-            return getattr(e, "exit_code", EXIT_BAD_INPUT)
+            code = getattr(e, "exit_code", EXIT_BAD_INPUT)
         except RunStopped as e:
             (log.info if e.exit_code == EXIT_PREEMPTED else log.error)(str(e), extra=every)
-            return e.exit_code
+            code = e.exit_code
+        for hook in BEFORE_ERROR_EXIT:
+            hook(code)
+        return code
 
     return wrapped
 

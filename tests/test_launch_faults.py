@@ -875,6 +875,34 @@ def test_a_replacement_still_starting_when_the_run_ends_is_stopped_and_the_run_i
     assert (tmp_path / "log" / "replacement.2").exists()
 
 
+def test_a_death_that_would_leave_one_process_restarts_instead_of_recovering_in_process(tmp_path):
+    """--recovery in-process, 2 processes, --min-nproc 1: rank 1 dies after the first step. One
+    survivor cannot go on in place (Orbax refuses a mesh of one process's devices while JAX
+    runs two: "Cannot serialize host local jax.Array", seen at its next save), so the launcher
+    says so in one line and restarts the run on one process."""
+    body = """
+    beats = os.environ["JAXDIST_HEARTBEAT_DIR"]
+    with open(os.path.join(beats, f"rank-{rank}"), "w") as f:
+        f.write("1 1")
+    if os.environ["JAXDIST_NUM_PROCESSES"] == "1":  # the restarted set
+        open(f"{log}/restarted", "w").close()
+        sys.exit(0)
+    while not all(os.path.exists(os.path.join(beats, f"rank-{r}")) for r in range(2)):
+        time.sleep(0.05)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # killed by the launcher
+    """
+    flags = ["--nproc", "2", "--min-nproc", "1", "--devices-per-proc", "1", "--recovery", "in-process"]
+    train = ["--mesh", "data=-1", *OVERRIDES, "train.global_batch=6", "train.steps=5", "--run-dir", str(tmp_path / "run")]
+    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *train])
+    assert code == 0, out
+    said = "rank 1 was killed by SIGKILL: one process would be left, and Orbax cannot save a mesh of one process's devices"
+    assert said in out and "recover in-process" not in out, out
+    assert "elastic: 2 -> 1 processes, resuming at step 0" in out, out
+    assert (tmp_path / "log" / "restarted").exists()
+
+
 def test_a_persistent_straggler_is_left_out_at_the_next_membership_change(tmp_path):
     """--drop-stragglers: process 0 (the stub) names process 2 a straggler at the end of two
     windows in a row (steps 10 and 20, windows of 10), then rank 1 dies: the next set leaves

@@ -56,6 +56,23 @@ def test_the_launcher_drops_the_coordination_services_notice_from_its_processes_
     assert out.getvalue() == "[rank 0] step 1\n"
 
 
+def test_the_launcher_drops_the_resource_trackers_warnings_after_a_kill_and_keeps_other_warnings():
+    """Seen in a random-kill run: a process whose Grain worker shared memory with a killed peer
+    warns of leaked semaphores as it exits (Python frees them); other warnings are kept."""
+    leaked = (
+        "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: There appear to be 25 "
+        "leaked semaphore objects to clean up at shutdown\n  warnings.warn('resource_tracker: There appear to be %d '\n"
+    )
+    other = "/x/y.py:3: UserWarning: something else\n  warnings.warn('something else')\n"
+    out = io.StringIO()
+    _pump(1, io.StringIO(leaked + "step 2\n" + other), out)
+    assert out.getvalue().splitlines() == [
+        "[rank 1] step 2",
+        "[rank 1] /x/y.py:3: UserWarning: something else",
+        "[rank 1]   warnings.warn('something else')",
+    ]
+
+
 @pytest.mark.heavy
 def test_a_refused_analyze_target_prints_its_one_line_alone():
     pytest.importorskip("jax_plugins.xla_cuda12", reason="JAX's CUDA plugin is not installed (pip install -e '.[dev]')")

@@ -120,3 +120,26 @@ def test_a_kill_hook_at_an_unknown_phase_is_refused(monkeypatch):
     monkeypatch.setenv(heartbeat.ENV_KILL, "1:5:compile")
     with pytest.raises(JaxdistError, match="PHASE one of save, eval"):
         heartbeat._fault_point(heartbeat.ENV_KILL, 1)
+
+
+def test_a_recovered_run_that_stops_on_an_error_exits_past_save_threads_waiting_for_the_dead(tmp_path, monkeypatch, exits):
+    """Seen in a random-kill run: after a recovery, a save failed (exit 4) and the process hung
+    in Python's exit, joining an Orbax thread blocked on the dead peer. The error's exit now
+    goes past them (``leave_past_abandoned_saves``), once its line is said."""
+    from jaxdist import errors
+    from jaxdist.training.checkpoint import CheckpointError
+
+    monkeypatch.setattr(errors, "BEFORE_ERROR_EXIT", [])
+    monkeypatch.setenv(recoverable.ENV_RECOVERY, "in-process")
+    monkeypatch.setattr(recoverable.MEMBERSHIP, "processes", [0, 2])  # a recovery happened
+
+    def initialize(*args, **kwargs):
+        raise CheckpointError("saving checkpoint at step 21 failed")
+
+    monkeypatch.setattr(run_module, "_join", initialize)
+    argv = ["--config", "tiny", "--run-dir", str(tmp_path / "run"), "--steps", "2"]
+    assert jaxdist.train.main(argv) == CheckpointError.exit_code
+    assert exits == [CheckpointError.exit_code]
+    monkeypatch.setattr(recoverable.MEMBERSHIP, "processes", None)  # no recovery: a plain exit
+    assert jaxdist.train.main(argv) == CheckpointError.exit_code
+    assert exits == [CheckpointError.exit_code]

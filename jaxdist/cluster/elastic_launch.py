@@ -249,6 +249,12 @@ class Elastic:
         live = n - len(gen.lost) - len(dead)
         if live < self.plan.min_nproc:
             return False
+        if live == 1:
+            log.info(
+                f"rank {', '.join(map(str, dead))} {describe_exit(ended.raw_code)}: one process would be left, and Orbax cannot save "
+                "a mesh of one process's devices while JAX runs several, so the run restarts on it"
+            )
+            return False
         gen.lost.update(dead)
         self.restarts += 1  # a recovery spends one of --max-restarts, as a restart would
         if self.restarts > self.plan.max_restarts:

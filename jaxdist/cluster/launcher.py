@@ -18,6 +18,7 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -78,11 +79,19 @@ def reserve_port(host: str, port: int | None = None) -> socket.socket:
     raise JaxdistError(f"found no free port on {host} for the coordinator in {PORT_ATTEMPTS} tries")
 
 
+# Python's resource tracker in a process whose Grain workers shared memory with a killed peer
+# or parent: it frees them and warns, two lines, nothing to act on
+LEAKED_AT_A_KILL = re.compile(
+    r".*resource_tracker\.py:\d+: UserWarning: resource_tracker: There appear to be \d+ leaked .*|\s+warnings\.warn\('resource_tracker: .*"
+)
+
+
 def _pump(rank: int, stream, out) -> None:
     chatter = GlooChatter()
     for line in iter(stream.readline, ""):
         # gloo's: a few per process and clique at start, with no switch; the coordination service's notice
-        if (chatter(line) or is_plugin_noise(line)) and not log.isEnabledFor(logging.DEBUG):
+        noise = chatter(line) or is_plugin_noise(line) or LEAKED_AT_A_KILL.fullmatch(line.rstrip("\n"))
+        if noise and not log.isEnabledFor(logging.DEBUG):
             continue
         end = "" if line.endswith("\n") else "\n"  # a killed process's last line may be cut short
         out.write(f"[rank {rank}] {line}{end}")

@@ -70,3 +70,13 @@ def leave_for_a_restart(error: BaseException, run_dir: Path | None) -> int:
     )
     leave_past_abandoned_saves(EXIT_RECOVERY)
     return EXIT_RECOVERY
+
+
+def exit_past_abandoned_saves(exit_code: int) -> None:
+    """``errors.BEFORE_ERROR_EXIT``'s hook under in-process recovery: a run that recovered and
+    then stopped on an error (a failed save, a NaN) may hold save threads blocked on the dead
+    process, which Python's exit would wait for, for good: exit past them."""
+    if recoverable.MEMBERSHIP.changed:
+        from jaxdist.training.recovery import leave_past_abandoned_saves
+
+        leave_past_abandoned_saves(exit_code)

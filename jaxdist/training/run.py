@@ -60,6 +60,12 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
         from jaxdist.training.checkpoint_tiers import prepare_local_tier
 
         prepare_local_tier(run_dir, durable, args.resume)
+    if recoverable.in_process_recovery():
+        from jaxdist import errors
+        from jaxdist.training.peer_failure import exit_past_abandoned_saves
+
+        if exit_past_abandoned_saves not in errors.BEFORE_ERROR_EXIT:
+            errors.BEFORE_ERROR_EXIT.append(exit_past_abandoned_saves)
     try:
         plan = _join(args, config, run_dir, durable)
         interactive = sys.stderr.isatty()
