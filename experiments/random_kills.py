@@ -1,9 +1,9 @@
 """Random kills under ``--recovery in-process`` (or the default mode): does every run still end
 on the uninterrupted losses, with no process left behind?
 
-    python experiments/random_kills.py [--kills 20] [--mode in-process] [--seed 0] [--steps 120]
+    python experiments/random_kills.py [--kills 20] [--mode in-process] [--seed 0] [--steps 200] [--nproc 4]
 
-One elastic 3-process run (``--nproc 3 --min-nproc 1 --devices-per-proc 1 --max-restarts 100``,
+One elastic run of ``--nproc`` processes (``--nproc 4 --min-nproc 1 --devices-per-proc 1 --max-restarts 100``,
 ``--mesh data=-1``, the tiny model on the stdlib corpus, ``data.workers=1``, a checkpoint every
 3 steps) is SIGKILLed from outside at random moments, 4-15 s apart: a trainer of a random rank,
 or (one kill in four) the launcher alone, after which the same command is started again, as a
@@ -58,7 +58,7 @@ def _env(run_dir: Path) -> dict[str, str]:
 
 
 def _launch(args, run_dir: Path, log) -> subprocess.Popen:
-    launch = ["--nproc", "3", "--min-nproc", "1", "--devices-per-proc", "1", "--max-restarts", "100", "--recovery", args.mode]
+    launch = ["--nproc", str(args.nproc), "--min-nproc", "1", "--devices-per-proc", "1", "--max-restarts", "100", "--recovery", args.mode]
     cmd = [sys.executable, "-m", "jaxdist.launch", *launch, "--", *TRAIN, "--steps", str(args.steps), "--run-dir", str(run_dir)]
     return subprocess.Popen(cmd, env=_env(run_dir), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -148,14 +148,17 @@ def main(argv=None) -> int:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--mode", choices=("in-process", "restart"), default="in-process")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--nproc", type=int, default=4, help="processes at the start (each death costs a slot; in-process needs 2 survivors)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     out = args.out or Path(tempfile.mkdtemp(prefix="random-kills-"))
     out.mkdir(parents=True, exist_ok=True)
     print(
-        f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; 3 trainer processes x 1 CPU device; "
+        f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; {args.nproc} trainer processes x 1 CPU device; "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; --recovery {args.mode}; seed {args.seed}; runs in {out}",
         flush=True,
     )

@@ -73,6 +73,23 @@ def test_the_launcher_drops_the_resource_trackers_warnings_after_a_kill_and_keep
     ]
 
 
+def test_the_launcher_drops_a_peers_abort_when_the_coordination_service_dies():
+    """Seen in a random-kill run (rank 0 killed): each survivor printed absl's error and fatal
+    lines and gRPC's detail before its abort, around the launcher's own line."""
+    abort = (
+        "E1205 12:09:44.566427   14404 coordination_service_agent.cc:289] Polled an error from coordination service "
+        "(this can be an error from this or another task).\n"
+        "F1205 12:09:44.566473   14404 client.h:80] Terminating process because the JAX distributed service detected fatal "
+        "errors. This most likely indicates that another task died; absl::Status: UNAVAILABLE: Failed to send RPC\n"
+        "Additional GRPC error information from remote target coordination_service while calling "
+        "/xla.coordination.CoordinationService/PollForError:\n"
+        ':UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}\n'
+    )
+    out = io.StringIO()
+    _pump(2, io.StringIO(abort + "E1205 12:09:44.566427   14404 other.cc:1] kept\n"), out)
+    assert out.getvalue() == "[rank 2] E1205 12:09:44.566427   14404 other.cc:1] kept\n"
+
+
 @pytest.mark.heavy
 def test_a_refused_analyze_target_prints_its_one_line_alone():
     pytest.importorskip("jax_plugins.xla_cuda12", reason="JAX's CUDA plugin is not installed (pip install -e '.[dev]')")

@@ -85,12 +85,24 @@ LEAKED_AT_A_KILL = re.compile(
     r".*resource_tracker\.py:\d+: UserWarning: resource_tracker: There appear to be \d+ leaked .*|\s+warnings\.warn\('resource_tracker: .*"
 )
 
+# A peer's abort when the coordination service's process (rank 0) dies: absl's error and fatal
+# lines and gRPC's detail. The launcher names the death and restarts in its own line; the abort
+# adds nothing to act on (kept at --log-level debug, e.g. for a network fault with every process alive).
+_ABSL_AT = r"[EF]\d{4} [\d:.]+\s+\d+ "
+PEERS_ABORT_AT_A_DEATH = re.compile(
+    _ABSL_AT + r"coordination_service_agent\.cc:\d+\] Polled an error from coordination service.*"
+    r"|" + _ABSL_AT + r"client\.h:\d+\] Terminating process because the JAX distributed service detected fatal errors.*"
+    r"|Additional GRPC error information from remote target coordination_service while calling .*"
+    r"|:UNKNOWN:Error received from peer .*grpc_status:14.*"
+)
+
 
 def _pump(rank: int, stream, out) -> None:
     chatter = GlooChatter()
     for line in iter(stream.readline, ""):
         # gloo's: a few per process and clique at start, with no switch; the coordination service's notice
-        noise = chatter(line) or is_plugin_noise(line) or LEAKED_AT_A_KILL.fullmatch(line.rstrip("\n"))
+        text = line.rstrip("\n")
+        noise = chatter(line) or is_plugin_noise(line) or LEAKED_AT_A_KILL.fullmatch(text) or PEERS_ABORT_AT_A_DEATH.fullmatch(text)
         if noise and not log.isEnabledFor(logging.DEBUG):
             continue
         end = "" if line.endswith("\n") else "\n"  # a killed process's last line may be cut short
