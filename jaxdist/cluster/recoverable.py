@@ -170,6 +170,20 @@ def peer_failure_text(error: BaseException) -> str | None:
     return None
 
 
+_ABANDONED: list = []  # the JAX client and service left without a shutdown: kept referenced, never destroyed
+
+
+def abandon_jax_shutdown() -> None:
+    """Make JAX's exit-time shutdown a no-op in a process leaving after a peer's death: the
+    client's ShutdownTask RPC fails there and the client aborts the process with a C++ check
+    failure (seen with jax 0.10). The caller then exits with ``os._exit`` (no destructors)."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    _ABANDONED.extend(x for x in (state.preemption_sync_manager, state.client, state.service) if x is not None)
+    state.preemption_sync_manager = state.client = state.service = None
+
+
 class Membership:
     """The processes that take part now: all of JAX's until a recovery shrinks the set."""
 

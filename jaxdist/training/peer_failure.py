@@ -68,7 +68,8 @@ def leave_for_a_restart(error: BaseException, run_dir: Path | None) -> int:
         f"boundary only; leaving for the launcher's restart (exit {EXIT_RECOVERY}){kept}",
         extra={"every_process": True},
     )
-    leave_past_abandoned_saves(EXIT_RECOVERY)
+    recoverable.abandon_jax_shutdown()  # its ShutdownTask would abort this process with a C++ stack
+    leave_past_abandoned_saves(EXIT_RECOVERY, always=True)
     return EXIT_RECOVERY
 
 

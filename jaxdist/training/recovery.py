@@ -485,15 +485,15 @@ def join_running(config, build_trainer, make_batches) -> tuple[Recovered, bool]:
     return grow(plan, config, list(jax.devices()), build_trainer, make_batches), plan.meter
 
 
-def leave_past_abandoned_saves(exit_code: int) -> None:
+def leave_past_abandoned_saves(exit_code: int, always: bool = False) -> None:
     """At the end of a recovered run: a checkpoint save the dead process took part in left Orbax
-    threads blocked in a barrier that waits for it (a C++ call no signal interrupts; its
-    timeout is minutes). Python's exit would join them, so a process that has any exits now,
-    after its exit handlers, with ``exit_code``; otherwise this returns."""
+    threads blocked in a barrier that waits for it (a C++ call no signal interrupts). Python's exit
+    would join them: with any (or ``always``) exit now, after the exit handlers, with ``exit_code``."""
     blocked = [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
-    if not blocked:
+    if not blocked and not always:
         return
-    log.info(f"exiting past the threads of a save abandoned at the recovery, still waiting for the dead process: {', '.join(blocked)}")
+    if blocked:
+        log.info(f"exiting past the threads of a save abandoned at the recovery, still waiting for the dead process: {', '.join(blocked)}")
     atexit._run_exitfuncs()  # what exit would run after joining the threads: logging, the stdout filter, JAX, Grain
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
