@@ -91,6 +91,29 @@ _seconds: collections.Counter = collections.Counter()
 
 def pytest_addoption(parser):
     parser.addoption("--record-file-seconds", action="store_true", help=f"write each test file's total seconds to {FILE_SECONDS.name}")
+    parser.addoption(
+        "--record-cpu-seconds",
+        metavar="PATH",
+        help="append each test's CPU seconds (its worker's and every process it started and waited for) to PATH, one JSON line each",
+    )
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Where the suite's CPU goes (wall seconds hide it: three workers share two cores)."""
+    path = item.config.getoption("--record-cpu-seconds")
+    before = _cpu_seconds() if path else 0.0
+    yield
+    if path:
+        with open(path, "a") as out:  # one short write per line: the workers' lines do not interleave
+            out.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - before, 2)}) + "\n")
 
 
 def pytest_collection_modifyitems(config, items):
