@@ -118,9 +118,27 @@ def test_the_kill_hook_takes_a_phase(spec, step, phase, monkeypatch):
 
 
 def test_a_kill_hook_at_an_unknown_phase_is_refused(monkeypatch):
-    monkeypatch.setenv(heartbeat.ENV_KILL, "1:5:compile")
-    with pytest.raises(JaxdistError, match="PHASE one of save, eval"):
+    monkeypatch.setenv(heartbeat.ENV_KILL, "1:5:save,2:0:lunch")
+    with pytest.raises(JaxdistError, match="PHASE one of start, init, compile, step, save, eval, gather, recovery, rejoin"):
         heartbeat._fault_point(heartbeat.ENV_KILL, 1)
+
+
+def test_several_kills_each_fire_once_in_turn(tmp_path, monkeypatch):
+    """Comma-separated kills: each of this rank's entries fires at its own point, at most once
+    with the once-file (a restarted set goes on to the next entry); other ranks' are not its."""
+    monkeypatch.setenv(heartbeat.ENV_KILL, "1:0:start,2:3,1:0:compile,1:7:save,1:*:rejoin")
+    monkeypatch.setenv(heartbeat.ENV_KILL_ONCE, str(tmp_path / "killed"))
+    assert heartbeat._fault_points(heartbeat.ENV_KILL, 1) == [(0, 0, "start"), (2, 0, "compile"), (3, 7, "save"), (4, None, "rejoin")]
+    monkeypatch.setenv(heartbeat.ENV_RANK, "1")
+    monkeypatch.setattr(heartbeat, "_kills", None)  # read again from this environment
+    kills = []
+    monkeypatch.setattr(heartbeat.os, "kill", lambda pid, sig: kills.append(sig))
+    for step, phase in [(0, "start"), (0, "init"), (0, "start"), (0, "compile"), (3, None), (7, "save"), (7, "save")]:
+        heartbeat._kill_if(step, phase)
+    heartbeat._kill_if(17, "rejoin")  # any step
+    heartbeat._kill_if(18, "rejoin")
+    assert kills == [heartbeat.signal.SIGKILL] * 4
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["killed.0", "killed.2", "killed.3", "killed.4"]
 
 
 def test_a_recovered_run_that_stops_on_an_error_exits_past_save_threads_waiting_for_the_dead(tmp_path, monkeypatch, exits):

@@ -235,6 +235,13 @@ class Elastic:
         if len(dead) != len(ended.failed):  # a survivor gave up (EXIT_RECOVERY says why) or a final error
             return False
         live_ranks = [r for r in range(gen.first_id, gen.first_id + gen.nproc) if r not in gen.lost and r not in dead]
+        rejoining = sorted(r for r in gen.replaced if beat_step(gen.beats, r) is None)
+        if rejoining:  # the live processes wait for it in the grow, which no death interrupts
+            log.info(
+                f"rank {', '.join(map(str, dead))} {describe_exit(ended.raw_code)} while rank {', '.join(map(str, rejoining))}'s "
+                "replacement was rejoining: the run restarts from its last checkpoint"
+            )
+            return False
         if any(beat_step(gen.beats, r) is None for r in live_ranks):  # recovery runs inside a step's live_devices
             log.info(
                 f"rank {', '.join(map(str, dead))} {describe_exit(ended.raw_code)} before every process had started its first step: "

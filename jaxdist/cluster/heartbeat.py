@@ -10,7 +10,10 @@ launcher's side. Without the variable the beats are no-ops.
 
 ``JAXDIST_FAULT_STALL_AT=RANK:STEP`` is a fault-injection hook for tests: that rank
 sleeps for good when it reaches that step, as a deadlocked process would;
-``JAXDIST_FAULT_KILL_AT=RANK:STEP`` SIGKILLs that rank there (a machine that dies mid-run).
+``JAXDIST_FAULT_KILL_AT=RANK:STEP`` SIGKILLs that rank there (a machine that dies mid-run), and
+``RANK:STEP:PHASE`` in a phase of that step (``FAULT_PHASES``; STEP 0 for the phases before the
+first step); several, comma-separated, kill in turn (with ``JAXDIST_FAULT_KILL_ONCE=FILE`` each
+at most once: entry i creates ``FILE.i``, so a restarted set goes on to the next).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from jaxdist.errors import JaxdistError
 
 ENV_DIR = "JAXDIST_HEARTBEAT_DIR"
 ENV_STALL = "JAXDIST_FAULT_STALL_AT"  # test-only fault injection: "RANK:STEP"
-ENV_KILL = "JAXDIST_FAULT_KILL_AT"  # test-only fault injection: "RANK:STEP", or "RANK:STEP:PHASE" (save, eval)
-ENV_KILL_ONCE = "JAXDIST_FAULT_KILL_ONCE"  # test-only: a file the kill creates first; once it exists, no more kills (restarts run clean)
+ENV_KILL = "JAXDIST_FAULT_KILL_AT"  # test-only fault injection: "RANK:STEP[:PHASE]", comma-separated
+ENV_KILL_ONCE = "JAXDIST_FAULT_KILL_ONCE"  # test-only: files the kills create first; an entry whose file exists kills no more
 ENV_RANK = "JAXDIST_PROCESS_ID"  # set by jaxdist.launch (jaxdist.cluster.distributed.ENV_PROCESS_ID)
 DUMP_SIGNAL = signal.SIGUSR1
 EVERY_PROCESS = {"every_process": True}  # this rank's own lines: said whatever its process index
@@ -57,7 +60,6 @@ class _Beat:
         directory = os.environ.get(ENV_DIR)
         self.rank = int(os.environ.get(ENV_RANK, "0") or 0)
         self.stall_step = _fault_step(ENV_STALL, self.rank)
-        self.kill_step, self.kill_phase = _fault_point(ENV_KILL, self.rank)
         self.first_step: int | None = None
         self.fd = None
         if directory:
@@ -68,14 +70,8 @@ class _Beat:
                     f"cannot write the launcher's heartbeat in {directory} ({e.strerror}); a hang will not be noticed", extra=EVERY_PROCESS
                 )
 
-    def kill_if(self, step: int, phase: str | None) -> None:
-        if step == self.kill_step and phase == self.kill_phase and _first_kill():
-            where = f"step {step}" if phase is None else f"the {phase} of step {step}"
-            log.info(f"fault injection ({ENV_KILL}): rank {self.rank} is killed at {where}", extra=EVERY_PROCESS)
-            os.kill(os.getpid(), signal.SIGKILL)
-
     def __call__(self, step: int) -> None:
-        self.kill_if(step, None)
+        _kill_if(step, None)
         if step == self.stall_step:
             log.info(f"fault injection ({ENV_STALL}): rank {self.rank} stalls at step {step}", extra=EVERY_PROCESS)
             while True:
@@ -86,16 +82,32 @@ class _Beat:
             os.pwrite(self.fd, b"%d %d\n" % (step, self.first_step), 0)
 
 
-FAULT_PHASES = ("save", "eval")
+# Where a kill can land besides a step's start: the process's start, after joining the
+# process group, as the first step compiles, while a step runs, a save, an evaluation, a
+# straggler window's gather, an in-process recovery and a replacement's rejoin under way.
+FAULT_PHASES = ("start", "init", "compile", "step", "save", "eval", "gather", "recovery", "rejoin")
 
 
-def _first_kill() -> bool:
-    """No ``JAXDIST_FAULT_KILL_ONCE`` file, or this call created it: the kill happens."""
+_kills: list[tuple[int, int | None, str | None]] | None = None  # this rank's (entry, step, phase), read once
+
+
+def _kill_if(step: int, phase: str | None) -> None:
+    global _kills
+    if _kills is None:
+        _kills = _fault_points(ENV_KILL, int(os.environ.get(ENV_RANK, "0") or 0))
+    if any(s in (step, None) and p == phase and _first_kill(entry) for entry, s, p in _kills):
+        where = f"step {step}" if phase is None else f"the {phase} of step {step}" if step else f"its {phase} (before its first step)"
+        log.info(f"fault injection ({ENV_KILL}): rank {os.environ.get(ENV_RANK, '0')} is killed at {where}", extra=EVERY_PROCESS)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _first_kill(entry: int) -> bool:
+    """No ``JAXDIST_FAULT_KILL_ONCE`` file, or this call created entry's: the kill happens."""
     once = os.environ.get(ENV_KILL_ONCE)
     if not once:
         return True
     try:
-        os.close(os.open(once, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.close(os.open(f"{once}.{entry}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except FileExistsError:
         return False
     return True
@@ -109,16 +121,26 @@ def _fault_step(variable: str, rank: int) -> int | None:
 
 
 def _fault_point(variable: str, rank: int) -> tuple[int | None, str | None]:
-    """(step, phase) of ``variable``'s "RANK:STEP[:PHASE]" when RANK is ``rank``, else (None, None)."""
+    """(step, phase) of ``variable``'s first "RANK:STEP[:PHASE]" for ``rank``, else (None, None)."""
+    points = _fault_points(variable, rank)
+    return points[0][1:] if points else (None, None)
+
+
+def _fault_points(variable: str, rank: int) -> list[tuple[int, int, str | None]]:
+    """(entry, step, phase) of each of ``variable``'s comma-separated "RANK:STEP[:PHASE]" for ``rank``."""
     spec = os.environ.get(variable)
-    if not spec:
-        return None, None
-    fault_rank, step, *phase = spec.split(":")
-    if not (fault_rank.isdigit() and step.isdigit()) or len(phase) > 1 or (phase and phase[0] not in FAULT_PHASES):
-        raise JaxdistError(
-            f"{variable}={spec!r}: expected RANK:STEP or RANK:STEP:PHASE, PHASE one of {', '.join(FAULT_PHASES)} (a fault-injection hook for tests)"
-        )
-    return (int(step), phase[0] if phase else None) if int(fault_rank) == rank else (None, None)
+    points = []
+    for entry, point in enumerate(spec.split(",") if spec else ()):
+        fault_rank, step, *phase = point.split(":")
+        any_step = step == "*" and bool(phase)  # e.g. a rejoin, at whichever step the replacement connects
+        if not (fault_rank.isdigit() and (step.isdigit() or any_step)) or len(phase) > 1 or (phase and phase[0] not in FAULT_PHASES):
+            raise JaxdistError(
+                f"{variable}={spec!r}: expected RANK:STEP or RANK:STEP:PHASE (comma-separated; STEP * with a PHASE: any step), PHASE one of "
+                f"{', '.join(FAULT_PHASES)} (a fault-injection hook for tests)"
+            )
+        if int(fault_rank) == rank:
+            points.append((entry, None if any_step else int(step), phase[0] if phase else None))
+    return points
 
 
 _beat: _Beat | None = None
@@ -132,11 +154,11 @@ def beat(step: int) -> None:
     _beat(step)
 
 
-def fault_point(phase: str, step: int) -> None:
-    """The loop enters ``phase`` (one of FAULT_PHASES) of ``step``: where a test's
-    ``JAXDIST_FAULT_KILL_AT=RANK:STEP:PHASE`` kills this process."""
-    if _beat is not None:
-        _beat.kill_if(step, phase)
+def fault_point(phase: str, step: int = 0) -> None:
+    """The process enters ``phase`` (one of FAULT_PHASES) of ``step``: where a test's
+    ``JAXDIST_FAULT_KILL_AT=RANK:STEP:PHASE`` kills it (without the variable: nothing)."""
+    if os.environ.get(ENV_KILL):
+        _kill_if(step, phase)
 
 
 def install_stack_dump() -> None:

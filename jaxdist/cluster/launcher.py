@@ -14,6 +14,7 @@ generations of ``Launcher``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -38,7 +39,7 @@ from jaxdist.cluster.distributed import (
     EXIT_PORT_TAKEN,
     GlooChatter,
 )
-from jaxdist.cluster.heartbeat import DUMP_SIGNAL, ENV_DIR, ProgressWatch, Stall
+from jaxdist.cluster.heartbeat import DUMP_SIGNAL, ENV_DIR, ProgressWatch, Stall, beat_path
 from jaxdist.cluster.lifetime import die_with_parent
 from jaxdist.cluster.recoverable import ENV_PEER_TIMEOUT, ENV_RECOVERY, ENV_REJOIN, open_slot_path
 from jaxdist.errors import EXIT_PREEMPTED, JaxdistError
@@ -247,6 +248,8 @@ class Launcher:
     def replace(self, rank: int) -> None:
         """Start a replacement for the lost ``rank``: it rejoins the live processes in-process."""
         os.unlink(open_slot_path(self.beats, rank))
+        with contextlib.suppress(FileNotFoundError):  # no beat until its own first step: it is still rejoining
+            os.unlink(beat_path(self.beats, rank))
         self.procs[rank - self.first_id].wait()
         self.procs[rank - self.first_id] = self._spawn(rank, {**self._env(rank), ENV_REJOIN: "1"})
         self.lost.discard(rank)

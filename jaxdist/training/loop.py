@@ -145,6 +145,7 @@ def train_loop(
                 del batch
                 if stragglers is not None:  # this step's own host work: its data and its dispatch
                     stragglers.host_work(waited + time.perf_counter() - dispatch_start)
+            fault_point("step", step)  # the step dispatched (under in-process recovery: done)
             pending.append(metrics)
             if deferred is not None:  # the previous log point, now that this step is queued behind it
                 write_window(*deferred, next_running=True)

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from jaxdist.cluster import recoverable
+from jaxdist.cluster.heartbeat import fault_point
 from jaxdist.errors import EXIT_RECOVERY, JaxdistError
 from jaxdist.training.rejoin_hold import POLL_S, RejoinHold
 
@@ -146,8 +147,7 @@ def mesh_on(config, n_devices: int) -> dict[str, int]:
 
 
 def reshard_from_survivors(state: Any, shardings: Any) -> tuple[Any, int]:
-    """``state`` on ``shardings`` (the new mesh) from the shards this process holds; the
-    number of shards it needed and does not hold (0: complete)."""
+    """``state`` on ``shardings`` (the new mesh) from this process's shards; how many it lacked (0: complete)."""
     import jax
     from jax.sharding import SingleDeviceSharding
 
@@ -197,6 +197,7 @@ def recover(lost: PeerLost, config, all_devices: list, build_trainer, make_batch
     if 0 not in survivors:  # unreachable in practice: the coordination service died with it
         raise RecoveryImpossible("process 0 died: it holds the coordination service, so the run restarts from its last checkpoint")
     membership.shrink_to(survivors)
+    fault_point("recovery", lost.step)
     sizes = mesh_on(config, len(live))
     start = time.perf_counter()
     trainer = build_trainer(sizes, _device_order(live, sizes, membership))
@@ -328,6 +329,7 @@ def grow(plan: JoinPlan, config, all_devices: list, build_trainer, make_batches,
 
     membership = recoverable.MEMBERSHIP
     membership.change_to(plan.processes, plan.epoch)
+    fault_point("rejoin", plan.step)
     by_id = {d.id: d for d in all_devices}
     order = [by_id[i] for i in plan.order]
     sizes = mesh_on(config, len(order))
@@ -476,8 +478,7 @@ def train_recovering(
 
 
 def join_running(config, build_trainer, make_batches) -> tuple[Recovered, bool]:
-    """A replacement (``JAXDIST_REJOIN``), connected and announced: its part of the grow; and
-    whether the run measures energy (the replacement then takes part in its gathers)."""
+    """A replacement, connected and announced: its part of the grow; and whether the run measures energy."""
     import jax
 
     plan = read_join_plan()
@@ -495,6 +496,5 @@ def leave_past_abandoned_saves(exit_code: int, always: bool = False) -> None:
     if blocked:
         log.info(f"exiting past the threads of a save abandoned at the recovery, still waiting for the dead process: {', '.join(blocked)}")
     atexit._run_exitfuncs()  # what exit would run after joining the threads: logging, the stdout filter, JAX, Grain
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+    sys.stdout.flush(), sys.stderr.flush()
     os._exit(exit_code)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from jaxdist.cli import config_from_args
 from jaxdist.cluster import recoverable
+from jaxdist.cluster.heartbeat import fault_point
 from jaxdist.config import Config, is_frozen
 from jaxdist.errors import EXIT_OK, JaxdistError
 from jaxdist.layout.mesh import MeshSizes, parse_mesh
@@ -47,6 +48,7 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
     from jaxdist.cluster.supervise import SUPERVISED_ENV
 
     install_stack_dump()  # under jaxdist.launch: SIGUSR1 prints the Python stacks of a stalled process
+    fault_point("start")
     if args.profile_steps is not None:
         args.overrides.append(f"train.profile_steps={args.profile_steps}")
     config = config_from_args(args)
@@ -117,6 +119,7 @@ def _join(args: argparse.Namespace, config: Config, run_dir: Path, durable: str 
     )
     prepare_devices(plan.config, num_processes)
     initialize(group)
+    fault_point("init")
     if recoverable.rejoining():  # a replacement: into the survivors' next step boundary at once (they wait for it)
         import jax
 
@@ -311,6 +314,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
             else:
                 first = next(batches)
                 compile_start = time.perf_counter()
+                fault_point("compile")
                 step_fn = trainer.compile_step(state, first)
                 log.info(f"train step compiled in {time.perf_counter() - compile_start:.1f}s")
                 meter, no_meter = agree_on_meter(*open_meter(devices))

@@ -35,6 +35,7 @@ import threading
 import time
 
 from jaxdist.cluster import recoverable
+from jaxdist.cluster.heartbeat import fault_point
 from jaxdist.errors import JaxdistError
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class StragglerWatch:
 
         steps, step_s = self.window, statistics.median(self.step_times or [0.0])  # a step's median: saves and evals left out
         live = recoverable.MEMBERSHIP.live_processes()  # all of them, unless an in-process recovery left some out
+        fault_point("gather", step)
         if self.hosts is None or len(self.hosts) != len(live):
             name = socket.gethostname().encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
             gathered = recoverable.process_allgather(np.frombuffer(name, np.uint8), "straggler-hosts")
