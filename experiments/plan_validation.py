@@ -277,10 +277,12 @@ def gpu_table(rows: list[dict]) -> str:
         f"Median absolute error **{statistics.median(errors):.0%}** over {len(rows)} runs; "
         f"{sum(e <= 0.15 for e in errors)} of {len(rows)} within 15%.",
         "",
-        "| run | hardware | metric | published | predicted | error | predicted MFU | XLA:GPU peak | where a step's time goes (predicted, per device) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | hardware | metric | published | predicted | jaxdist predicted / anchor published | error | predicted MFU | XLA:GPU peak "
+        "| where a step's time goes (predicted, per device) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(
-            f"| {r['name']} | {r['hardware']} | {r['metric']} | {r['published']:,} | {_figure(r['predicted'])} | {r['error']:+.0%} "
+            f"| {r['name']} | {r['hardware']} | {r['metric']} | {r['published']:,} | {_figure(r['predicted'])} "
+            f"| {r['predicted'] / r['published']:.2f} | {r['error']:+.0%} "
             f"| {r['mfu']:.0%} | {r['peak_gib']:.1f} GiB | {r['parts']} |"
             for r in rows
         ),

@@ -144,6 +144,38 @@ def test_the_overlap_check_bites_without_the_latency_hiding_scheduler_on_an_a100
     assert without["collectives"]["reduce-scatter"]["overlapped_fraction"] < 0.8
 
 
+# Megatron-LM's 1.7B GPT (experiments/plan_validation.py's row) with 4 of its 24 layers: the
+# scanned layer pair's schedule, not the depth, decides what the gradient all-reduces overlap
+MEGATRON_1P7B_DP = (
+    "model.vocab_size=131072", "model.d_model=2048", "model.n_layers=4", "model.n_heads=16", "model.n_kv_heads=16",
+    "model.mlp_dim=5464", "train.seq_len=4096", "train.global_batch=192", "parallel.strategy=dp", "model.remat=save_matmuls",
+)  # fmt: skip
+OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+
+
+def most_in_flight(hlo: str) -> int:
+    """The most async all-reduces any computation of the program holds open at once."""
+    most = 0
+    for body in parse_hlo(hlo).computations.values():
+        open_now = 0
+        for instruction in body:
+            open_now += {"all-reduce-start": 1, "all-reduce-done": -1}.get(instruction.opcode, 0)
+            most = max(most, open_now)
+    return most
+
+
+def test_data_parallel_gradients_of_a_layer_pair_reduce_together_across_hosts():
+    """Data parallelism over 48 H100s (6 hosts): with jaxdist's flags the backward's scanned layer
+    pair holds both its gradient all-reduces open across the pair's compute, and XLA:GPU's
+    schedule, priced by the planner, exposes less of them than with XLA's default of one
+    collective in flight (where the second starts one GEMM before the pair ends)."""
+    with_flags = compile_target(None, "data=48", 48, MEGATRON_1P7B_DP)
+    one_at_a_time = compile_target(None, "data=48", 48, MEGATRON_1P7B_DP, extra={OVERLAP_LIMIT: 1})
+    assert with_flags[1]["xla_flags"][OVERLAP_LIMIT] == "2" and one_at_a_time[1]["xla_flags"][OVERLAP_LIMIT] == "1"
+    assert most_in_flight(with_flags[2]) >= 2 and most_in_flight(one_at_a_time[2]) == 1
+    assert with_flags[1]["collectives"]["all-reduce"]["exposed_s"] < 0.95 * one_at_a_time[1]["collectives"]["all-reduce"]["exposed_s"]
+
+
 def host_crossing(hlo: str, mesh_shape: dict[str, int], hosts: np.ndarray) -> list[tuple[str, tuple[str, ...], bool]]:
     """(kind, mesh axes spanned, whether some group holds devices of two hosts) per collective;
     ``hosts[k]`` is the host of the program's k-th device (the mesh's devices in order)."""

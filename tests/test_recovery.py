@@ -302,3 +302,41 @@ def test_a_death_off_a_step_boundary_restarts_and_ends_on_the_uninterrupted_loss
     assert set(logged) == set(range(1, STEPS + 1))
     np.testing.assert_allclose([logged[s] for s in range(1, STEPS + 1)], reference_losses, rtol=1e-5)
     assert _left_behind(str(run_dir)) == []
+
+
+# Deaths in every phase under --recovery in-process, each reached by the fault hook (not a race),
+# several per run: each kill fires once, and the run goes on to the next. A death before every
+# process's first step, in a recovery or rejoin under way, or of rank 0 restarts; one in a step
+# recovers in-process. Each run ends 0 on the uninterrupted losses with nothing left running.
+PHASE_RUNS = {
+    "start-then-rank-0-compile": "1:0:start,0:0:compile",
+    "rank-0-init-then-first-step": "0:0:init,1:1:step",
+    "recovery-under-way-then-rank-0-gather": "1:5,2:5:recovery,0:10:gather",
+    "replacement-dies-rejoining-then-gather": "1:5,1:*:rejoin,1:10:gather",
+    "rank-0-dies-in-a-rejoin": "1:5,0:*:rejoin",
+}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("kills", PHASE_RUNS.values(), ids=PHASE_RUNS.keys())
+def test_a_death_in_any_phase_recovers_or_restarts_and_ends_on_the_uninterrupted_losses(kills, tmp_path, reference_losses):
+    run_dir = tmp_path / "run"
+    env = {**subprocess_env(), "JAXDIST_FAULT_KILL_AT": kills, "JAXDIST_FAULT_KILL_ONCE": str(tmp_path / "killed"), TAG: str(run_dir)}
+    env["JAXDIST_FAULT_HOLD_FOR_REJOIN"] = "8"  # after a recovery, the live processes wait for its replacement before step 8
+    launch_flags = [*LAUNCH[:3], "1", *LAUNCH[4:], "--max-restarts", "10"]  # --min-nproc 1: two restarts leave one process
+    extra = ["train.straggler_window=5"]  # a straggler window's gather at steps 5 and 10
+    cmd = [sys.executable, "-m", "jaxdist.launch", *launch_flags, "--", "--mesh", "data=-1", "--run-dir", str(run_dir), *OVERRIDES, *extra]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    fired = [x for x in out.splitlines() if "fault injection (JAXDIST_FAULT_KILL_AT)" in x]
+    assert len(fired) == len(kills.split(",")) == len(list(tmp_path.glob("killed.*"))), out[-4000:]  # every kill landed, once
+    assert "Traceback" not in out and "Check failure" not in out, out[-4000:]
+    changes = membership_changes(run_dir)
+    assert {c["reason"] for c in changes} <= {"start", "in-process", "rejoin", "failure"}, changes
+    # a recovery or a restart for each death; one restart for a death and the recovery it cut short
+    assert 1 <= sum(c["reason"] in ("in-process", "failure") for c in changes) <= len(fired), changes
+    logged = dict(_logged_losses(run_dir))  # a restart runs the steps since its checkpoint again: the last of each
+    assert set(logged) == set(range(1, STEPS + 1))
+    np.testing.assert_allclose([logged[s] for s in range(1, STEPS + 1)], reference_losses, rtol=1e-5)
+    assert _left_behind(str(run_dir)) == []
