@@ -162,3 +162,47 @@ def test_a_recovered_run_that_stops_on_an_error_exits_past_save_threads_waiting_
     monkeypatch.setattr(recoverable.MEMBERSHIP, "processes", None)  # no recovery: a plain exit
     assert jaxdist.train.main(argv) == CheckpointError.exit_code
     assert exits == [CheckpointError.exit_code]
+
+
+def test_a_commit_thread_that_lost_its_peers_logs_one_line_and_keeps_the_traceback(tmp_path, monkeypatch):
+    """What Orbax's background commit thread logs when rank 0 (the coordination service) dies
+    mid-commit: a TimeoutError raised from the runtime's UNAVAILABLE. The filter makes it one
+    line naming the cause and the file that keeps the traceback; an unrelated failure's record
+    keeps its traceback."""
+    import io
+    import logging
+
+    from jaxdist.training.peer_failure import quiet_lost_peer_tracebacks
+
+    monkeypatch.setenv("JAXDIST_PROCESS_ID", "2")
+    absl = logging.getLogger("absl")
+    monkeypatch.setattr(absl, "filters", [])
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    absl.addHandler(handler)
+    try:
+        quiet_lost_peer_tracebacks(tmp_path)
+        quiet_lost_peer_tracebacks(tmp_path)  # once per process
+        assert len(absl.filters) == 1
+        try:
+            try:
+                raise RuntimeError("UNAVAILABLE: Failed to send RPC to coordination service. Either the leader task was preempted/died")
+            except RuntimeError as cause:
+                raise TimeoutError("Timed out while waiting for async_write_complete barrier.") from cause
+        except TimeoutError:
+            absl.exception("[process=2] Failed to run 4 Handler Commit operations in background save thread")
+        try:
+            raise ValueError("a disk full of something else")
+        except ValueError:
+            absl.exception("[process=2] Failed to run 4 Handler Commit operations in background save thread")
+    finally:
+        absl.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    kept = tmp_path / "peer-failure.rank-2.txt"
+    assert lines[0] == (
+        "a checkpoint's background commit lost a peer process (UNAVAILABLE: Failed to send RPC to coordination service. "
+        f"Either the leader task was preempted/died); its traceback is in {kept}"
+    )
+    assert "Timed out while waiting for async_write_complete barrier" in kept.read_text()
+    assert lines[1].endswith("background save thread") and lines[2] == "Traceback (most recent call last):"
+    assert lines[-1] == "ValueError: a disk full of something else"

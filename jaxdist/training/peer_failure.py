@@ -53,15 +53,7 @@ def leave_for_a_restart(error: BaseException, run_dir: Path | None) -> int:
     save thread still waiting for the dead process)."""
     from jaxdist.training.recovery import leave_past_abandoned_saves
 
-    rank = int(os.environ.get(ENV_PROCESS_ID, "0") or 0)
-    kept = ""
-    if run_dir is not None:
-        path = Path(run_dir) / f"peer-failure.rank-{rank}.txt"
-        try:
-            path.write_text("".join(traceback.format_exception(error)))
-            kept = f"; its traceback is in {path}"
-        except OSError:
-            pass
+    kept = _keep_traceback(error, run_dir)
     first = (recoverable.peer_failure_text(error) or type(error).__name__)[:200]
     log.error(
         f"a peer process was lost during {phase_of(error)} ({first}): in-process recovery takes deaths at a step "
@@ -81,3 +73,42 @@ def exit_past_abandoned_saves(exit_code: int) -> None:
         from jaxdist.training.recovery import leave_past_abandoned_saves
 
         leave_past_abandoned_saves(exit_code)
+
+
+def _keep_traceback(error: BaseException, run_dir: Path | None) -> str:
+    """Append ``error``'s traceback to ``RUN_DIR/peer-failure.rank-I.txt``; "; its traceback is in PATH" or ""."""
+    if run_dir is None:
+        return ""
+    path = Path(run_dir) / f"peer-failure.rank-{int(os.environ.get(ENV_PROCESS_ID, '0') or 0)}.txt"
+    try:
+        with open(path, "a") as out:
+            out.write("".join(traceback.format_exception(error)))
+    except OSError:
+        return ""
+    return f"; its traceback is in {path}"
+
+
+class _LostPeerTracebacks(logging.Filter):
+    """Orbax's background commit thread logs its failure with a traceback (on absl's logger) when
+    the processes its barrier waits for are gone: one line instead, the traceback kept with the
+    others. Any other record, and a failure whose cause is not a lost peer, passes unchanged."""
+
+    def __init__(self, run_dir: Path | None):
+        super().__init__()
+        self.run_dir = run_dir
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        text = recoverable.peer_failure_text(error) if error is not None else None
+        if text is not None:
+            kept = _keep_traceback(error, self.run_dir)
+            record.msg, record.args = f"a checkpoint's background commit lost a peer process ({text[:200]}){kept}", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_lost_peer_tracebacks(run_dir: Path | None) -> None:
+    """Install ``_LostPeerTracebacks`` on absl's logger (Orbax logs there), once per process."""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _LostPeerTracebacks) for f in absl.filters):
+        absl.addFilter(_LostPeerTracebacks(run_dir))

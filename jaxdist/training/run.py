@@ -62,6 +62,9 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
         from jaxdist.training.checkpoint_tiers import prepare_local_tier
 
         prepare_local_tier(run_dir, durable, args.resume)
+    from jaxdist.training.peer_failure import quiet_lost_peer_tracebacks
+
+    quiet_lost_peer_tracebacks(run_dir)  # a peer's death mid-commit: Orbax's thread prints one line, not a traceback
     if recoverable.in_process_recovery():
         from jaxdist import errors
         from jaxdist.training.peer_failure import exit_past_abandoned_saves
