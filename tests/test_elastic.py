@@ -111,6 +111,7 @@ def test_survivors_that_die_before_a_step_past_their_recovery_restart_without_lo
 
     class Set:
         lost: set[int] = set()
+        replaced: set[int] = set()  # no replacement rejoining
         beats, first_id, nproc = tmp_path, 0, 4
 
     def beats(*steps):
@@ -140,6 +141,32 @@ def test_survivors_that_die_before_a_step_past_their_recovery_restart_without_lo
     assert elastic._recovers_in_process(Set, killed, 4)
     beats(7, 7, 7, 5)
     assert elastic._recovers_in_process(Set, aborted, 4) and Set.lost == {2, 3} and elastic.capacity == 2
+
+
+def test_a_death_while_a_replacement_rejoins_restarts_at_once(tmp_path, capsys):
+    """--recovery in-process: rank 1's replacement is still rejoining (started, no step of its
+    own yet) when it, or a live process, dies. The live processes wait for it at the grow's
+    barrier, which no death interrupts: a restart at once, not a recovery they cannot start."""
+    from jaxdist.cluster.heartbeat import beat_path
+
+    class Set:
+        lost: set[int] = set()
+        replaced = {1}
+        beats, first_id, nproc = tmp_path, 0, 3
+
+    for rank in (0, 2):  # the replacement's beat file is gone until its own first step
+        beat_path(tmp_path, rank).write_text("9 1")
+    flags = ["--nproc", "3", "--min-nproc", "1", "--devices-per-proc", "1", "--recovery", "in-process", "--max-restarts", "10"]
+    argv = [*flags, "--", "--mesh", "data=-1", *OVERRIDES, "--run-dir", str(tmp_path / "run")]
+    for dead in (1, 2):
+        elastic = elastic_launch.Elastic(launch.elastic_plan(launch.parse_args(argv)))
+        ended = launcher.Ended("failure", 137, rank=dead, raw_code=-signal.SIGKILL, failed=[(dead, -signal.SIGKILL)])
+        assert not elastic._recovers_in_process(Set, ended, 3) and Set.lost == set()
+        said = f"rank {dead} was killed by SIGKILL while rank 1's replacement was rejoining: the run restarts from its last checkpoint"
+        assert said in capsys.readouterr().err
+    beat_path(tmp_path, 1).write_text("10 10")  # its first step: it has rejoined, a death is recovered again
+    ended = launcher.Ended("failure", 137, rank=2, raw_code=-signal.SIGKILL, failed=[(2, -signal.SIGKILL)])
+    assert elastic_launch.Elastic(launch.elastic_plan(launch.parse_args(argv)))._recovers_in_process(Set, ended, 3)
 
 
 def test_a_save_for_the_file_picks_the_largest_usable_count(tmp_path):

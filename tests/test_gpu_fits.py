@@ -55,7 +55,9 @@ def compile_target(name: str, mesh: str, gpus: int, overrides=(), extra=None, ta
 
 def fsdp_overlap_problems(report: dict, axis: str = "fsdp") -> list[str]:
     """What keeps FSDP's gathers and scatters from being hidden: a kind that is missing (none over
-    ``axis``), runs synchronously in part, or has at most 80% of its bytes overlapped."""
+    ``axis``), has more than one synchronous collective (XLA makes one synchronous when its
+    schedule leaves no compute for its window: the 70B pick's last gradient scatter, with two
+    collectives allowed in flight), or has at most 80% of its bytes overlapped."""
     problems = []
     for kind in FSDP_KINDS:
         entry = report["collectives"][kind]
@@ -65,7 +67,7 @@ def fsdp_overlap_problems(report: dict, axis: str = "fsdp") -> list[str]:
         if entry["count"] == 0 or over_axis == 0:
             problems.append(f"no {kind} over {axis}")
             continue
-        if entry["async"] != entry["count"]:
+        if entry["async"] < entry["count"] - 1:
             problems.append(f"{kind}: {entry['async']} of {entry['count']} asynchronous")
         if not entry["overlapped_fraction"] > 0.8:
             problems.append(f"{kind}: overlapped_fraction {entry['overlapped_fraction']:.2f}")
@@ -119,6 +121,9 @@ def test_llama3_70b_on_64_gpus_with_the_planners_pick_fits_and_hides_its_fsdp_co
     assert report["mesh"]["fsdp"] * report["mesh"]["tensor"] * report["mesh"]["data"] == 64
     assert_fits(report)
     assert fsdp_overlap_problems(report) == []
+    # priced by the planner: the gradient scatters hide behind the backward (24% of the step was
+    # exposed with one collective in flight at a time, 2% with two)
+    assert report["collectives"]["reduce-scatter"]["exposed_s"] < 0.1 * report["step_s"], report["collectives"]["reduce-scatter"]
 
 
 def test_llama3_8b_128k_on_its_documented_mesh_fits(llama8b_128k):
