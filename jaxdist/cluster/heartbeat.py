@@ -126,7 +126,7 @@ def _fault_point(variable: str, rank: int) -> tuple[int | None, str | None]:
     return points[0][1:] if points else (None, None)
 
 
-def _fault_points(variable: str, rank: int) -> list[tuple[int, int, str | None]]:
+def _fault_points(variable: str, rank: int) -> list[tuple[int, int | None, str | None]]:
     """(entry, step, phase) of each of ``variable``'s comma-separated "RANK:STEP[:PHASE]" for ``rank``."""
     spec = os.environ.get(variable)
     points = []
