@@ -10,13 +10,15 @@ or (one kill in four) the launcher alone, after which the same command is starte
 scheduler would (it resumes from the run directory). A run that finishes before the kills are
 spent is followed by a fresh one. After each run: its logged losses (the last logged value of
 each step: a restart trains the steps since its checkpoint again) against an uninterrupted
-one-device run's (rtol 1e-5), and the processes it started still alive 30 s after its
-launcher ended (orphans; killed then).
+one-device run's (rtol 1e-5), the processes it started still alive 30 s after its
+launcher ended (orphans; killed then), and the Python tracebacks and C++ check failures its
+output shows (the launcher's, with its processes' lines).
 
 Per kill: what the victim was doing (``start-up`` before its first step, ``step`` once it
 beats, or the ``launcher``), how the run went on (``in-process``, ``restart``, ``relaunch``
 after a launcher kill, or ``none`` when it ended first), and the seconds from the kill until
-the run logged a step past the furthest it had reached (the time the kill cost).
+the run logged a step past the furthest it had reached once the launcher had reacted to the
+death (the time the kill cost).
 """
 
 from __future__ import annotations
@@ -111,6 +113,11 @@ def _beat_started(trainer: psutil.Process) -> bool:
         return False
 
 
+def _launcher_said(log_path: Path, offset: int) -> bool:
+    """Whether the launcher wrote a line of its own (not a trainer's ``[rank R]``) since ``offset``."""
+    return any(line.startswith("jaxdist: ") for line in log_path.read_text(errors="replace")[offset:].splitlines())
+
+
 def _how_it_went_on(log_path: Path, offset: int) -> str:
     text = log_path.read_text()[offset:]
     if "recover in-process" in text:
@@ -150,7 +157,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument(
-        "--nproc", type=int, default=4, help="processes at the start (each death costs a slot; in-process needs 2 survivors)"
+        "--nproc",
+        type=int,
+        default=4,
+        help="processes at the start (in-process needs 2 survivors; the default mode loses a slot per death)",
     )
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -193,11 +203,19 @@ def main(argv=None) -> int:
                 killed_at = time.monotonic()
                 kill = {"run": run_dir.name, "victim": victim, "phase": phase, "at_step": furthest}
                 kills.append(kill)
-                # how it went on, and what it cost: until a step past the furthest is logged
-                while max(_logged(run_dir), default=0) <= furthest and time.monotonic() - killed_at < 600:
+                # how it went on, and what it cost: once the launcher has said what it does about the
+                # death (a step in flight may still be logged before the others notice), until a
+                # step past the furthest logged by then
+                reacted_at = None
+                while time.monotonic() - killed_at < 600:
                     if launcher is None:
                         launcher, run["launches"] = _launch(args, run_dir, log), run["launches"] + 1
                     if launcher.poll() is not None:
+                        break
+                    logged_max = max(_logged(run_dir), default=0)
+                    if reacted_at is None and (victim == "launcher" or _launcher_said(log_path, offset)):
+                        reacted_at = max(logged_max, furthest)
+                    if reacted_at is not None and logged_max > reacted_at:
                         break
                     time.sleep(0.2)
                 kill["cost_s"] = round(time.monotonic() - killed_at, 1)
@@ -208,6 +226,9 @@ def main(argv=None) -> int:
             run["exit"] = launcher.returncode
             run["orphans"] += _orphans(run_dir)
         logged = _logged(run_dir)
+        text = log_path.read_text(errors="replace")
+        # what a user would see besides the one-line errors: Python tracebacks and C++ check failures
+        run["tracebacks"] = text.count("Traceback (most recent call last)") + text.count("Check failure")
         run["steps_logged"] = len(logged)
         run["finished"] = run["exit"] == 0 and sorted(logged) == list(range(1, args.steps + 1))
         if run["finished"]:
@@ -229,8 +250,10 @@ def main(argv=None) -> int:
             )
     good = [r for r in runs if r.get("matches_uninterrupted")]
     orphans = sum(r["orphans"] for r in runs)
+    tracebacks = sum(r["tracebacks"] for r in runs)
     print(
-        f"\n{len(kills)} kills over {len(runs)} run(s): {len(good)} of {len(runs)} finished on the uninterrupted losses (rtol 1e-5); {orphans} orphaned processes"
+        f"\n{len(kills)} kills over {len(runs)} run(s): {len(good)} of {len(runs)} finished on the uninterrupted losses (rtol 1e-5); "
+        f"{orphans} orphaned processes; {tracebacks} tracebacks or C++ check failures printed"
     )
     return 0 if len(good) == len(runs) and orphans == 0 else 1
 

@@ -89,6 +89,7 @@ def _planned(tmp_path, *flags: str) -> elastic_launch.Elastic:
 
 
 def test_each_failure_loses_a_slot_until_min_or_the_restarts_run_out(tmp_path, capsys):
+    """The default mode (--recovery restart): a dead process's slot is lost."""
     killed = launcher.Ended("failure", 137, rank=3, raw_code=-signal.SIGKILL)
     elastic = _planned(tmp_path)
     assert elastic._next_count(killed, 4) == 2  # 3 cannot split the batch
@@ -104,9 +105,10 @@ def test_each_failure_loses_a_slot_until_min_or_the_restarts_run_out(tmp_path, c
 def test_survivors_that_die_before_a_step_past_their_recovery_restart_without_losing_their_slots(tmp_path, capsys):
     """--recovery in-process, 4 processes: rank 3 is killed at step 5 and the others are told to
     recover; they die before any starts step 6 (the recovery came while they compiled). That is a
-    failed recovery: a restart on the 3 slots left (2 by the batch), not 1 slot lost per death
-    until --min-nproc cannot be met. A death before every process has started its first step is
-    a restart at once (recovery runs inside a step)."""
+    failed recovery: one restart, on the set's 4 slots (a dead process is replaced, as it would
+    have rejoined the recovery), not 1 slot lost per death until --min-nproc cannot be met. A
+    death before every process has started its first step is a restart at once (recovery runs
+    inside a step)."""
     from jaxdist.cluster.heartbeat import beat_path
 
     class Set:
@@ -133,7 +135,8 @@ def test_survivors_that_die_before_a_step_past_their_recovery_restart_without_lo
     aborted = launcher.Ended("failure", 134, rank=2, raw_code=-signal.SIGABRT, failed=[(2, -signal.SIGABRT)])
     assert not elastic._recovers_in_process(Set, aborted, 4)
     assert "the in-process recovery did not get under way (rank 2 was killed by SIGABRT): restarting" in capsys.readouterr().err
-    assert elastic._next_count(aborted, 4 - len(Set.lost)) == 2 and elastic.capacity == 3
+    assert elastic._next_count(aborted, 4 - len(Set.lost)) == 4 and elastic.capacity == 4 and elastic.restarts == 1
+    assert elastic._next_count(killed, 4) == 4  # a later death in a step: a restart, still on every slot
     # once a survivor starts a later step the recovery worked: a death then is a lost slot again
     elastic = planned()
     Set.lost = set()

@@ -90,6 +90,55 @@ def test_the_launcher_drops_a_peers_abort_when_the_coordination_service_dies():
     assert out.getvalue() == "[rank 2] E1205 12:09:44.566427   14404 other.cc:1] kept\n"
 
 
+def test_the_launcher_drops_the_abort_stack_only_after_the_coordination_services_loss():
+    """Seen in a random-kill run (rank 0 killed during an in-process recovery): the preemption
+    notifier's two lines, then absl's check-failure stack under the fatal line. The same stack
+    with no such loss before it (a real crash) is kept."""
+    preemption = (
+        "W1205 17:20:33.130491   24357 preemption_sync_manager.cc:147] Failed to retrieve preemption notice from "
+        "coordination service: UNAVAILABLE: Socket closed\n"
+        "E1205 17:20:33.130520   24357 preemption_sync_manager.cc:159] Failed to cancel preemption barrier: "
+        "FAILED_PRECONDITION: Tried to cancel non-existent barrier PREEMPTION_SYNC_BARRIER. [type.googleapis.com/x='']\n"
+    )
+    stack = (
+        "*** Check failure stack trace: ***\n"
+        "    @     0x7fc84f140634  absl::lts_20260107::log_internal::LogMessage::SendToLog()\n"
+        "    @     0x7fc84b2040ee  xla::CoordinationServiceAgent::SetError()\n"
+    )
+    out = io.StringIO()
+    _pump(3, io.StringIO(preemption + stack + "step 9\n"), out)
+    assert out.getvalue() == "[rank 3] step 9\n"
+    out = io.StringIO()
+    _pump(3, io.StringIO(stack), out)
+    assert len(out.getvalue().splitlines()) == 3, out.getvalue()
+
+
+# as Python 3.11 prints it in a Grain worker whose parent was killed while it started
+ORPHANED_WORKER = """Traceback (most recent call last):
+  File "<string>", line 1, in <module>
+  File "/usr/lib/python3.11/multiprocessing/spawn.py", line 122, in spawn_main
+    exitcode = _main(fd, parent_sentinel)
+               ^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/usr/lib/python3.11/multiprocessing/spawn.py", line 132, in _main
+    self = reduction.pickle.load(from_parent)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+_pickle.UnpicklingError: pickle data was truncated
+"""
+
+
+def test_the_launcher_drops_an_orphaned_grain_workers_traceback_and_keeps_every_other_in_order():
+    other = 'Traceback (most recent call last):\n  File "/x/train.py", line 3, in <module>\n    f()\nValueError: a real one\n'
+    out = io.StringIO()
+    _pump(1, io.StringIO("step 1\n" + ORPHANED_WORKER + other + "step 2\n"), out)
+    assert out.getvalue().splitlines() == ["[rank 1] step 1", *(f"[rank 1] {x}" for x in other.splitlines()), "[rank 1] step 2"]
+    out = io.StringIO()  # cut off mid-traceback (the process was killed): shown as it is
+    _pump(1, io.StringIO(other.rsplit("ValueError", 1)[0]), out)
+    assert len(out.getvalue().splitlines()) == 3
+    out = io.StringIO()  # the same spawn traceback with another error is kept
+    _pump(1, io.StringIO(ORPHANED_WORKER.replace("_pickle.UnpicklingError: pickle data was truncated", "ImportError: no module")), out)
+    assert len(out.getvalue().splitlines()) == 9
+
+
 @pytest.mark.heavy
 def test_a_refused_analyze_target_prints_its_one_line_alone():
     pytest.importorskip("jax_plugins.xla_cuda12", reason="JAX's CUDA plugin is not installed (pip install -e '.[dev]')")

@@ -56,6 +56,8 @@ class Elastic:
         self.plan = plan
         self.nproc_file = elastic.NprocFile(plan.nproc_file) if plan.nproc_file else None
         self.capacity = plan.max_nproc
+        self.offered = plan.max_nproc  # what --nproc / the --nproc-file allows, before any slot is lost
+        self.set_size = plan.max_nproc  # the running set's process count when it started
         self.restarts = 0
         self.interrupted: int | None = None
         self.gen: Launcher | None = None
@@ -95,7 +97,7 @@ class Elastic:
             raise JaxdistError(f"--nproc {p.max_nproc} cannot run this training: {problem}")
         value = self.nproc_file.changed() if self.nproc_file else None
         if value is not None:
-            self.capacity = min(value, p.max_nproc)
+            self.capacity = self.offered = min(value, p.max_nproc)
         n = self._largest_usable(p.first_resume)
         if n is None:
             log.error(f"--nproc-file says {_processes(value)}, {self._no_usable_count()}; nothing started")
@@ -124,6 +126,7 @@ class Elastic:
                 self.gen.close()
                 return 128 + self.interrupted
             self.records_seen = len(elastic.read_records(self.plan.run_dir))
+            self.set_size = n
             self.recovery_step, self.failed_recovery, self.recovered_death = None, False, None
             self.gen.start()
             ended = self._watch(self.gen, n)
@@ -157,9 +160,13 @@ class Elastic:
         if failure:
             if not self.failed_recovery:  # a failed recovery and its restart are one failure: the recovery counted it
                 self.restarts += 1
-            # that slot is lost (a hung process's machine is as suspect as a dead one's); after a failed
-            # in-process recovery the lost slot was counted already
-            self.capacity = n if ended.raw_code == EXIT_RECOVERY or self.failed_recovery else n - 1
+            if self.plan.recovery == "in-process":
+                # a dead process is replaced in its slot (as it would have rejoined a recovery):
+                # the restart keeps the set's slots, so a restart is never weaker than a recovery
+                self.capacity = min(max(self.capacity, self.set_size), self.offered)
+            else:
+                # that slot is lost (a hung process's machine is as suspect as a dead one's)
+                self.capacity = n if ended.raw_code == EXIT_RECOVERY else n - 1
             if self.restarts > self.plan.max_restarts:
                 used = f"--max-restarts {self.plan.max_restarts} are used up"
                 log.error(f"{ended.describe()} and {used}; {self._stopped_at()}")
@@ -214,7 +221,7 @@ class Elastic:
                 next_poll = time.monotonic() + POLL_S
                 value = self.nproc_file.changed()
                 if value is not None:
-                    self.capacity = min(value, self.plan.max_nproc)
+                    self.capacity = self.offered = min(value, self.plan.max_nproc)
                     target = self._largest_usable()
                     if target != n:
                         return self._save(gen, value, target)
@@ -259,7 +266,7 @@ class Elastic:
         if live == 1:
             log.info(
                 f"rank {', '.join(map(str, dead))} {describe_exit(ended.raw_code)}: one process would be left, and Orbax cannot save "
-                "a mesh of one process's devices while JAX runs several, so the run restarts on it"
+                "a mesh of one process's devices while JAX runs several, so the run restarts from its last checkpoint"
             )
             return False
         gen.lost.update(dead)

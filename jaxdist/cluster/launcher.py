@@ -19,7 +19,6 @@ import dataclasses
 import errno
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -30,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from jaxdist.cluster.child_output import ChildOutput
 from jaxdist.cluster.distributed import (
     ENV_COORDINATOR,
     ENV_COORDINATOR_BIND,
@@ -37,13 +37,11 @@ from jaxdist.cluster.distributed import (
     ENV_OUTPUT_FILTERED,
     ENV_PROCESS_ID,
     EXIT_PORT_TAKEN,
-    GlooChatter,
 )
 from jaxdist.cluster.heartbeat import DUMP_SIGNAL, ENV_DIR, ProgressWatch, Stall, beat_path
 from jaxdist.cluster.lifetime import die_with_parent
 from jaxdist.cluster.recoverable import ENV_PEER_TIMEOUT, ENV_RECOVERY, ENV_REJOIN, open_slot_path
 from jaxdist.errors import EXIT_PREEMPTED, JaxdistError
-from jaxdist.layout.native_output import is_plugin_noise
 from jaxdist.layout.xla_flags import with_collective_timeouts
 
 LOOPBACK = "127.0.0.1"  # where the coordinator listens: the processes all run on this machine
@@ -80,34 +78,21 @@ def reserve_port(host: str, port: int | None = None) -> socket.socket:
     raise JaxdistError(f"found no free port on {host} for the coordinator in {PORT_ATTEMPTS} tries")
 
 
-# Python's resource tracker in a process whose Grain workers shared memory with a killed peer
-# or parent: it frees them and warns, two lines, nothing to act on
-LEAKED_AT_A_KILL = re.compile(
-    r".*resource_tracker\.py:\d+: UserWarning: resource_tracker: There appear to be \d+ leaked .*|\s+warnings\.warn\('resource_tracker: .*"
-)
-
-# A peer's abort when the coordination service's process (rank 0) dies: absl's error and fatal
-# lines and gRPC's detail. The launcher names the death and restarts in its own line; the abort
-# adds nothing to act on (kept at --log-level debug, e.g. for a network fault with every process alive).
-_ABSL_AT = r"[EF]\d{4} [\d:.]+\s+\d+ "
-PEERS_ABORT_AT_A_DEATH = re.compile(
-    _ABSL_AT + r"coordination_service_agent\.cc:\d+\] Polled an error from coordination service.*"
-    r"|" + _ABSL_AT + r"client\.h:\d+\] Terminating process because the JAX distributed service detected fatal errors.*"
-    r"|Additional GRPC error information from remote target coordination_service while calling .*"
-    r"|:UNKNOWN:Error received from peer .*grpc_status:14.*"
-)
-
-
 def _pump(rank: int, stream, out) -> None:
-    chatter = GlooChatter()
+    output = ChildOutput()
+    show_all = log.isEnabledFor(logging.DEBUG)
     for line in iter(stream.readline, ""):
-        # gloo's: a few per process and clique at start, with no switch; the coordination service's notice
-        text = line.rstrip("\n")
-        noise = chatter(line) or is_plugin_noise(line) or LEAKED_AT_A_KILL.fullmatch(text) or PEERS_ABORT_AT_A_DEATH.fullmatch(text)
-        if noise and not log.isEnabledFor(logging.DEBUG):
+        _show(rank, output.feed(line), out, show_all)
+    _show(rank, output.close(), out, show_all)
+
+
+def _show(rank: int, lines: list[tuple[str, bool]], out, show_all: bool) -> None:
+    for line, noise in lines:
+        if noise and not show_all:
             continue
         end = "" if line.endswith("\n") else "\n"  # a killed process's last line may be cut short
         out.write(f"[rank {rank}] {line}{end}")
+    if lines:
         out.flush()
 
 
