@@ -172,6 +172,61 @@ def test_a_death_while_a_replacement_rejoins_restarts_at_once(tmp_path, capsys):
     assert elastic_launch.Elastic(launch.elastic_plan(launch.parse_args(argv)))._recovers_in_process(Set, ended, 3)
 
 
+def test_survivors_stuck_off_a_step_boundary_after_a_death_restart_once_the_bound_passes(tmp_path, capsys, monkeypatch):
+    """--recovery in-process: rank 2 dies while the others wait in an Orbax save's barrier for it
+    (seen in a random-kill run: no error ever comes, the run sat there). Until the bound they are
+    given time; a survivor that entered the recovery (its recovering-R file) or started a later
+    step is progress; with neither by the bound, one line and a restart that keeps the slots."""
+    import os
+
+    from jaxdist.cluster.heartbeat import beat_path
+    from jaxdist.cluster.recoverable import recovering_path
+
+    class Set:
+        lost: set[int] = set()
+        replaced: set[int] = set()
+        beats, first_id, nproc = tmp_path, 0, 3
+        killed = False
+
+        def kill_all(self):
+            self.killed = True
+
+    def beats(*steps):
+        for rank, step in enumerate(steps):
+            beat_path(tmp_path, rank).write_text(f"{step}")
+
+    flags = ["--nproc", "3", "--min-nproc", "2", "--devices-per-proc", "1", "--recovery", "in-process", "--max-restarts", "10"]
+    argv = [*flags, "--", "--mesh", "data=-1", *OVERRIDES, "--run-dir", str(tmp_path / "run")]
+    died = launcher.Ended("failure", 137, rank=2, raw_code=-signal.SIGKILL, failed=[(2, -signal.SIGKILL)])
+    clock = [1000.0]
+    monkeypatch.setattr(elastic_launch.time, "monotonic", lambda: clock[0])
+    for progress in ("none", "recovering", "later step"):
+        gen, elastic = Set(), elastic_launch.Elastic(launch.elastic_plan(launch.parse_args(argv)))
+        Set.lost = set()
+        beats(9, 9, 9)
+        assert elastic._recovers_in_process(gen, died, 3)
+        bound = 2 * 10 + elastic_launch.RECOVERY_START_GRACE_S  # --peer-timeout 10
+        clock[0] += bound - 1
+        assert not elastic._recovery_stuck(gen)  # still within the bound
+        if progress == "recovering":
+            with open(recovering_path(tmp_path, 1), "w") as f:
+                f.write("9\n")
+            os.utime(recovering_path(tmp_path, 1))
+        elif progress == "later step":
+            beats(10, 9, 9)
+        clock[0] += 2
+        assert elastic._recovery_stuck(gen) == (progress == "none"), progress
+        if progress == "none":
+            ended = elastic._restart_stuck_recovery(gen)
+            assert gen.killed and (ended.kind, ended.rank, ended.raw_code) == ("failure", 2, -signal.SIGKILL)
+            said = capsys.readouterr().err
+            assert "the survivors of rank 2's death reached no step boundary in 80s" in said, said
+            elastic._next_count(ended, 3 - len(Set.lost))
+            assert elastic.capacity == 3 and elastic.restarts == 1  # one restart (the recovery counted it), the slots kept
+        for path in tmp_path.glob("recovering-*"):
+            path.unlink()
+
+
 def test_a_save_for_the_file_picks_the_largest_usable_count(tmp_path):
     elastic = _planned(tmp_path, "--nproc-file", str(tmp_path / "nproc"))
     saved = launcher.Ended("saved", EXIT_PREEMPTED, raw_code=EXIT_PREEMPTED)

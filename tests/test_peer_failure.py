@@ -206,3 +206,15 @@ def test_a_commit_thread_that_lost_its_peers_logs_one_line_and_keeps_the_traceba
     assert "Timed out while waiting for async_write_complete barrier" in kept.read_text()
     assert lines[1].endswith("background save thread") and lines[2] == "Traceback (most recent call last):"
     assert lines[-1] == "ValueError: a disk full of something else"
+
+
+def test_a_run_ended_by_a_peers_death_does_not_wait_for_its_saves(monkeypatch):
+    """Seen in a random-kill run: a survivor leaving for the restart waited in its cleanup for a
+    save's commit, whose Orbax barrier waits for the dead process and never returns. Under
+    in-process recovery a peer's death abandons the saves; any other ending waits for them."""
+    lost = jax.errors.JaxRuntimeError(GLOO_GONE)
+    monkeypatch.setenv(recoverable.ENV_RECOVERY, "in-process")
+    assert run_module._saves_abandoned(lost)
+    assert not run_module._saves_abandoned(None) and not run_module._saves_abandoned(ValueError("bad input"))
+    monkeypatch.setenv(recoverable.ENV_RECOVERY, "restart")
+    assert not run_module._saves_abandoned(lost)  # the default mode: every process is killed at once anyway

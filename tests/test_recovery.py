@@ -305,15 +305,18 @@ def test_a_death_off_a_step_boundary_restarts_and_ends_on_the_uninterrupted_loss
 
 
 # Deaths in every phase under --recovery in-process, each reached by the fault hook (not a race),
-# several per run: each kill fires once, and the run goes on to the next. A death before every
-# process's first step, in a recovery or rejoin under way, or of rank 0 restarts; one in a step
-# recovers in-process. Each run ends 0 on the uninterrupted losses with nothing left running.
+# several per run: each kill fires once (a kill that comes while the set is already going down
+# fires in the restarted set). A death before every process's first step, in a recovery or
+# rejoin under way, off a step boundary, or of rank 0 restarts; one in a step recovers
+# in-process. Each run ends 0 on the uninterrupted losses with nothing left running. Between
+# them (and the tests above: rank 0 in a step, rank 1 in a save, rank 2 in an evaluation) rank
+# 0 and a rank other than 0 die in each phase.
 PHASE_RUNS = {
-    "start-then-rank-0-compile": "1:0:start,0:0:compile",
-    "rank-0-init-then-first-step": "0:0:init,1:1:step",
-    "recovery-under-way-then-rank-0-gather": "1:5,2:5:recovery,0:10:gather",
-    "replacement-dies-rejoining-then-gather": "1:5,1:*:rejoin,1:10:gather",
-    "rank-0-dies-in-a-rejoin": "1:5,0:*:rejoin",
+    "starts-and-compiles": "1:0:start,0:0:start,2:0:compile,0:0:compile",
+    "inits-then-a-first-step": "0:0:init,2:0:init,1:1:step",
+    "recovery-under-way-then-rank-0-eval-and-gather": "1:5,2:5:recovery,0:8:eval,0:10:gather",
+    "replacement-dies-rejoining-then-gather-and-rank-0-save": "1:5,1:*:rejoin,1:10:gather,0:12:save",
+    "rank-0-dies-in-a-rejoin-then-in-a-recovery": "1:5,0:*:rejoin,2:10,0:10:recovery",
 }
 
 
@@ -325,6 +328,8 @@ def test_a_death_in_any_phase_recovers_or_restarts_and_ends_on_the_uninterrupted
     env["JAXDIST_FAULT_HOLD_FOR_REJOIN"] = "8"  # after a recovery, the live processes wait for its replacement before step 8
     launch_flags = [*LAUNCH, "--max-restarts", "10"]
     extra = ["train.straggler_window=5"]  # a straggler window's gather at steps 5 and 10
+    if ":eval" in kills:
+        extra += ["train.eval_every=4", "train.eval_batches=1"]
     cmd = [sys.executable, "-m", "jaxdist.launch", *launch_flags, "--", "--mesh", "data=-1", "--run-dir", str(run_dir), *OVERRIDES, *extra]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
     out = done.stdout + done.stderr

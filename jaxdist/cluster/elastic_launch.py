@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -17,11 +18,17 @@ from jaxdist.cluster import elastic
 from jaxdist.cluster.distributed import EXIT_PORT_TAKEN
 from jaxdist.cluster.heartbeat import beat_step
 from jaxdist.cluster.launcher import PORT_ATTEMPTS, SAVE_GRACE_S, Ended, HangLimits, Launcher, describe_exit, exit_status
+from jaxdist.cluster.recoverable import recovering_path
 from jaxdist.config import Config
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_RECOVERY, JaxdistError
 from jaxdist.layout.mesh import format_mesh
 
 POLL_S = 0.5  # how often the --nproc-file is read
+# After a death under --recovery in-process, a survivor reaches the recovery (or a later step)
+# within --peer-timeout, once its step's collective gives up; one that does neither within
+# twice that plus this is stuck off a step boundary (an Orbax save waiting for the dead process
+# in a barrier that no death interrupts): the set restarts.
+RECOVERY_START_GRACE_S = 60.0
 # Exit codes a relaunch would not fix: they end an elastic run.
 FINAL_CODES = {EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_CHECKPOINT, EXIT_PREEMPTED}
 
@@ -69,6 +76,8 @@ class Elastic:
         self.recovery_step: int | None = None
         self.failed_recovery = False
         self.recovered_death: tuple[int, int, int] | None = None  # (rank, raw exit, how many died) of the last in-process recovery
+        self.recovery_deadline: float | None = None  # monotonic: the survivors of the last death show progress by then
+        self.recovery_began = 0.0  # wall time of that death (the survivors' recovering-R files are newer)
 
     def on_signal(self, signum: int, frame=None) -> None:
         self.interrupted = signum
@@ -128,6 +137,7 @@ class Elastic:
             self.records_seen = len(elastic.read_records(self.plan.run_dir))
             self.set_size = n
             self.recovery_step, self.failed_recovery, self.recovered_death = None, False, None
+            self.recovery_deadline = None
             self.gen.start()
             ended = self._watch(self.gen, n)
             self.gen.close()
@@ -210,6 +220,8 @@ class Elastic:
             ended = gen.poll()
             if ended is not None and ended.kind == "failure" and self._recovers_in_process(gen, ended, n):
                 continue
+            if ended is None and self._recovery_stuck(gen):
+                return self._restart_stuck_recovery(gen)
             if ended is not None and ended.kind == "failure":
                 return self._on_failure(gen, ended.failed)
             if ended is not None and ended.kind == "saved":  # preempted from outside: every process saved
@@ -275,11 +287,41 @@ class Elastic:
             return False
         self.capacity = live
         self.recovery_step = self._furthest_step(gen)
+        self.recovery_began = time.time()
+        self.recovery_deadline = time.monotonic() + 2 * self.plan.peer_timeout_s + RECOVERY_START_GRACE_S
         self.recovered_death = (dead[0], ended.raw_code, len(dead))
         log.info(
             f"rank {', '.join(map(str, dead))} {describe_exit(ended.raw_code)}; the other {live} recover in-process (--recovery in-process)"
         )
         return True
+
+    def _recovery_stuck(self, gen: Launcher) -> bool:
+        """Whether the survivors of the last death have shown no progress by the deadline: none
+        entered the recovery (its recovering-R file) nor started a step past the death's."""
+        if self.recovery_deadline is None:
+            return False
+        live = [r for r in range(gen.first_id, gen.first_id + gen.nproc) if r not in gen.lost and r not in gen.replaced]
+        for rank in live:
+            step = beat_step(gen.beats, rank)
+            try:
+                entered = os.path.getmtime(recovering_path(gen.beats, rank)) >= self.recovery_began
+            except OSError:
+                entered = False
+            if entered or (step is not None and step > self.recovery_step):
+                self.recovery_deadline = None  # under way: a failure from here is the recovery's own
+                return False
+        return time.monotonic() > self.recovery_deadline
+
+    def _restart_stuck_recovery(self, gen: Launcher) -> Ended:
+        rank, code, _ = self.recovered_death
+        waited = 2 * self.plan.peer_timeout_s + RECOVERY_START_GRACE_S
+        log.info(
+            f"the survivors of rank {rank}'s death reached no step boundary in {waited:.0f}s (a checkpoint save waiting for "
+            "the dead process): the run restarts from its last checkpoint"
+        )
+        self.failed_recovery = True
+        gen.kill_all()
+        return Ended("failure", exit_status(code), rank, code, failed=[(rank, code)])
 
     @staticmethod
     def _furthest_step(gen: Launcher) -> int:

@@ -41,7 +41,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from jaxdist.cluster.heartbeat import ENV_DIR  # the launcher's folder for this set: where a slot is opened
+from jaxdist.cluster.heartbeat import ENV_DIR, ENV_RANK, fault_point  # ENV_DIR: the launcher's folder for this set
 
 ENV_RECOVERY = "JAXDIST_RECOVERY"  # set by jaxdist.launch --recovery in-process
 ENV_PEER_TIMEOUT = "JAXDIST_PEER_TIMEOUT"  # seconds: the coordination service's heartbeat timeout
@@ -68,6 +68,21 @@ def open_slot(rank: int) -> None:
     if directory:
         with open(open_slot_path(directory, rank), "w") as f:
             f.write("open\n")
+
+
+def recovering_path(directory: str | os.PathLike, rank: int) -> str:
+    return os.path.join(directory, f"recovering-{rank}")
+
+
+def mark_recovering(step: int) -> None:
+    """This survivor has entered the recovery of a death in ``step`` (then the launcher's fault
+    hook for that phase): the launcher waits for it, or a later step, before it takes the
+    survivors for stuck off a step boundary (``jaxdist.cluster.elastic_launch``)."""
+    directory = os.environ.get(ENV_DIR)
+    if directory:
+        with open(recovering_path(directory, int(os.environ.get(ENV_RANK, "0") or 0)), "w") as f:
+            f.write(f"{step}\n")
+    fault_point("recovery", step)
 
 
 def peer_timeout_s() -> int:

@@ -197,7 +197,7 @@ def recover(lost: PeerLost, config, all_devices: list, build_trainer, make_batch
     if 0 not in survivors:  # unreachable in practice: the coordination service died with it
         raise RecoveryImpossible("process 0 died: it holds the coordination service, so the run restarts from its last checkpoint")
     membership.shrink_to(survivors)
-    fault_point("recovery", lost.step)
+    recoverable.mark_recovering(lost.step)
     sizes = mesh_on(config, len(live))
     start = time.perf_counter()
     trainer = build_trainer(sizes, _device_order(live, sizes, membership))

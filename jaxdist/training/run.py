@@ -370,10 +370,18 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
         raise
     finally:
         batches.close()
-        if checkpointer is not None:
+        if checkpointer is not None and not _saves_abandoned(stopped_by):
             checkpointer.wait()
             checkpointer.close()
         logger.close(error=stopped_by)
+
+
+def _saves_abandoned(error: BaseException | None) -> bool:
+    """Whether the run ends on a peer's death under in-process recovery (a death off a step
+    boundary, for the launcher's restart): a save the dead process took part in never commits,
+    and waiting for it would block in Orbax's barrier for the dead process (seen: a kill during
+    a save's commit left the survivors waiting there instead of exiting 78)."""
+    return error is not None and recoverable.in_process_recovery() and recoverable.is_peer_failure(error)
 
 
 def profile_window(trainer, compiled_step, run_dir: Path | None, start_step: int):
