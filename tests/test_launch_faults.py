@@ -879,17 +879,18 @@ def test_a_death_that_would_leave_one_process_restarts_instead_of_recovering_in_
     """--recovery in-process, 2 processes, --min-nproc 1: rank 1 dies after the first step. One
     survivor cannot go on in place (Orbax refuses a mesh of one process's devices while JAX
     runs two: "Cannot serialize host local jax.Array", seen at its next save), so the launcher
-    says so in one line and restarts the run on one process."""
+    says so in one line and restarts the run, on both slots (the dead process is started again)."""
     body = """
     beats = os.environ["JAXDIST_HEARTBEAT_DIR"]
     with open(os.path.join(beats, f"rank-{rank}"), "w") as f:
         f.write("1 1")
-    if os.environ["JAXDIST_NUM_PROCESSES"] == "1":  # the restarted set
-        open(f"{log}/restarted", "w").close()
+    if os.path.exists(f"{log}/killed"):  # the restarted set
+        open(f"{log}/restarted.{rank}", "w").close()
         sys.exit(0)
     while not all(os.path.exists(os.path.join(beats, f"rank-{r}")) for r in range(2)):
         time.sleep(0.05)
     if rank == 1:
+        open(f"{log}/killed", "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)  # killed by the launcher
     """
@@ -899,8 +900,8 @@ def test_a_death_that_would_leave_one_process_restarts_instead_of_recovering_in_
     assert code == 0, out
     said = "rank 1 was killed by SIGKILL: one process would be left, and Orbax cannot save a mesh of one process's devices"
     assert said in out and "recover in-process" not in out, out
-    assert "elastic: 2 -> 1 processes, resuming at step 0" in out, out
-    assert (tmp_path / "log" / "restarted").exists()
+    assert "elastic: 2 -> 2 processes, resuming at step 0" in out, out
+    assert (tmp_path / "log" / "restarted.0").exists() and (tmp_path / "log" / "restarted.1").exists()
 
 
 def test_a_persistent_straggler_is_left_out_at_the_next_membership_change(tmp_path):
