@@ -288,12 +288,15 @@ class Elastic:
         self.capacity = live
         self.recovery_step = self._furthest_step(gen)
         self.recovery_began = time.time()
-        self.recovery_deadline = time.monotonic() + 2 * self.plan.peer_timeout_s + RECOVERY_START_GRACE_S
+        self.recovery_deadline = time.monotonic() + self._recovery_wait_s()
         self.recovered_death = (dead[0], ended.raw_code, len(dead))
         log.info(
             f"rank {', '.join(map(str, dead))} {describe_exit(ended.raw_code)}; the other {live} recover in-process (--recovery in-process)"
         )
         return True
+
+    def _recovery_wait_s(self) -> float:
+        return 2 * self.plan.peer_timeout_s + RECOVERY_START_GRACE_S
 
     def _recovery_stuck(self, gen: Launcher) -> bool:
         """Whether the survivors of the last death have shown no progress by the deadline: none
@@ -314,9 +317,8 @@ class Elastic:
 
     def _restart_stuck_recovery(self, gen: Launcher) -> Ended:
         rank, code, _ = self.recovered_death
-        waited = 2 * self.plan.peer_timeout_s + RECOVERY_START_GRACE_S
         log.info(
-            f"the survivors of rank {rank}'s death reached no step boundary in {waited:.0f}s (a checkpoint save waiting for "
+            f"the survivors of rank {rank}'s death reached no step boundary in {self._recovery_wait_s():.0f}s (a checkpoint save waiting for "
             "the dead process): the run restarts from its last checkpoint"
         )
         self.failed_recovery = True
