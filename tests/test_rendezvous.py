@@ -425,13 +425,15 @@ class Nodes:
         self.procs: dict[str, subprocess.Popen] = {}
         self.seen: dict[int, psutil.Process] = {}  # every process a launcher started, seen while it ran
 
-    def start(self, node: str, run: str, nnodes: str, nproc: int, steps: int, *flags: str) -> subprocess.Popen:
+    def start(self, node: str, run: str, nnodes: str, nproc: int, steps: int, *flags: str, env: dict | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "jaxdist.launch", "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--devices-per-proc", "2"]
         cmd += ["--rdzv", self.etcd.url, "--rdzv-id", run, "--node-id", node, "--rdzv-settle", "4", *flags]
         cmd += ["--", "--mesh", MESH, "--run-dir", str(self.tmp_path / "run"), *OVERRIDES, f"train.steps={steps}"]
         cmd += [f"train.compile_cache={self.cache}"]
         with open(self.tmp_path / f"{node}.log", "w") as log:
-            self.procs[node] = subprocess.Popen(cmd, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs[node] = subprocess.Popen(
+                cmd, env={**subprocess_env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         return self.procs[node]
 
     def log(self, node: str) -> str:
@@ -537,8 +539,10 @@ def reference_losses():
 @pytest.mark.heavy
 def test_a_killed_node_drops_out_and_a_new_one_joins_with_the_same_losses(nodes, tmp_path, etcd_server, reference_losses):
     run_dir, run = tmp_path / "run", "grow"
+    # The survivor alone trains 2 s a step, so the third launcher joins before the run's end however loaded the machine.
+    shrunk_slow = {"JAXDIST_FAULT_SLOW_SHRUNK": "4:2"}
     for node in ("n1", "n2"):
-        nodes.start(node, run, "1:3", 2, 40)
+        nodes.start(node, run, "1:3", 2, 40, env=shrunk_slow)
     nodes.wait_for(lambda: len(_metrics(run_dir)) >= 2, 240, "two steps on 2 nodes")
     gen = read_state(etcd_server.client, run).generation
     assert gen.number == 1 and sorted(gen.members) == ["n1", "n2"] and gen.world == 4
@@ -569,7 +573,7 @@ def test_a_killed_node_drops_out_and_a_new_one_joins_with_the_same_losses(nodes,
     assert regrouped < rendezvous.LEASE_TTL_S + 10  # the lease time plus a margin
 
     survivor_log = len(nodes.log(node1))
-    nodes.start("n3", run, "1:3", 2, 40)  # a third launcher: the run grows back to 2 nodes
+    nodes.start("n3", run, "1:3", 2, 40, env=shrunk_slow)  # a third launcher: the run grows back to 2 nodes
     assert nodes.procs[node1].wait(timeout=240) == 0, nodes.logs()
     assert nodes.procs["n3"].wait(timeout=60) == 0, nodes.logs()
 

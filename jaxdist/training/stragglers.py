@@ -23,6 +23,8 @@ slowed device leaves the host loop alone, so the two kinds tell the causes apart
 
 ``JAXDIST_FAULT_SLOW=RANK:SECONDS[:FROM_STEP[:TO_STEP]]`` is a fault-injection hook for tests:
 that rank sleeps so long in each step's host work (in those steps), as a process with a slow loader would.
+``JAXDIST_FAULT_SLOW_SHRUNK=PROCESSES:SECONDS`` slows every process of a run started with fewer than
+PROCESSES processes alike: a run that shrank trains slowly, so that a test's joining node arrives before its end.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from jaxdist.errors import JaxdistError
 
 log = logging.getLogger(__name__)
 ENV_SLOW = "JAXDIST_FAULT_SLOW"  # test-only fault injection: "RANK:SECONDS"
+ENV_SLOW_SHRUNK = "JAXDIST_FAULT_SLOW_SHRUNK"  # test-only fault injection: "PROCESSES:SECONDS"
 MIN_SHARE = 0.05  # an excess below this share of the step time is not named,
 MIN_EXCESS_S = 0.010  # nor one under 10 ms (process 0, which writes the metrics, runs a few ms over the others)
 MIN_PROBE_EXCESS_S = 0.010  # a probe under 10 ms over the others' is timer noise
@@ -91,6 +94,7 @@ class StragglerWatch:
         self.step_times: list[float] = []  # this window's step times
         self.queued = runqueue_wait_s()
         self.slow_s, self.slow_from, self.slow_to = _slow_seconds(self.rank)
+        self.shrunk_s = _slow_shrunk_seconds(jax.process_count())
         self.probe = ComputeProbe(jax.local_devices()[0]) if self.enabled else None
         self.slow_probe: int | None = None  # process 0: whose probe was over the factor in the last window
 
@@ -106,6 +110,8 @@ class StragglerWatch:
     def injected_delay(self, step: int) -> None:
         if self.slow_s and step >= self.slow_from and (self.slow_to is None or step <= self.slow_to):
             time.sleep(self.slow_s)
+        if self.shrunk_s:
+            time.sleep(self.shrunk_s)
 
     def step_done(self, step: int, state=None) -> list[dict]:
         """Called by every process after each step (``state``: the step's result): at the end of a
@@ -231,6 +237,17 @@ def _slow_seconds(rank: int) -> tuple[float, int, int | None]:
     except (ValueError, IndexError):
         raise JaxdistError(f"{ENV_SLOW}={spec!r}: expected RANK:SECONDS[:FROM_STEP[:TO_STEP]] (a fault-injection hook for tests)") from None
     return (seconds, from_step, to_step) if slow_rank == rank else (0.0, 0, None)
+
+
+def _slow_shrunk_seconds(processes: int) -> float:
+    spec = os.environ.get(ENV_SLOW_SHRUNK)
+    if not spec:
+        return 0.0
+    try:
+        below, seconds = spec.split(":")
+        return float(seconds) if processes < int(below) else 0.0
+    except ValueError:
+        raise JaxdistError(f"{ENV_SLOW_SHRUNK}={spec!r}: expected PROCESSES:SECONDS (a fault-injection hook for tests)") from None
 
 
 def runqueue_wait_s() -> float:
