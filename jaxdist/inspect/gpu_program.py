@@ -147,7 +147,7 @@ def _fusion_takes_f8(instruction: Instruction, module: HloModule) -> bool:
     )
 
 
-def _control_computations(module: HloModule) -> list[str]:
+def control_computations(module: HloModule) -> list[str]:
     """The computations whose instructions run as the program's steps: ENTRY and what loops,
     calls, conditionals and non-collective async starts run (not fused computations)."""
     seen, order, todo = set(), [], [module.entry]
@@ -182,7 +182,7 @@ def kernel_counts(hlo_text: str | HloModule) -> dict[str, int]:
     module = parse_hlo(hlo_text) if isinstance(hlo_text, str) else hlo_text
     multipliers = computation_multipliers(module)
     counts = dict.fromkeys(KERNEL_KINDS, 0)
-    for name in _control_computations(module):
+    for name in control_computations(module):
         times = multipliers.get(name, 0)
         for i in module.computations[name]:
             kind = "collective" if i.opcode == "async-start" and _wrapped_collective(i, module) else kernel_kind(i, module)

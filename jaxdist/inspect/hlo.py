@@ -117,7 +117,7 @@ def _balanced(text: str, start: int) -> int:
     raise ValueError(f"unbalanced brackets in HLO: {text[start : start + 80]!r}")
 
 
-def _split_top_level(text: str) -> list[str]:
+def split_top_level(text: str) -> list[str]:
     parts, depth, current = [], 0, []
     for ch in text:
         if ch in "([{":
@@ -148,7 +148,7 @@ def parse_instruction(line: str) -> Instruction | None:
     if not op:
         return None
     close = _balanced(rest, op.end() - 1)
-    operands = tuple(_split_top_level(rest[op.end() : close - 1]))
+    operands = tuple(split_top_level(rest[op.end() : close - 1]))
     return Instruction(name, shape, op.group(1), operands, rest[close:])
 
 

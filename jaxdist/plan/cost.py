@@ -64,6 +64,7 @@ from jaxdist.plan.hardware import Hardware, Link
 from jaxdist.plan.hlo_cost import ProgramCost
 
 CRITICAL_AXES = ("tensor", "pipe")  # their collectives feed the next op: nothing to hide them behind
+HOST_TRANSFER = "host_transfer"  # exposed time of offloaded values crossing to and from host memory
 
 
 def ring_steps(kind: str, n: int) -> int:
@@ -274,19 +275,34 @@ class _Replay:
         if name not in self.done:
             self.done[name] = _Run()  # a (malformed) recursive schedule counts as free
             events = self.events.get(name, ())
-            first, net, pending = self._pass(events, 0.0, {})
-            if pending and loop:  # collectives in flight at the end: a pipelined loop's, done in the next iteration
-                second, _, _ = self._pass(events, net - first.elapsed, {k: t - first.elapsed for k, t in pending.items()})
+            first, free, pending = self._pass(events, {"collective": 0.0, "host": 0.0}, {})
+            if pending and loop:  # transfers in flight at the end: a pipelined loop's, done in the next iteration
+                shifted = {stream: at - first.elapsed for stream, at in free.items()}
+                second, _, _ = self._pass(events, shifted, {k: t - first.elapsed for k, t in pending.items()})
                 first.elapsed, first.exposed = second.elapsed, second.exposed
             elif pending:
                 last = max(pending, key=pending.get)
-                first.wait(self.op_kinds[last], pending[last] - first.elapsed)
+                first.wait(self._kind(last), pending[last] - first.elapsed)
                 first.elapsed = max(first.elapsed, *pending.values())
             self.done[name] = first
         return self.done[name]
 
-    def _pass(self, events: tuple[tuple, ...], net: float, pending: dict[int, float]) -> tuple[_Run, float, dict[int, float]]:
-        run, t = _Run(), 0.0
+    def _kind(self, key: int | str) -> str:
+        """What a pending transfer is: a collective's kind (by its index) or a host transfer (by its name)."""
+        return self.op_kinds[key] if isinstance(key, int) else HOST_TRANSFER
+
+    def _host_seconds(self, nbytes: float) -> float:
+        link = self.hardware.host_link
+        if link is None:
+            return 0.0  # a profile without a host link (cpu-local: host memory is the devices')
+        return link.latency + nbytes / (link.bandwidth * link.efficiency)
+
+    def _pass(
+        self, events: tuple[tuple, ...], free: dict[str, float], pending: dict[int | str, float]
+    ) -> tuple[_Run, dict[str, float], dict[int | str, float]]:
+        """One pass over ``events``: the compute stream's clock, and when the collective and the
+        host-copy streams are next free (``free``); ``pending``: started transfers -> their end."""
+        run, t, free = _Run(), 0.0, dict(free)
         for event in events:
             tag = event[0]
             if tag == "k":
@@ -294,17 +310,19 @@ class _Replay:
                 t += seconds
                 run.busy += seconds
                 run.kinds[event[1]] = run.kinds.get(event[1], 0.0) + seconds
-            elif tag == "s":  # starts once it is reached and the collective stream is free
-                net = max(t, net) + self.op_seconds[event[1]]
-                pending[event[1]] = net
-            elif tag == "d":
+            elif tag in ("s", "hs"):  # starts once it is reached and its stream is free
+                stream, seconds = ("collective", self.op_seconds[event[1]]) if tag == "s" else ("host", self._host_seconds(event[2]))
+                free[stream] = max(t, free[stream]) + seconds
+                pending[event[1]] = free[stream]
+            elif tag in ("d", "hd"):
                 ready = pending.pop(event[1], t)
-                run.wait(self.op_kinds[event[1]], ready - t)
+                run.wait(self._kind(event[1]), ready - t)
                 t = max(t, ready)
-            elif tag == "c":
-                net = max(t, net) + self.op_seconds[event[1]]
-                run.wait(self.op_kinds[event[1]], net - t)
-                t = net
+            elif tag in ("c", "hc"):
+                stream, seconds = ("collective", self.op_seconds[event[1]]) if tag == "c" else ("host", self._host_seconds(event[1]))
+                free[stream] = max(t, free[stream]) + seconds
+                run.wait(self._kind(event[1]) if tag == "c" else HOST_TRANSFER, free[stream] - t)
+                t = free[stream]
             else:  # a loop ("l", body, trips) or a conditional's branches ("b", names): their mean
                 parts = [(self.run(event[1]), event[2])] if tag == "l" else [(self.run(b), 1 / len(event[1])) for b in event[1]]
                 for part, times in parts:
@@ -315,7 +333,7 @@ class _Replay:
                     for kind, seconds in part.exposed.items():
                         run.wait(kind, times * seconds)
         run.elapsed = t
-        return run, net, pending
+        return run, free, pending
 
 
 def _predict_schedule(

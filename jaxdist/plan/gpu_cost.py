@@ -43,6 +43,7 @@ from jaxdist.inspect.hlo import (
     parse_hlo,
     shape_bytes,
 )
+from jaxdist.inspect.host_offload import host_transfer
 from jaxdist.plan.hlo_cost import ProgramCost, _operand_name, _operand_shape, _traffic, dims, dot_flops
 
 CAUSAL_SKIP = 0.5  # share of attention work a causal kernel skips (whole blocks above the diagonal; 0.5 - 1/(2 x tiles))
@@ -133,6 +134,8 @@ def gpu_schedule(module: HloModule, ops: list[CollectiveOp]) -> dict[str, tuple[
     - ``("k", kind, flops, bytes)``: a kernel (``kernel_work``);
     - ``("s", i)`` / ``("d", i)``: collective ``ops[i]`` starts asynchronously / is waited for;
       ``("c", i)``: it runs synchronously (no done, or ``is_sync``);
+    - ``("hs", name, bytes)`` / ``("hd", name)``: a transfer to or from host memory (an offloaded
+      value) starts on the copy engine / is waited for; ``("hc", bytes)``: one run synchronously;
     - ``("l", computation, trips)``: a loop body (or a call, once);
     - ``("b", (computation, ...))``: a conditional's branches.
     """
@@ -144,6 +147,7 @@ def gpu_schedule(module: HloModule, ops: list[CollectiveOp]) -> dict[str, tuple[
         inner = _wrapped(i, module) if i.opcode == "async-start" else (i if collective_kind(i.opcode) else None)
         if inner is not None and inner.name in index and i.name in done and not is_sync(i.attributes):
             started[i.name] = index[inner.name]
+    host_started: set[str] = set()
     schedule: dict[str, tuple[tuple, ...]] = {}
     todo = [module.entry]
     while todo:
@@ -177,6 +181,17 @@ def gpu_schedule(module: HloModule, ops: list[CollectiveOp]) -> dict[str, tuple[
                 origin = _operand_name(i.operands[0]) if i.operands else None
                 if origin in started:
                     events.append(("d", started[origin]))
+                elif origin in host_started:
+                    events.append(("hd", origin))
+                continue
+            transfer = host_transfer(i, module)
+            if transfer is not None:  # on a copy engine, not the compute stream
+                _, is_async, moved = transfer
+                if is_async and i.name in done:
+                    host_started.add(i.name)
+                    events.append(("hs", i.name, float(moved)))
+                else:
+                    events.append(("hc", float(moved)))
                 continue
             inner = _wrapped(i, module) if op == "async-start" else (i if collective_kind(op) else None)
             if inner is not None:

@@ -58,6 +58,7 @@ class Hardware:
     fp8_peak_flops: float = 0.0  # dense fp8 peak; 0: twice peak_flops from compute capability 8.9 on, else no fp8
     attention_fwd_share: float = 0.80  # cuDNN flash attention's forward FLOP/s / the sustained matmul rate
     attention_bwd_share: float = 0.67  # and its backward's
+    host_link: Link | None = None  # device <-> pinned host memory (PCIe), per GPU and direction: what offloaded values cross
 
     def matmul_rate(self, flops_per_call: float) -> float:
         """Sustained FLOP/s of one matmul of this size (log-log interpolation of the curve)."""
@@ -118,6 +119,8 @@ def load_hardware(key: str, *, gpus_per_node: int | None = None) -> Hardware:
             "device": data.get("device"),
         }
         data["intra_node"], data["inter_node"] = Link(**numbers(data["intra_node"])), Link(**numbers(data["inter_node"]))
+        if "host_link" in data:
+            data["host_link"] = Link(**numbers(data["host_link"]))
         data["sources"] = tuple(data.get("sources", ()))
         hardware = Hardware(key=key, **data)
     if gpus_per_node is not None:
