@@ -68,7 +68,11 @@ class ModelConfig(_Freezable):
     tie_embeddings: bool = knob(False, "the output head is the transposed embedding (initialised at the head's scale)")
     dtype: Dtype = knob("auto", "compute dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16")
     param_dtype: Literal["float32", "bfloat16"] = knob("float32", "dtype the parameters are stored (and updated) in")
-    remat: Literal["none", "full", "save_matmuls"] = knob("none", "activation recomputation per layer in the backward pass")
+    remat: Literal["none", "full", "save_matmuls", "offload_matmuls", "offload_layer_inputs"] = knob(
+        "none",
+        "activation recomputation per layer in the backward pass; offload_*: what the backward keeps waits in host memory "
+        "(offload_matmuls: the matmul outputs save_matmuls keeps; offload_layer_inputs: full remat's layer inputs)",
+    )
     scan_layers: bool = knob(True, "one lax.scan over the layer stack (compile time flat in depth); false: a Python loop")
     attention: Literal["auto", "xla", "cudnn", "pallas"] = knob(
         "auto", "attention kernel: auto (cuDNN flash attention on GPU when it applies, packed documents too) | xla | cudnn | pallas"

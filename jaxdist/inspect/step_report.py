@@ -236,5 +236,13 @@ def format_report(report: dict[str, Any]) -> str:
             f"exposed         {report['exposed_s'] * 1e3:.1f} ms of a {report['step_s'] * 1e3:.1f} ms step predicted "
             f"({report['exposed_fraction']:.0%})" + (f": {exposed}" if (exposed := _exposed_by_kind(report)) else ""),
         ]
+        offload = report.get("host_offload") or {}
+        if offload.get("host_bytes") or offload.get("to_host", {}).get("count"):
+            to, back = offload["to_host"], offload["from_host"]
+            lines.append(
+                f"host offload    {_human_bytes(offload['host_bytes'])} kept in host memory; per step {to['count']} transfers to it "
+                f"({to['async']} async, {_human_bytes(to['bytes'])}) and {back['count']} back ({back['async']} async, {_human_bytes(back['bytes'])}), "
+                f"{offload.get('exposed_s', 0.0) * 1e3:.1f} ms exposed"
+            )
     lines += ["", *(f"note: {n}" for n in report["notes"])]
     return "\n".join(lines)

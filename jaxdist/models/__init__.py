@@ -23,6 +23,7 @@ from jaxdist.models import llama, resnet
 from jaxdist.models.attention import choose_implementation
 from jaxdist.models.fp8 import FP8_MIN_CAPABILITY, fp8_capable
 from jaxdist.models.moe import metrics_from_sums, update_router_bias
+from jaxdist.models.remat import offload_note
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,12 @@ def build_task(config: Config, platform: str = "cpu", compute_capability: str | 
             packed=packed,
             compute_capability=compute_capability,
         )
-        for line in (note, fp8_note(cfg), microbatch_balancing_note(config)):  # the weaker paths this model takes
+        for line in (
+            note,
+            fp8_note(cfg),
+            microbatch_balancing_note(config),
+            offload_note(cfg.remat, platform),
+        ):  # the weaker paths this model takes
             if line:
                 log.info(line)
         return Task(

@@ -33,6 +33,7 @@ from jaxdist.models.fp8 import Fp8Einsum, disabled
 from jaxdist.models.layers import embed_lookup, matmul, project, project_split, rms_norm, split_parts, swiglu
 from jaxdist.models.moe import REGULARIZER, MoE, moe_sums
 from jaxdist.models.params import fan_in_init, param
+from jaxdist.models.remat import name_layer_input, rematted
 
 
 class RMSNorm(nnx.Module):
@@ -218,12 +219,6 @@ class Block(nnx.Module):
         return (x, stats) if cache is None else (x, cache)
 
 
-_REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
 class Llama(nnx.Module):
     """The decoder, exposing its parts (embedding, stacked blocks, head and loss) so that
     parallelism can be applied from outside (``jaxdist.parallel.pipeline``)."""
@@ -364,10 +359,9 @@ class Llama(nnx.Module):
         segment_ids = aux.get("segment_ids")
 
         def layer(h: jax.Array, params) -> tuple[jax.Array, dict[str, jax.Array]]:
-            return nnx.merge(graphdef, params)(h, positions, segment_ids)
+            return nnx.merge(graphdef, params)(name_layer_input(h), positions, segment_ids)
 
-        if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        layer = rematted(layer, self.cfg.remat)
         if self.cfg.scan_layers:
             return jax.lax.scan(layer, x, stacked)
         depth = jax.tree.leaves(stacked)[0].shape[0]

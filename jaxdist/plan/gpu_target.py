@@ -30,6 +30,7 @@ from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.inspect.gpu_program import collective_schedule, kernel_counts, xla_flags_in_force
 from jaxdist.inspect.hlo import parse_hlo
+from jaxdist.inspect.host_offload import host_offload
 from jaxdist.layout import devices
 from jaxdist.layout.mesh import MeshSizes, mesh_device_count
 from jaxdist.layout.native_output import hide_plugin_noise
@@ -199,7 +200,8 @@ def allowed_memory(hardware: Hardware) -> float:
 
 def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict[str, Any], gpus_per_node: int) -> dict[str, Any]:
     """``analyze --target``'s JSON: the CPU report's keys for the GPU program, plus ``target``,
-    ``memory_per_device_bytes.peak``, ``fits`` (and ``fits_note``), ``kernels``, each
+    ``memory_per_device_bytes.peak``, ``fits`` (and ``fits_note``), ``kernels``, ``host_offload``
+    (what the program keeps in host memory and its transfers: ``inspect.host_offload``), each
     collective kind's ``async``, ``overlapped_fraction`` and ``exposed_s``, ``step_s``,
     ``exposed_s`` and ``exposed_fraction`` (``exposure``), and ``xla_flags``."""
     from jaxdist.inspect.step_report import build_report  # imports JAX (see the module doc)
@@ -224,6 +226,7 @@ def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict
         f"(XLA_PYTHON_CLIENT_MEM_FRACTION {memory_fraction():g} of {hardware.memory_bytes / 2**30:.1f} GiB)"
     )
     report["kernels"] = kernel_counts(module)
+    report["host_offload"] = host_offload(module)
     for kind, schedule in collective_schedule(module, report["mesh"]).items():
         if kind in report["collectives"]:
             report["collectives"][kind]["async"] = schedule["async"]
@@ -245,7 +248,7 @@ def exposure(trainer: Any, module: Any, hardware: Hardware, report: dict[str, An
     with its share of the step ``exposed_fraction``. Unlike ``overlapped_fraction`` (a window
     with any kernel in it counts as overlapped), a collective longer than its window's compute
     shows here by how much."""
-    from jaxdist.plan.cost import predict
+    from jaxdist.plan.cost import HOST_TRANSFER, predict
     from jaxdist.plan.gpu_cost import gpu_program_cost
 
     config = trainer.config
@@ -259,6 +262,8 @@ def exposure(trainer: Any, module: Any, hardware: Hardware, report: dict[str, An
         bubble=float(report.get("pipeline", {}).get("bubble", 0.0)),
     )
     by_kind = prediction.exposed_s or {}
+    if "host_offload" in report:
+        report["host_offload"]["exposed_s"] = by_kind.get(HOST_TRANSFER, 0.0)
     for kind, stats in report["collectives"].items():
         stats["exposed_s"] = by_kind.get(kind, 0.0) if stats["count"] else 0.0
     total = sum(by_kind.values())
