@@ -1,7 +1,7 @@
 """A peer's death off a step boundary under ``--recovery in-process``: one line and exit 78
 (the launcher's restart path), never a traceback; any other error is still raised as it is.
 The whole path, a process killed as it enters a save, runs in
-``test_recovery.py::test_a_death_off_a_step_boundary_restarts_and_ends_on_the_uninterrupted_losses``."""
+``test_recovery.py::test_a_death_in_any_phase_recovers_or_restarts_and_ends_on_the_uninterrupted_losses`` (its restarts-only run)."""
 
 from __future__ import annotations
 

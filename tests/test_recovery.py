@@ -6,7 +6,6 @@ relies on are checked by name."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -238,81 +237,15 @@ def test_a_grown_mesh_order_repeats_no_group_of_a_rejoined_process():
     assert not {g for g in recoverable.device_groups(ids) if 3 in g} & {(0, 1), (2, 3), (0, 2), (1, 3)}
 
 
-@pytest.mark.heavy
-def test_process_0s_death_takes_the_restart_path_in_one_line(tmp_path, reference_losses):
-    """SIGKILL from outside (the fault hook would fire again in the restarted set)."""
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "jaxdist.launch", *LAUNCH, "--", "--mesh", "data=-1", "--run-dir", str(run_dir), *OVERRIDES]
-    with open(tmp_path / "out.log", "w") as out_file:
-        proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while len(_logged_losses(run_dir)) < 5:  # past the checkpoint of step 4
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out.log").read_text()[-3000:]
-            time.sleep(0.1)
-        (rank0,) = [p for p in psutil.Process(proc.pid).children() if p.environ().get("JAXDIST_PROCESS_ID") == "0"]
-        rank0.kill()
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-    out = (tmp_path / "out.log").read_text()
-    assert proc.returncode == 0, out[-4000:]
-    line = "rank 0 was killed by SIGKILL: it holds the coordination service, so the run restarts from its last checkpoint"
-    assert sum(line in x for x in out.splitlines()) == 1, out[-4000:]
-    reasons = [(c["reason"], c["from"], c["to"]) for c in membership_changes(run_dir)]
-    assert reasons == [("start", None, 3), ("failure", 3, 3)], reasons  # the dead one's slot is kept: it is replaced
-    logged = dict(_logged_losses(run_dir))  # the steps since the last checkpoint run again after the restart
-    assert set(logged) == set(range(1, STEPS + 1))
-    np.testing.assert_allclose([logged[s] for s in range(1, STEPS + 1)], reference_losses, rtol=1e-5)
-
-
-@pytest.mark.heavy
-@pytest.mark.parametrize(("rank", "phase"), [(1, "save"), (2, "eval")])
-def test_a_death_off_a_step_boundary_restarts_and_ends_on_the_uninterrupted_losses(rank, phase, tmp_path, reference_losses):
-    """A process killed as it enters the save (or the evaluation) of step 8 (a fault hook, not a
-    race): the survivors' collectives fail outside a step, where JAX cannot recover in place, so
-    each says so in one line and exits 78; the launcher restarts from step 4's checkpoint on the
-    2 left, and the run ends 0 on the uninterrupted losses with nothing left running."""
-    run_dir = tmp_path / "run"
-    env = {
-        **subprocess_env(),
-        "JAXDIST_FAULT_KILL_AT": f"{rank}:8:{phase}",
-        "JAXDIST_FAULT_KILL_ONCE": str(tmp_path / "killed"),
-        TAG: str(run_dir),
-    }
-    extra = ["train.eval_every=4", "train.eval_batches=2"]
-    cmd = [sys.executable, "-m", "jaxdist.launch", *LAUNCH, "--", "--mesh", "data=-1", "--run-dir", str(run_dir), *OVERRIDES, *extra]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420, start_new_session=True)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
-    what = {"save": "a checkpoint save", "eval": "an evaluation"}[phase]
-    lines = [x for x in out.splitlines() if f"a peer process was lost during {what} (" in x]
-    said = {int(x.split("]")[0].removeprefix("[rank ")) for x in lines}
-    # the launcher kills the other survivor once the first leaves: it may not have said it yet
-    assert said and said <= {0, 1, 2} - {rank}, out[-4000:]
-    assert all("leaving for the launcher's restart (exit 78)" in x for x in lines), lines
-    assert "Traceback" not in out and "Check failure" not in out, out[-4000:]
-    for survivor in said:
-        assert "Traceback" in (run_dir / f"peer-failure.rank-{survivor}.txt").read_text()  # kept, not printed
-    reasons = [(c["reason"], c["from"], c["to"]) for c in membership_changes(run_dir)]
-    assert reasons == [("start", None, 3), ("failure", 3, 3)], reasons  # the dead one's slot is kept: it is replaced
-    logged = dict(_logged_losses(run_dir))  # steps 5-8 run again after the restart from step 4
-    assert set(logged) == set(range(1, STEPS + 1))
-    np.testing.assert_allclose([logged[s] for s in range(1, STEPS + 1)], reference_losses, rtol=1e-5)
-    assert _left_behind(str(run_dir)) == []
-
-
 # Deaths in every phase under --recovery in-process, each reached by the fault hook (not a race),
 # several per run: each kill fires once (a kill that comes while the set is already going down
 # fires in the restarted set). A death before every process's first step, in a recovery or
 # rejoin under way, off a step boundary, or of rank 0 restarts; one in a step recovers
 # in-process. Each run ends 0 on the uninterrupted losses with nothing left running. Between
-# them (and the tests above: rank 0 in a step, rank 1 in a save, rank 2 in an evaluation) rank
-# 0 and a rank other than 0 die in each phase.
+# them rank 0 and a rank other than 0 die in each phase.
 PHASE_RUNS = {
-    "starts-and-compiles": "1:0:start,0:0:start,2:0:compile,0:0:compile",
+    # restarts only (no replacement ever rejoining when one of the last three dies)
+    "starts-compiles-then-rank-0-step-rank-1-save-rank-2-eval": "1:0:start,0:0:start,2:0:compile,0:0:compile,0:6,1:8:save,2:12:eval",
     "inits-then-a-first-step": "0:0:init,2:0:init,1:1:step",
     "recovery-under-way-then-rank-0-eval-and-gather": "1:5,2:5:recovery,0:8:eval,0:10:gather",
     "replacement-dies-rejoining-then-gather-and-rank-0-save": "1:5,1:*:rejoin,1:10:gather,0:12:save",
@@ -346,3 +279,25 @@ def test_a_death_in_any_phase_recovers_or_restarts_and_ends_on_the_uninterrupted
     assert set(logged) == set(range(1, STEPS + 1))
     np.testing.assert_allclose([logged[s] for s in range(1, STEPS + 1)], reference_losses, rtol=1e-5)
     assert _left_behind(str(run_dir)) == []
+    for kill in kills.split(","):
+        _check_said(kill, out, run_dir)
+
+
+def _check_said(kill: str, out: str, run_dir: Path) -> None:
+    """The lines a death says. Rank 0 in a step: one line, the restart. Another rank entering a
+    save or an evaluation: the survivors' collectives fail outside a step, where JAX cannot
+    recover in place, so each says so in one line and exits 78 for the launcher's restart, its
+    traceback kept in its peer-failure file, not printed (the launcher kills the other survivor
+    once the first leaves: it may not have said it yet)."""
+    rank, _, phase = (kill.split(":") + ["step"])[:3]
+    if rank == "0" and phase == "step":
+        line = "rank 0 was killed by SIGKILL: it holds the coordination service, so the run restarts from its last checkpoint"
+        assert sum(line in x for x in out.splitlines()) == 1, out[-4000:]
+    elif rank != "0" and phase in ("save", "eval"):
+        what = {"save": "a checkpoint save", "eval": "an evaluation"}[phase]
+        lines = [x for x in out.splitlines() if f"a peer process was lost during {what} (" in x]
+        said = {int(x.split("]")[0].removeprefix("[rank ")) for x in lines}
+        assert said and said <= {0, 1, 2} - {int(rank)}, out[-4000:]
+        assert all("leaving for the launcher's restart (exit 78)" in x for x in lines), lines
+        for survivor in said:
+            assert "Traceback" in (run_dir / f"peer-failure.rank-{survivor}.txt").read_text()

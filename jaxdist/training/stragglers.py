@@ -63,10 +63,12 @@ class ComputeProbe:
         self.fn = jax.jit(lambda x: jax.lax.fori_loop(0, repeats, lambda _, y: jnp.tanh(y @ x), x))
         jax.block_until_ready(self.fn(self.x))  # compiled and warm: the first window's time is the work's
 
-    def seconds(self, runs: int = 2) -> float:
-        """The fastest of ``runs``: a burst of another thread's work (a loader's read-ahead) is
-        left out, while a process stopped part of every period cannot run the whole chain in one
-        of its running stretches unless they are longer than the chain."""
+    def seconds(self, runs: int = 3) -> float:
+        """The fastest of ``runs``: a burst of another thread's or process's work (a loader's
+        read-ahead, another job on a shared host) is left out unless it lasts through all of
+        them (with two, a loaded 2-core host once named a process twice in a row), while a process
+        stopped part of every period cannot run the whole chain in one of its running stretches
+        unless they are longer than the chain."""
         import jax
 
         best = float("inf")
