@@ -131,3 +131,26 @@ def test_the_h100_program_keeps_each_layers_input_on_host_with_async_copies_and_
     assert peaks["offload_layer_inputs"] <= peaks["full"] - 0.9 * stack, peaks
     link = target_hardware("h100").host_link  # the kernels scheduled inside the copies' windows hide part of them
     assert 0.0 <= offload["exposed_s"] < 2 * layers * (link.latency + stack / layers / (link.bandwidth * link.efficiency))
+
+
+def test_the_planner_offers_offload_only_where_asked_and_screens_it_below_full_remat():
+    """A GPU target's search adds offload_layer_inputs beside every full-remat layout (CPU
+    devices offload nothing: cpu-local's search leaves it out); its screened memory is below
+    full remat's, by the layer inputs it keeps on host (llama3-8b, seq 8192, fsdp=8)."""
+    from jaxdist.config import load_config
+    from jaxdist.models.llama import count_params
+    from jaxdist.plan.search import OFFLOAD_REMATS, REMATS, enumerate_candidates, estimated_memory
+
+    config = load_config("llama3-8b", ["model.vocab_size=32768"])
+    plain = enumerate_candidates(config, 8, 8)
+    offered = enumerate_candidates(config, 8, 8, remats=REMATS + OFFLOAD_REMATS)
+    assert {c.remat for c in plain} == set(REMATS)
+    full = [c for c in offered if c.remat == "full"]
+    offload = [c for c in offered if c.remat == "offload_layer_inputs"]
+    assert len(offload) == len(full) > 0 and len(offered) == len(plain) + len(offload)
+    n_params = count_params(config.model)
+    by_mesh = {(c.mesh, c.microbatches): c for c in full}
+    for candidate in offload:
+        twin = by_mesh[(candidate.mesh, candidate.microbatches)]
+        saved = estimated_memory(config, twin, n_params, True) - estimated_memory(config, candidate, n_params, True)
+        assert saved > 0, candidate.label()

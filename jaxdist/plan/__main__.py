@@ -3,8 +3,9 @@
     python -m jaxdist.plan --config llama3-8b --gpus 8 --hardware h100 [--gpus-per-node 8] [--links PATH]
         [--global-batch B] [--top K] [--time-budget S] [--max-compiles K] [--json] [key=value ...]
 
-Every (data, fsdp, expert, context, tensor, pipe) x microbatches x remat (x context strategy:
-all_gather, ring, all_to_all) layout jaxdist accepts is screened (an expert axis only for an MoE
+Every (data, fsdp, expert, context, tensor, pipe) x microbatches x remat (none, save_matmuls,
+full; for a GPU target also offload_layer_inputs) (x context strategy: all_gather, ring,
+all_to_all) layout jaxdist accepts is screened (an expert axis only for an MoE
 model; a rough time orders them), then the best are compiled, best first, until ``--time-budget`` seconds or
 ``--max-compiles`` compiles. For a GPU profile each is compiled by XLA:GPU for N compile-only
 devices of the target (``plan.gpu_target``; ``--gpus-per-node`` per host): the screen keeps the
@@ -85,7 +86,9 @@ def plan(args) -> dict:
     from jaxdist.plan.search import (
         CONTEXT_STRATEGIES,
         HEADROOM,
+        OFFLOAD_REMATS,
         PREFILTER_MARGIN,
+        REMATS,
         enumerate_candidates,
         estimated_memory,
         estimated_time,
@@ -118,7 +121,8 @@ def plan(args) -> dict:
     n_params = count_params(config.model)
     per_node = min(hardware.gpus_per_node, args.gpus)
     rejected: Counter = Counter()
-    candidates = enumerate_candidates(config, args.gpus, per_node, rejected)
+    offload = hardware.host_link is not None and not hardware.shared_host and devices.cuda_plugin_installed()
+    candidates = enumerate_candidates(config, args.gpus, per_node, rejected, REMATS + OFFLOAD_REMATS if offload else REMATS)
     if not candidates and len(rejected) == 1:  # every layout fails the same way: the config itself is wrong
         raise JaxdistError(next(iter(rejected)))
     if not candidates:
@@ -272,12 +276,12 @@ def format_table(result: dict, top: int) -> str:
         f"{result['config']} on {result['gpus']} x {result['hardware_name']} ({result['gpus_per_node']} per node), "
         f"global batch {result['global_batch']} x {result['seq_len']} tokens; "
         f"{result['layouts']['compiled']} of {result['layouts']['fitting_estimate']} screened layouts compiled",
-        f"{'#':>2}  {'mesh':<34} {'mb':>3} {'remat':<13} {'step':>9} {'tok/s/dev':>10} {'MFU':>6} {'memory':>9}  bound",
+        f"{'#':>2}  {'mesh':<34} {'mb':>3} {'remat':<20} {'step':>9} {'tok/s/dev':>10} {'MFU':>6} {'memory':>9}  bound",
     ]
     for i, c in enumerate(result["candidates"][:top], 1):
         mesh = f"{c['mesh']} {c['context_strategy']}" if c.get("context_strategy") else c["mesh"]
         lines.append(
-            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {c['remat']:<13} {format_seconds(c['step_time_s']):>9} "
+            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {c['remat']:<20} {format_seconds(c['step_time_s']):>9} "
             f"{c['tokens_per_sec_per_device']:>10,.0f} {format_fraction(c['mfu']):>6} {format_bytes(c['memory_per_device_bytes']):>9}  {c['bound']}"
         )
     if not result["candidates"]:

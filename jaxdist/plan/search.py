@@ -60,7 +60,11 @@ from jaxdist.plan.hlo_cost import program_cost
 from jaxdist.training.aot import compile_train_step
 
 REMATS = ("none", "save_matmuls", "full")
-RECOMPUTE = {"none": 1.0, "save_matmuls": 1.1, "full": 4 / 3}  # training FLOPs with remat / without
+# On a GPU target only (a host link in the profile, XLA:GPU's program to show the copies): CPU
+# devices offload nothing. offload_matmuls is left out: it saves little over save_matmuls
+# (training/README.md, "Recomputation and activation offload").
+OFFLOAD_REMATS = ("offload_layer_inputs",)
+RECOMPUTE = {"none": 1.0, "save_matmuls": 1.1, "full": 4 / 3, "offload_layer_inputs": 4 / 3}  # training FLOPs with remat / without
 STATE_BYTES_PER_PARAM = 16  # fp32 params, grads, Adam's two moments
 HEADROOM = 0.9  # plan to use at most this share of device memory
 
@@ -122,9 +126,11 @@ def candidate_pipeline(config: Config, candidate: Candidate):
     return pipeline_spec(dataclasses.replace(p, pipeline_recompute=recompute), candidate.sizes["pipe"])
 
 
-def enumerate_candidates(config: Config, gpus: int, gpus_per_node: int, rejected: Counter | None = None) -> list[Candidate]:
-    """Every layout of ``config`` on ``gpus`` devices that jaxdist accepts; ``rejected`` (if
-    given) counts the validator's reasons for the others."""
+def enumerate_candidates(
+    config: Config, gpus: int, gpus_per_node: int, rejected: Counter | None = None, remats: tuple[str, ...] = REMATS
+) -> list[Candidate]:
+    """Every layout of ``config`` on ``gpus`` devices that jaxdist accepts, with each of ``remats``;
+    ``rejected`` (if given) counts the validator's reasons for the others."""
     out = []
     batch, experts = config.train.global_batch, config.model.moe_experts if config.model.kind == "llama" else 0
     for pipe in divisors(gpus):
@@ -140,7 +146,7 @@ def enumerate_candidates(config: Config, gpus: int, gpus_per_node: int, rejected
                         shards = data * fsdp * expert
                         for microbatches in (m for m in (1, 2, 4, 8, 16) if batch % (shards * m) == 0):
                             one_f_one_b = pipe > 1 and config.parallel.schedule == "1f1b"
-                            for remat, recompute in itertools.product(REMATS, (False, True) if one_f_one_b else (None,)):
+                            for remat, recompute in itertools.product(remats, (False, True) if one_f_one_b else (None,)):
                                 for strategy in CONTEXT_STRATEGIES if context > 1 else ("",):
                                     candidate = Candidate(mesh, microbatches, remat, strategy, recompute)
                                     try:
@@ -184,7 +190,8 @@ def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_
     kernel's working set and what its strategy keeps are ``context_cost.attention_memory``'s (a
     few fp32 tiles, the gathered K/V of all_gather, nothing more for all_to_all with a fused
     kernel). Full remat keeps only each layer's input (2 s d) plus one layer's working set;
-    save_matmuls about half. The fp32 logits (and their gradient) of one microbatch (one
+    offload_layer_inputs keeps those inputs on host (two in flight on the device); save_matmuls
+    about half. The fp32 logits (and their gradient) of one microbatch (one
     ``model.loss_chunk`` of it, when set) come on top.
     """
     m, t = config.model, config.train
@@ -201,7 +208,12 @@ def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_
     if context == 1 and not fused_attention:
         per_layer += 5 * m.n_heads * s * s / tp
     layers = m.n_layers // sizes["pipe"]
-    kept = {"none": per_layer * layers, "save_matmuls": per_layer * layers / 2, "full": 2 * s * d * layers + per_layer}[candidate.remat]
+    kept = {
+        "none": per_layer * layers,
+        "save_matmuls": per_layer * layers / 2,
+        "full": 2 * s * d * layers + per_layer,
+        "offload_layer_inputs": 2 * 2 * s * d + per_layer,  # the layer inputs on host; two in flight
+    }[candidate.remat]
     spec = candidate_pipeline(config, candidate)
     activations, head_rows, head_tokens = rows * kept, rows, s
     if spec is not None:  # rows / M per pipeline microbatch; the head runs on 1/S of each sequence per stage
