@@ -309,3 +309,31 @@ def test_explicit_cudnn_that_cudnn_would_refuse_is_one_config_error(dtype, head_
 def test_auto_fallback_names_the_kernel_that_runs(dtype, head_dim, cc):
     impl, note = choose_implementation("auto", platform="gpu", dtype=dtype, head_dim=head_dim, packed=True, compute_capability=cc)
     assert impl == "xla" and "runs XLA's kernel (model.attention=xla)" in note and "\n" not in note, note
+
+
+def test_packed_attention_that_batches_itself_matches_a_loop_over_the_mapped_axis():
+    """``batching_itself`` (what cuDNN's packed call is wrapped in under DiLoCo's vmap, where JAX's
+    own batching rule fails) with XLA's kernel inside: outputs and gradients under ``vmap`` equal
+    the same call made replica by replica, and the outputs the per-document reference; segment
+    ids shared by the replicas (not mapped) as well."""
+    rng = np.random.default_rng(7)
+    replicas = [qkv(seed, t=64) for seed in (8, 9)]
+    q, k, v = (jnp.stack(x) for x in zip(*replicas, strict=True))
+    ids = jnp.asarray(np.stack([layouts(rng, 64), layouts(rng, 64)]))
+    cotangent = jnp.asarray(rng.standard_normal(q.shape[1:]), jnp.float32)
+    call = attention.batching_itself(lambda q, k, v, ids: attention.grouped_attention(q, k, v, ids))
+
+    def loss(q, k, v, ids):
+        return jnp.sum(call(q, k, v, ids) * cotangent)
+
+    for shared in (False, True):
+        row_ids = ids[:1].repeat(2, 0) if shared else ids
+        out = jax.jit(jax.vmap(call, in_axes=(0, 0, 0, None if shared else 0)))(q, k, v, ids[0] if shared else ids)
+        got = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, 0, 0, None if shared else 0)))(
+            q, k, v, ids[0] if shared else ids
+        )
+        for r in range(2):
+            np.testing.assert_allclose(out[r], per_document(q[r], k[r], v[r], row_ids[r]), atol=1e-5, rtol=0)
+            want = grads("xla", q[r], k[r], v[r], row_ids[r], cotangent)
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_allclose(g[r], w, atol=1e-5, rtol=1e-5)

@@ -100,6 +100,23 @@ def test_the_split_says_which_attention_and_kernel_it_uses(capsys):
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("strategy", ["all_to_all", "ring"])
+def test_accumulation_on_a_data_axis_beside_context_trains_like_one_device_and_says_how_it_reduces(strategy, one_device, capsys):
+    """Replicated parameters with microbatches reduce their gradients once per step inside a
+    region manual over the batch axes; the context kernels are shard_maps over the whole mesh and
+    cannot nest there (the planner's 8B search found this layout failing to trace), so the
+    gradients are reduced per microbatch and one line says so."""
+    config = load_config(None, [*TINY, f"train.steps={STEPS}", f"parallel.context_strategy={strategy}", "train.microbatches=2"])
+    sizes = parse_mesh("data=2,context=2")
+    losses = run(config, sizes, None, devices=jax.devices()[:4], progress=False).losses
+    np.testing.assert_allclose(losses, one_device, rtol=0, atol=1e-5)
+    assert (
+        "gradients are reduced after each microbatch, not once per step as replicated parameters allow, because of a context axis"
+        in (capsys.readouterr().err)
+    )
+
+
+@pytest.mark.heavy
 def test_resume_onto_another_context_size(tmp_path):
     """Four steps on context=4 stopped after 2, resumed on fsdp=2,context=2: the losses
     of the uninterrupted context=4 run (which equal one device's)."""

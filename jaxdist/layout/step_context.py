@@ -10,7 +10,9 @@ The model knows nothing of the mesh; what depends on it reaches it here:
 - ``expert_kernel``: where an MoE layer's routed tokens go (expert parallelism's all-to-all,
   ``parallel.expert``), instead of the experts on one device;
 - ``loss_cotangent``: the scale the loss's gradient is taken with (fp16 loss scaling), which
-  1F1B needs inside the forward pass, where it runs the backward.
+  1F1B needs inside the forward pass, where it runs the backward;
+- ``vmapped``: the model runs under ``jax.vmap`` (DiLoCo's replicas), where a kernel whose JAX
+  batching rule is wrong must batch itself (cuDNN's packed attention, ``models.attention``).
 
 Two fields are the model's own, changed around parts of it (``changed``): ``fp8_off`` (the
 first and last layers that ``model.fp8_keep_ends`` keeps in the compute dtype) and
@@ -32,6 +34,7 @@ class StepContext:
     sequence_kernel: Callable | None = None  # (q, k, v, segment_ids, positions) -> attention output
     expert_kernel: Callable | None = None  # (x, ids, gates, w_gate_up, w_down, capacity factor) -> (y, dropped)
     loss_cotangent: Any = None  # jax.Array scalar: the loss sum's gradient is taken of loss sum x this (None: 1)
+    vmapped: bool = False
     fp8_off: bool = False
     fp8_grouped: bool = False
 

@@ -214,6 +214,8 @@ def _cudnn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | No
         call = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")  # noqa: E731
         return manual_over_the_rest(call, (heads, kv_heads, kv_heads), heads)(q, k, v)
     call = lambda q, k, v, ids: _cudnn_packed(q, k, v, ids, max_segments)  # noqa: E731
+    if step_context.current().vmapped:
+        call = batching_itself(call)
     return manual_over_the_rest(call, (heads, kv_heads, kv_heads, ("batch", "seq")), heads)(q, k, v, segment_ids)
 
 
@@ -238,6 +240,47 @@ def _cudnn_packed(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     # (a non-finite loss stops or skips the step) rather than silently wrong.
     overflow = num_segments(segment_ids) > max_segments
     return jnp.where(overflow[:, None, None, None], jnp.nan, out).astype(q.dtype)
+
+
+def batching_itself(call):
+    """``call(q, k, v, segment_ids)`` as one that ``jax.vmap`` folds into its batch rows.
+
+    JAX's batching rule for cuDNN attention (jax 0.10-0.11) reshapes the packed form's
+    per-document lengths to one value per row and leaves the offsets as they are, so under
+    ``vmap`` (DiLoCo's replicas) the packed call fails to trace. Here the forward and the
+    backward are each a ``custom_vmap`` whose rule merges the mapped axis into the batch
+    (every input leads with it), and a ``custom_vjp`` joins them: its backward computes the
+    forward again (``jax.vjp`` of ``call``) rather than keep cuDNN's statistics, one more
+    attention forward per layer."""
+    from jax.custom_batching import custom_vmap
+
+    def folded(f):
+        g = custom_vmap(f)
+
+        @g.def_vmap
+        def rule(axis_size, in_batched, *args):
+            args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape)) for batched, a in zip(in_batched, args, strict=True)]
+            out = g(*(a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in args))
+            unfold = lambda o: o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:])  # noqa: E731
+            return jax.tree.map(unfold, out), jax.tree.map(lambda _: True, out)
+
+        return g
+
+    forward = folded(call)
+    backward = folded(lambda q, k, v, ids, grad: jax.vjp(lambda q, k, v: call(q, k, v, ids), q, k, v)[1](grad))
+
+    @jax.custom_vjp
+    def attention(q, k, v, ids):
+        return forward(q, k, v, ids)
+
+    def attention_fwd(q, k, v, ids):
+        return forward(q, k, v, ids), (q, k, v, ids)
+
+    def attention_bwd(residuals, grad):
+        return (*backward(*residuals, grad), None)
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention
 
 
 # ---------------------------------------------------------------------------------------------

@@ -330,12 +330,29 @@ def reduce_plan(config: Config, mesh) -> ReducePlan | None:
     return plan
 
 
+def not_once_per_step(config: Config, mesh_shape: dict[str, int], replicas: int) -> list[str]:
+    """Why replicated parameters' gradients cannot be accumulated per device and reduced once per
+    step (DDP's no_sync) on this layout: the reduction then runs after each microbatch."""
+    reasons = {
+        "DiLoCo's replicas (the per-device accumulation cannot run under the replica vmap)": bool(replicas),
+        "a pipe axis": mesh_shape.get("pipe", 1) > 1,
+        "MoE layers (their routing statistics are global)": config.model.kind == "llama" and config.model.moe_experts > 0,
+        "a context axis (its attention is a shard_map over the whole mesh, which cannot nest in one over the batch axes)": (
+            mesh_shape.get("context", 1) > 1
+        ),
+    }
+    return [reason for reason, holds in reasons.items() if holds]
+
+
 def say_what_reduces(config: Config, layout, plan: ReducePlan | None, replicas: int) -> None:
     """One line for each weaker path the reduction takes."""
-    if replicas and config.train.microbatches > 1 and layout.strategy.zero in ("dp", "zero1"):
+    shape = dict(layout.mesh.shape)
+    batch_shards = math.prod(shape.get(a, 1) for a in INNER_BATCH_AXES)
+    held = not_once_per_step(config, shape, replicas)
+    if plan is None and held and batch_shards > 1 and config.train.microbatches > 1 and layout.strategy.zero in ("dp", "zero1"):
         log.info(
-            "DiLoCo with train.microbatches > 1: gradients are reduced inside each replica once per microbatch, "
-            "not once per step (the per-device accumulation cannot run under the replica vmap)"
+            f"train.microbatches={config.train.microbatches}: gradients are reduced after each microbatch, not once per step "
+            f"as replicated parameters allow, because of {' and '.join(held)}"
         )
     if plan is None:
         return

@@ -108,15 +108,16 @@ def choose_reduction(config: Config, layout: Layout, param_shardings: Any, plan:
     once per step where parameters are replicated. (Not under DiLoCo's vmap: the shard_map over
     data/fsdp cannot take the replica dimension; not without a batch axis: nothing to reduce,
     and XLA 0.10's partitioner rejects the auto tensor axis's collectives in a region manual
-    over size-1 axes only; not for MoE: its router statistics and dispatch are global.)"""
+    over size-1 axes only; not for MoE: its router statistics and dispatch are global; not with a
+    context axis: its attention is a shard_map over the whole mesh, which cannot run inside one
+    manual over the batch axes: ``grad_reduce.not_once_per_step``, said in one line by
+    ``grad_reduce.say_what_reduces``.)"""
     mesh, microbatches = layout.mesh, config.train.microbatches
     if plan is not None:
         return grad_reduce.CompressedReduction(plan, microbatches, mesh, param_shardings)
-    shape = mesh.shape
-    batch_shards = math.prod(shape.get(a, 1) for a in INNER_BATCH_AXES)
-    moe = config.model.kind == "llama" and config.model.moe_experts > 0
+    batch_shards = math.prod(mesh.shape.get(a, 1) for a in INNER_BATCH_AXES)
     replicated = layout.strategy.zero in ("dp", "zero1")
-    reduce_once = replicated and shape.get("pipe", 1) == 1 and not replicas and batch_shards > 1 and not moe
+    reduce_once = replicated and batch_shards > 1 and not grad_reduce.not_once_per_step(config, mesh.shape, replicas)
     return XlaReduction(microbatches, mesh, param_shardings, reduce_once)
 
 
@@ -207,9 +208,9 @@ class Trainer:
             in_shardings=(self.state_shardings.params,),
         )
 
-    def context(self, loss_cotangent: jax.Array | None = None) -> StepContext:
+    def context(self, loss_cotangent: jax.Array | None = None, vmapped: bool = False) -> StepContext:
         """What the step installs while it is traced (``layout.step_context``)."""
-        return StepContext(self.layout, self.task.sequence_kernel, self.task.expert_kernel, loss_cotangent)
+        return StepContext(self.layout, self.task.sequence_kernel, self.task.expert_kernel, loss_cotangent, vmapped=vmapped)
 
     # -- the step: loss -> gradients -> reduction -> update -------------------------------
 
@@ -222,7 +223,7 @@ class Trainer:
 
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         scale = self._scale(None if state.loss_scale is None else state.loss_scale.scale)
-        with installed(self.context(scale)):
+        with installed(self.context(scale, vmapped=self.replicas.count > 0)):  # DiLoCo vmaps this step over its replicas
             loss_sum, weight, stats, grads, residual = self.reduction(
                 grad_fn(self._loss, scale), state.params, batch, state.residual, scale
             )
