@@ -10,6 +10,7 @@ import sysconfig
 from pathlib import Path
 
 import jax
+import pytest
 from flax import nnx
 
 from jaxdist.config import load_config
@@ -181,3 +182,21 @@ def membership_changes(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "elastic.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     return [r for r in records if r["reason"] != "straggler"]
+
+
+def checked_goodput(run_dir: Path, steps: int, idle_share: float = 0.02) -> dict:
+    """RUN_DIR/goodput.json of a finished launched run, checked against the run's own files: its
+    wall time is the first start record's to the file's writing, its shares add up to that wall
+    time with at most ``idle_share`` unaccounted, each of the ``steps`` steps is productive once,
+    and the steps logged again after a restart (metrics.jsonl, train.log_every=1) are the retrained ones."""
+    path = Path(run_dir) / "goodput.json"
+    result = json.loads(path.read_text())
+    first_start = min(r["time"] for r in membership_changes(run_dir) if r["reason"] == "start")
+    assert result["wall_s"] == pytest.approx(path.stat().st_mtime - first_start, abs=1.5), result  # + the first process's creation
+    seconds = result["seconds"]
+    assert sum(seconds.values()) == pytest.approx(result["wall_s"], rel=1e-3, abs=0.01), result
+    assert seconds["idle"] <= idle_share * result["wall_s"], result
+    assert result["goodput"] == pytest.approx(seconds["productive"] / result["wall_s"], rel=1e-3) and 0 < result["goodput"] < 1
+    logged = [json.loads(x)["step"] for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert result["steps"] == {"productive": steps, "retrained": len(logged) - len(set(logged))}, (result, logged)
+    return result

@@ -110,9 +110,8 @@ def test_accumulation_on_a_data_axis_beside_context_trains_like_one_device_and_s
     sizes = parse_mesh("data=2,context=2")
     losses = run(config, sizes, None, devices=jax.devices()[:4], progress=False).losses
     np.testing.assert_allclose(losses, one_device, rtol=0, atol=1e-5)
-    assert (
-        "gradients are reduced after each microbatch, not once per step as replicated parameters allow, because of a context axis"
-        in (capsys.readouterr().err)
+    assert "gradients are reduced after each microbatch, not once per step as replicated parameters allow, because of a context axis" in (
+        capsys.readouterr().err
     )
 
 

@@ -26,7 +26,7 @@ from jaxdist.training.checkpoint import checkpoint_steps
 from jaxdist.training.preemption import EXIT_PREEMPTED
 from jaxdist.training.run import run
 
-from helpers import SMALL_TEXT, TINY, membership_changes, subprocess_env
+from helpers import SMALL_TEXT, TINY, checked_goodput, membership_changes, subprocess_env
 
 pytestmark = pytest.mark.heavy
 
@@ -334,7 +334,7 @@ def _log(run_dir: Path) -> str:
 def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+    return [json.loads(line) for line in lines if line.strip().endswith("}") and '"loss"' in line]  # the training lines
 
 
 def test_a_failure_below_min_stops_at_the_last_checkpoint(tmp_path, launched, compile_cache):
@@ -383,3 +383,7 @@ def test_shrinks_on_a_failure_and_grows_back_with_the_same_losses(tmp_path, laun
     logged = [(m["step"], m["loss"]) for m in _metrics(run_dir) if "loss" in m]
     assert {s for s, _ in logged} == set(range(1, STEPS + 1))
     np.testing.assert_allclose([loss for _, loss in logged], [reference[s - 1] for s, _ in logged], rtol=1e-4)
+    # goodput.json accounts for the three sets' wall time (the steps trained again after the kill, if
+    # it came after a logged step past the checkpoint, are retrained: checked_goodput counts them)
+    accounted = checked_goodput(run_dir, STEPS)
+    assert accounted["restarts"] == 2 and accounted["seconds"]["lost"] > 0 and accounted["seconds"]["compile"] > 0, accounted

@@ -44,7 +44,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}") and '"loss"' in line]
 
 
 def _wait_for(predicate, timeout: float = 120.0) -> None:

@@ -26,7 +26,7 @@ from jaxdist.layout.mesh import parse_mesh
 from jaxdist.training.recovery import reshard_from_survivors
 from jaxdist.training.run import run
 
-from helpers import SMALL_TEXT, TINY, membership_changes, subprocess_env
+from helpers import SMALL_TEXT, TINY, checked_goodput, membership_changes, subprocess_env
 
 STEPS = 12
 OVERRIDES = (*TINY, *SMALL_TEXT, "train.global_batch=6", f"train.steps={STEPS}", "checkpoint.every_steps=4")
@@ -216,6 +216,9 @@ def test_a_killed_process_is_recovered_in_process_then_replaced_with_the_uninter
     assert saved[-1] == GROW_STEPS
     assert len(list((run_dir / "checkpoints" / str(GROW_STEPS) / "data").glob("process_*-of-3.json"))) == 3  # the replacement saved too
     assert _left_behind(str(run_dir)) == []  # no trainer, replacement or Grain worker outlives the run
+    accounted = checked_goodput(run_dir, GROW_STEPS)  # one set throughout: nothing retrained, nothing lost to a restart
+    assert (accounted["restarts"], accounted["recoveries"], accounted["steps"]["retrained"]) == (0, 1, 0), accounted
+    assert accounted["seconds"]["recovery"] > 0 and accounted["seconds"]["rejoin"] > 0 and accounted["seconds"]["lost"] == 0, accounted
 
 
 def test_device_groups_are_every_axis_subsets_rows_in_mesh_order():

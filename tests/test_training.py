@@ -40,6 +40,7 @@ def test_cli_writes_metrics_config_and_tensorboard(tmp_path):
         *TINY[:-1],
         "train.eval_every=3",
     ]
+    started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "using 4 fake CPU devices" in proc.stderr
@@ -55,6 +56,13 @@ def test_cli_writes_metrics_config_and_tensorboard(tmp_path):
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert resolved["parallel"]["mesh"] == "data=2,fsdp=2" and resolved["train"]["steps"] == 6
     assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tensorboard").iterdir())
+    # goodput.json: the process's wall time, from its creation to the file, in shares that add up to it
+    accounted = json.loads((run_dir / "goodput.json").read_text())
+    assert accounted["wall_s"] == pytest.approx((run_dir / "goodput.json").stat().st_mtime - started, abs=2.0)
+    assert sum(accounted["seconds"].values()) == pytest.approx(accounted["wall_s"], rel=1e-3, abs=0.01)
+    assert accounted["seconds"]["idle"] <= 0.02 * accounted["wall_s"] and accounted["steps"] == {"productive": 6, "retrained": 0}
+    assert accounted["seconds"]["compile"] > 0 and accounted["seconds"]["eval"] > 0 and accounted["seconds"]["checkpoint"] > 0
+    assert f"jaxdist: goodput {accounted['goodput']:.0%} of {accounted['wall_s']:.1f}s (" in proc.stderr
 
 
 def test_resnet_loss_falls_under_data_parallel():

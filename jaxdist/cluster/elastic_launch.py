@@ -14,7 +14,7 @@ import signal
 import time
 from pathlib import Path
 
-from jaxdist.cluster import elastic
+from jaxdist.cluster import elastic, goodput
 from jaxdist.cluster.distributed import EXIT_PORT_TAKEN
 from jaxdist.cluster.heartbeat import beat_step
 from jaxdist.cluster.launcher import PORT_ATTEMPTS, SAVE_GRACE_S, Ended, HangLimits, Launcher, describe_exit, exit_status
@@ -426,8 +426,15 @@ def _processes(n: int) -> str:
 
 def run_elastic(plan: ElasticPlan) -> int:
     """The elastic run ``plan`` describes, until it ends; the exit status. SIGINT / SIGTERM
-    are forwarded to the running set (no relaunch after them)."""
-    return drive(Elastic(plan))
+    are forwarded to the running set (no relaunch after them). However it ends, once its
+    processes are gone, ``RUN_DIR/goodput.json`` accounts the run's wall time from its first
+    start (``cluster.goodput``)."""
+    try:
+        return drive(Elastic(plan))
+    finally:
+        started = goodput.run_started(plan.run_dir)
+        if started is not None:
+            goodput.write(plan.run_dir, started, time.time())
 
 
 def drive(loop) -> int:

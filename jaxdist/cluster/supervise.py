@@ -54,6 +54,20 @@ def user_resume(argv: list[str]) -> str | None:
 
 
 def supervise(argv: list[str], run_dir: Path | str, max_restarts: int, delay: float) -> int:
+    """Run and restart the training ``argv`` describes (see the module doc); the exit status.
+    At the end ``RUN_DIR/goodput.json`` accounts every start's time (a local run directory)."""
+    started = time.time()
+    try:
+        return _supervise(argv, run_dir, max_restarts, delay)
+    finally:
+        if isinstance(run_dir, Path) or "://" not in str(run_dir):
+            from jaxdist.cluster import goodput
+
+            if Path(run_dir).is_dir():
+                goodput.write(Path(run_dir), started, time.time())
+
+
+def _supervise(argv: list[str], run_dir: Path | str, max_restarts: int, delay: float) -> int:
     args = child_argv(argv, run_dir)
     first_resume = user_resume(argv)
     if first_resume is not None:  # honour --resume on the first start only

@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_batching import custom_vmap
 
 from jaxdist.errors import ConfigError
 from jaxdist.layout import step_context
@@ -252,8 +253,6 @@ def batching_itself(call):
     (every input leads with it), and a ``custom_vjp`` joins them: its backward computes the
     forward again (``jax.vjp`` of ``call``) rather than keep cuDNN's statistics, one more
     attention forward per layer."""
-    from jax.custom_batching import custom_vmap
-
     def folded(f):
         g = custom_vmap(f)
 

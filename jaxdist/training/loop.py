@@ -4,6 +4,7 @@ preemption, the energy meter, the profile window and the launcher's heartbeat ar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -113,7 +114,8 @@ def train_loop(
             for offset, m in enumerate(fetched):
                 skips_in_a_row = _check_step(m, window_end - len(fetched) + 1 + offset, skips_in_a_row, cfg, result, checkpointer)
             timing = (seconds, joules, waited_total, flops_per_step, peak_flops, fp8_peak_flops)
-            logger.log(window_end, _window_record(fetched, tokens_per_step, n_devices, timing, result.skipped_steps))
+            record = _window_record(fetched, tokens_per_step, n_devices, timing, result.skipped_steps)
+            logger.log(window_end, {**record, "wall_time": round(time.time(), 3), "window_steps": len(fetched)})
             logger.advance(len(fetched))
 
     for step in range(start_step + 1, end + 1):
@@ -166,13 +168,13 @@ def train_loop(
                 pending = []
                 eval_metrics = None
                 if eval_now:
-                    with tracer.phase("eval"):
+                    with tracer.phase("eval"), timed(logger, step, "eval"):
                         fault_point("eval", step)
                         result.eval_losses[step] = evaluate(trainer, state, hooks.eval_batches())
                     eval_metrics = {"eval_loss": result.eval_losses[step]}
                     logger.log(step, eval_metrics)
                 if save_now or params_now:
-                    with tracer.phase("checkpoint"):
+                    with tracer.phase("checkpoint"), timed(logger, step, "checkpoint"):
                         fault_point("save", step)
                         if not bool(trainer.params_finite(state.params)):
                             raise NonFiniteLoss(f"parameters became non-finite at step {step}; not saving them{_last_saved(checkpointer)}")
@@ -196,6 +198,16 @@ def train_loop(
         tracer.after_step(step, state)
     result.state = state
     return result
+
+
+@contextlib.contextmanager
+def timed(logger, step: int, kind: str):
+    """The block's wall time as a ``goodput_span`` line of ``kind`` (``cluster.goodput``)."""
+    wall, start = time.time(), time.perf_counter()
+    try:
+        yield
+    finally:
+        logger.span(step, kind, wall, time.perf_counter() - start)
 
 
 def _window_record(fetched: list[dict], tokens_per_step: int, n_devices: int, timing: tuple, skipped_steps: int) -> dict:

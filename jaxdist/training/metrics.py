@@ -81,6 +81,9 @@ def fp8_peak_flops_per_device(devices: list) -> float:
     return math.nan
 
 
+TIMELINE_KEYS = {"wall_time", "window_steps"}  # a window line's place in time (cluster.goodput): not charted
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step to metrics.jsonl, scalars to TensorBoard,
     and keeps a progress bar with loss and tokens/s. A no-op on processes other than 0 and
@@ -108,13 +111,13 @@ class MetricsLogger:
         record = {"step": step, **{k: _plain(v) for k, v in values.items()}}
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")  # strict JSON: unknown is null
         if self.mirror is not None:
-            self.mirror.log(step, record)
+            self.mirror.log(step, {k: v for k, v in record.items() if k not in TIMELINE_KEYS})
         if self._tb is None:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(logdir=str(self._tb_dir))
         for key, value in record.items():
-            if key != "step" and isinstance(value, int | float):
+            if key != "step" and key not in TIMELINE_KEYS and isinstance(value, int | float):
                 self._tb.add_scalar(key, value, step)
         if "loss" in record and self._bar is not None:
             self._bar.set_postfix(loss=_show(record["loss"], ".4f"), tok_s=_show(record.get("tokens_per_sec"), ".0f"), refresh=False)
@@ -125,6 +128,13 @@ class MetricsLogger:
                 file=sys.stderr,
                 flush=True,
             )
+
+    def span(self, step: int, kind: str, start: float, seconds: float) -> None:
+        """A ``goodput_span`` line (``cluster.goodput``): metrics.jsonl only, not charted."""
+        if self.enabled:
+            from jaxdist.cluster.goodput import span_record
+
+            self._jsonl.write(json.dumps({"step": step, "goodput_span": span_record(kind, start, seconds)}) + "\n")
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:

@@ -74,7 +74,7 @@ def train_process(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         plan = _join(args, config, run_dir, durable)
         interactive = sys.stderr.isatty()
-        result = run_resolved(plan, progress=interactive, print_lines=not interactive)
+        result = run_resolved(plan, progress=interactive, print_lines=not interactive, started=process_started())
         import jax
 
         if recoverable.in_process_recovery() and jax.process_count() > 1:
@@ -195,6 +195,7 @@ def run(
     uses its resolved, frozen copy (``run_plan.resolve_run``). ``run_dir`` may be a URL
     (with ``checkpoint.local_dir``: ``training.checkpoint_tiers``).
     """
+    started = time.time()
     durable = None
     if run_dir is not None:
         run_dir, durable = run_directories(str(run_dir), config)
@@ -203,11 +204,28 @@ def run(
 
             prepare_local_tier(run_dir, durable, resume)
     plan = resolve_run(config, run_dir, resume=resume, init_from=init_from, mesh_sizes=mesh_sizes, durable_dir=durable)
-    return run_resolved(plan, devices=devices, progress=progress, print_lines=print_lines)
+    return run_resolved(plan, devices=devices, progress=progress, print_lines=print_lines, started=started)
 
 
-def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_lines: bool = False):
-    """Train the resolved run ``plan`` describes (``run``'s work once the plan is made)."""
+def process_started() -> float:
+    """When this process was created (epoch seconds): its start-up counts from there (``cluster.goodput``).
+    On Linux from its start in clock ticks since boot against the boot clock (10 ms); psutil's
+    create_time adds the boot time, which the kernel gives in whole seconds (up to 1 s off)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        import psutil
+
+        return psutil.Process().create_time()
+
+
+def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_lines: bool = False, started: float | None = None):
+    """Train the resolved run ``plan`` describes (``run``'s work once the plan is made).
+    ``started``: when the run's start-up began (epoch seconds; None: now); from it to the end
+    ``RUN_DIR/goodput.json`` accounts the wall time, unless a launcher or supervisor accounts
+    for the whole run (``cluster.goodput``)."""
     import jax
 
     from jaxdist.cluster.elastic import record as elastic_record
@@ -219,7 +237,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     from jaxdist.training.checkpoint_tiers import durable_steps, replicator_for
     from jaxdist.training.compile_cache import compile_cache_dir, enable_compile_cache
     from jaxdist.training.energy import IntervalEnergy, agree_on_meter, open_meter
-    from jaxdist.training.loop import LoopHooks, LoopResult, train_loop
+    from jaxdist.training.loop import LoopHooks, LoopResult, timed, train_loop
     from jaxdist.training.metrics import MetricsLogger, fp8_peak_flops_per_device, peak_flops_per_device
     from jaxdist.training.preemption import PreemptionWatcher
     from jaxdist.training.recovery import join_running, train_recovering
@@ -266,13 +284,18 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     t = config.train
     logger = MetricsLogger(run_dir, t.steps, enabled=is_main, progress=progress, print_lines=print_lines)
     stopped_by = None  # the exception that ends the run, if one does (the W&B run is then marked failed)
+    started = time.time() if started is None else started
+    logger.span(0, "startup", started, time.time() - started)
+    trained = False  # the loop ran to its end (a finished run, rerun, keeps its goodput.json)
     try:
         with logger.messages_above_the_bar():
-            restored = (
-                restore_checkpoint(trainer, config, run_dir, resume, checkpointer, weights_dir)
-                if (checkpointer or weights_dir) and not rejoin
-                else None
-            )
+            with timed(logger, 0, "restore"):
+                restored = (
+                    restore_checkpoint(trainer, config, run_dir, resume, checkpointer, weights_dir)
+                    if (checkpointer or weights_dir) and not rejoin
+                    else None
+                )
+            restored_at = time.time()  # start-up goes on (state, data, first batch) until the compile
             if restored is not None and restored.step >= min(t.steps, t.stop_after_step or t.steps):  # a finished run, rerun
                 why = f"train.stop_after_step={t.stop_after_step}" if 0 < t.stop_after_step < t.steps else f"train.steps={t.steps}"
                 logger.advance(restored.step)
@@ -311,14 +334,18 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                 f"{config.name} | {trainer.n_params / 1e6:.2f}M params | mesh {format_mesh(dict(mesh.shape))} "
                 f"({mesh.size} {devices[0].platform}) | strategy {layout.strategy} | run dir {where}"
             )
+            compiled_at = [time.time()]  # from the compile to the loop: set-up too (the energy meter, the hooks)
             if joined is not None:
                 first, step_fn = joined.first_batch, joined.step_fn
                 meter, no_meter = open_meter(devices) if measured else (None, "the run does not measure it")
             else:
                 first = next(batches)
+                logger.span(0, "setup", restored_at, time.time() - restored_at)
                 compile_start = time.perf_counter()
                 fault_point("compile")
-                step_fn = trainer.compile_step(state, first)
+                with timed(logger, int(jax.device_get(state.step)), "compile"):
+                    step_fn = trainer.compile_step(state, first)
+                compiled_at = [time.time()]
                 log.info(f"train step compiled in {time.perf_counter() - compile_start:.1f}s")
                 meter, no_meter = agree_on_meter(*open_meter(devices))
             if meter is None:
@@ -335,6 +362,8 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
             )
 
             def run_loop(trainer, state, batches, step_fn):
+                if compiled_at:
+                    logger.span(0, "setup", compiled_at[0], time.time() - compiled_at.pop())
                 return train_loop(
                     trainer,
                     state,
@@ -361,6 +390,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                     )  # fmt: skip
                 else:
                     result = run_loop(trainer, state, itertools.chain([first], batches), step_fn)
+            trained = True
             if 0 < t.stop_after_step < t.steps:
                 saved = "; saved, run again without train.stop_after_step to continue" if checkpointer else ""
                 log.info(f"stopped after step {t.stop_after_step} of {t.steps} (train.stop_after_step){saved}")
@@ -371,9 +401,22 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     finally:
         batches.close()
         if checkpointer is not None and not _saves_abandoned(stopped_by):
-            checkpointer.wait()
+            with timed(logger, 0, "checkpoint"):
+                checkpointer.wait()
             checkpointer.close()
         logger.close(error=stopped_by)
+        if run_dir is not None and is_main and trained and not accounted_outside():
+            from jaxdist.cluster import goodput
+
+            goodput.write(run_dir, started, time.time())
+
+
+def accounted_outside() -> bool:
+    """Whether a launcher or supervisor accounts for the whole run's goodput (over every process set)."""
+    from jaxdist.cluster.heartbeat import ENV_DIR
+    from jaxdist.cluster.supervise import SUPERVISED_ENV
+
+    return bool(os.environ.get(ENV_DIR) or os.environ.get(SUPERVISED_ENV))
 
 
 def _saves_abandoned(error: BaseException | None) -> bool:
