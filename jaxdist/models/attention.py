@@ -253,6 +253,7 @@ def batching_itself(call):
     (every input leads with it), and a ``custom_vjp`` joins them: its backward computes the
     forward again (``jax.vjp`` of ``call``) rather than keep cuDNN's statistics, one more
     attention forward per layer."""
+
     def folded(f):
         g = custom_vmap(f)
 
