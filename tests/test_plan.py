@@ -488,7 +488,7 @@ def test_build_notes_are_said_once_and_cpu_backend_notes_not_for_a_gpu_plan(tmp_
         lines = [line for line in captured.err.splitlines() if line.startswith("jaxdist: ")]
         assert len(lines) == len(set(lines)) and not [line for line in lines if CPU_BACKEND_NOTE.search(line)], lines
         assert len(result["candidates"]) == 2 and not [n for c in result["candidates"] for n in c["notes"] if CPU_BACKEND_NOTE.search(n)]
-        said.append(lines)
+        said.append([line for line in lines if "screened layouts" not in line])  # its count of new and cached compiles differs
     assert said[0] == said[1]
     cached = [n for path in (tmp_path / "plan").glob("*.json") for n in json.loads(path.read_text())["notes"]]
     cpu_notes = [n for n in cached if CPU_BACKEND_NOTE.search(n)]

@@ -146,11 +146,15 @@ def offline_runs(run_dir: Path) -> list[dict]:
 
 
 def metrics_by_step(run_dir: Path) -> dict[int, dict]:
-    """metrics.jsonl's lines, those of one step (training, eval) merged as W&B merges them."""
+    """metrics.jsonl's lines, those of one step (training, eval) merged as W&B merges them; the
+    goodput timeline (spans, each line's place in time) is not charted, in W&B or TensorBoard."""
+    from jaxdist.training.metrics import TIMELINE_KEYS
+
     merged: dict[int, dict] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        merged.setdefault(record.pop("step"), {}).update(record)
+        if "goodput_span" not in record:
+            merged.setdefault(record.pop("step"), {}).update({k: v for k, v in record.items() if k not in TIMELINE_KEYS})
     return merged
 
 
