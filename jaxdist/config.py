@@ -149,6 +149,9 @@ class TrainConfig(_Freezable):
     beta1: float = knob(0.9, "Adam's first-moment decay", "[0, 1)")
     beta2: float = knob(0.95, "Adam's second-moment decay", "[0, 1)")
     grad_clip: float = knob(1.0, "global-norm clipping; 0 disables", ">= 0")
+    optimizer_offload: bool = knob(
+        False, "keep the optimizer state in pinned host memory; each step brings it to the devices for the update and back"
+    )
     seed: int = knob(0, "initialisation and data-order seed (--seed)", "[0, 9223372036854775807]")
     log_every: int = knob(1, "steps between metrics.jsonl lines (--log-every)", "> 0")
     eval_every: int = knob(0, "steps between evaluations on the held-out tail; 0: none", ">= 0")

@@ -42,6 +42,15 @@ def test_resume_is_exact(tmp_path, uninterrupted):
     np.testing.assert_array_equal(first.losses + resumed.losses, uninterrupted)  # bitwise, fp32 on CPU
 
 
+def test_resume_moves_the_optimizer_state_between_host_and_device_memory(tmp_path, uninterrupted):
+    """train.optimizer_offload changes where the state lives, not what is saved: a run saved
+    with it resumes without it and back, and meets the uninterrupted run bitwise."""
+    first = _run(tmp_path, "data=2,fsdp=4", 4, "train.optimizer_offload=true")
+    second = _run(tmp_path, "data=2,fsdp=4", 8)
+    third = _run(tmp_path, "data=2,fsdp=4", STEPS, "train.optimizer_offload=true")
+    np.testing.assert_array_equal(first.losses + second.losses + third.losses, uninterrupted)
+
+
 @pytest.mark.parametrize("new_mesh", ["fsdp=4", "tensor=2,fsdp=2", "data=8"])
 @pytest.mark.heavy
 def test_resume_on_another_mesh(tmp_path, uninterrupted, new_mesh):

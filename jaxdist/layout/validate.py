@@ -96,6 +96,11 @@ def _check_diloco(config: Config, sizes: MeshSizes) -> None:
         raise ConfigError("DiLoCo (parallel.diloco_inner_steps > 0) does not support a pipe axis yet")
     if sizes.get("context", 1) > 1:
         raise ConfigError("DiLoCo (parallel.diloco_inner_steps > 0) does not compose with a context axis yet")
+    if config.train.optimizer_offload:
+        raise ConfigError(
+            "train.optimizer_offload with DiLoCo: the inner optimizer's state is per replica under its vmap, "
+            "which does not move between memories yet; offload activations with model.remat=offload_* instead"
+        )
 
 
 def _check_strategy(config: Config, sizes: MeshSizes, warnings: list[str]) -> None:

@@ -4,8 +4,8 @@
         [--global-batch B] [--top K] [--time-budget S] [--max-compiles K] [--json] [key=value ...]
 
 Every (data, fsdp, expert, context, tensor, pipe) x microbatches x remat (none, save_matmuls,
-full; for a GPU target also offload_layer_inputs) (x context strategy: all_gather, ring,
-all_to_all) layout jaxdist accepts is screened (an expert axis only for an MoE
+full; for a GPU target also offload_layer_inputs, and the optimizer state in host memory beside
+the full-remat forms) (x context strategy: all_gather, ring, all_to_all) layout jaxdist accepts is screened (an expert axis only for an MoE
 model; a rough time orders them), then the best are compiled, best first, until ``--time-budget`` seconds or
 ``--max-compiles`` compiles. For a GPU profile each is compiled by XLA:GPU for N compile-only
 devices of the target (``plan.gpu_target``; ``--gpus-per-node`` per host): the screen keeps the
@@ -14,7 +14,7 @@ and XLA:GPU's peak memory decides what fits. For ``cpu-local`` they are compiled
 CPU devices, after a screen that must fit with 10% headroom. Each compiled step is priced by
 ``jaxdist.plan.cost`` on the hardware profile (``--links PATH``: its links as ``python -m jaxdist.commbench --out PATH`` measured
 them, ``jaxdist.plan.link_profile``). Compiles are cached, so a rerun is fast. ``--json`` prints
-``{"candidates": [...]}`` best first, each with ``mesh``, ``microbatches``, ``remat``, ``context_strategy``,
+``{"candidates": [...]}`` best first, each with ``mesh``, ``microbatches``, ``remat``, ``optimizer_offload``, ``context_strategy``,
 ``step_time_s``, ``tokens_per_sec_per_device``, ``mfu``, ``memory_per_device_bytes`` and
 ``bound``.
 """
@@ -122,7 +122,7 @@ def plan(args) -> dict:
     per_node = min(hardware.gpus_per_node, args.gpus)
     rejected: Counter = Counter()
     offload = hardware.host_link is not None and not hardware.shared_host and devices.cuda_plugin_installed()
-    candidates = enumerate_candidates(config, args.gpus, per_node, rejected, REMATS + OFFLOAD_REMATS if offload else REMATS)
+    candidates = enumerate_candidates(config, args.gpus, per_node, rejected, REMATS + OFFLOAD_REMATS if offload else REMATS, offload)
     if not candidates and len(rejected) == 1:  # every layout fails the same way: the config itself is wrong
         raise JaxdistError(next(iter(rejected)))
     if not candidates:
@@ -182,7 +182,7 @@ def _price(config, fitting, hardware, args, target=None) -> dict:
         usable = HEADROOM * hardware.memory_bytes
 
     start, priced, skipped, failed, notes = time.monotonic(), [], 0, [], []
-    # A GPU plan learns from its compiles: per remat policy, the smallest XLA:GPU peak / estimate seen;
+    # A GPU plan learns from its compiles: per remat policy and optimizer offload, the smallest XLA:GPU peak / estimate seen;
     # a layout whose estimate times that exceeds the memory (5% slack) is left uncompiled
     ratios: dict[str, float] = {}
     tried = left_out = past = 0
@@ -195,7 +195,8 @@ def _price(config, fitting, hardware, args, target=None) -> dict:
         if time.monotonic() - start > args.time_budget:
             skipped += 1
             continue
-        if candidate.remat in ratios and estimate * ratios[candidate.remat] > 1.05 * usable:
+        memory_kind = (candidate.remat, candidate.optimizer_offload)
+        if memory_kind in ratios and estimate * ratios[memory_kind] > 1.05 * usable:
             left_out += 1
             continue
         tried += 1
@@ -209,7 +210,7 @@ def _price(config, fitting, hardware, args, target=None) -> dict:
             failed.append({"layout": candidate.label(), "error": reason})
             continue
         if target is not None and estimate > 0:
-            ratios[candidate.remat] = min(ratios.get(candidate.remat, math.inf), summary["memory"]["peak"] / estimate)
+            ratios[memory_kind] = min(ratios.get(memory_kind, math.inf), summary["memory"]["peak"] / estimate)
         program = ProgramCost.from_dict(summary["program"])
         p = predict_summary(program, hardware, summary)
         layout_notes = plan_notes(summary.get("notes", []), hardware.shared_host)
@@ -229,6 +230,7 @@ def _price(config, fitting, hardware, args, target=None) -> dict:
                 "mesh": candidate.mesh_spec,
                 "microbatches": candidate.microbatches,
                 "remat": candidate.remat,
+                "optimizer_offload": candidate.optimizer_offload,
                 "context_strategy": candidate.context_strategy or None,
                 **p.to_dict(),
                 "memory_per_device_bytes": int(memory),
@@ -281,7 +283,7 @@ def format_table(result: dict, top: int) -> str:
     for i, c in enumerate(result["candidates"][:top], 1):
         mesh = f"{c['mesh']} {c['context_strategy']}" if c.get("context_strategy") else c["mesh"]
         lines.append(
-            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {c['remat']:<20} {format_seconds(c['step_time_s']):>9} "
+            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {c['remat'] + ('+opt' if c.get('optimizer_offload') else ''):<20} {format_seconds(c['step_time_s']):>9} "
             f"{c['tokens_per_sec_per_device']:>10,.0f} {format_fraction(c['mfu']):>6} {format_bytes(c['memory_per_device_bytes']):>9}  {c['bound']}"
         )
     if not result["candidates"]:

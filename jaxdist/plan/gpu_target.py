@@ -177,11 +177,18 @@ def compile_for_target(
     devices = target_devices(hardware, gpus, gpus_per_node)
     if mesh_sizes is not None and mesh_device_count(mesh_sizes) != gpus:
         raise JaxdistError(f"mesh of {mesh_device_count(mesh_sizes)} devices on {gpus} target GPUs: size it to all of them (or --gpus)")
+    import jax
+
+    from jaxdist.training.state import needs_mesh_context
+
     options = compiler_options(config, extra_options)
     with target_capability(hardware.device["compute_capability"]):
         trainer = build_trainer(config, mesh_sizes, devices)
         batch = trainer.abstract_batch(config.train.global_batch)
-        lowered = trainer.train_step.lower(trainer.abstract_state(), batch)
+        # a state in host memory is described on the abstract mesh (training.state.in_memory)
+        mesh_context = jax.set_mesh(trainer.layout.mesh) if needs_mesh_context(trainer.state_shardings) else contextlib.nullcontext()
+        with mesh_context:
+            lowered = trainer.train_step.lower(trainer.abstract_state(), batch)
     return trainer, lowered.compile(options), options
 
 
@@ -204,12 +211,12 @@ def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict
     (what the program keeps in host memory and its transfers: ``inspect.host_offload``), each
     collective kind's ``async``, ``overlapped_fraction`` and ``exposed_s``, ``step_s``,
     ``exposed_s`` and ``exposed_fraction`` (``exposure``), and ``xla_flags``."""
-    from jaxdist.inspect.step_report import build_report  # imports JAX (see the module doc)
+    from jaxdist.inspect.step_report import build_report, device_peak  # imports JAX (see the module doc)
     from jaxdist.models.fp8 import amax_sync_note
 
     report = build_report(trainer, compiled)
     module = parse_hlo(compiled.as_text())
-    peak = int(compiled.memory_analysis().peak_memory_in_bytes)
+    peak = device_peak(compiled)
     report["memory_per_device_bytes"]["peak"] = peak
     allowed = allowed_memory(hardware)
     report["target"] = {

@@ -39,7 +39,7 @@ import jax
 from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.inspect.hlo import parse_hlo
-from jaxdist.inspect.step_report import memory, pipeline_of
+from jaxdist.inspect.step_report import device_peak, memory, pipeline_of
 from jaxdist.layout.mesh import format_mesh, parse_mesh
 from jaxdist.layout.validate import check_config_on_mesh
 from jaxdist.models.experts import capacity_rows
@@ -64,8 +64,12 @@ REMATS = ("none", "save_matmuls", "full")
 # devices offload nothing. offload_matmuls is left out: it saves little over save_matmuls
 # (training/README.md, "Recomputation and activation offload").
 OFFLOAD_REMATS = ("offload_layer_inputs",)
+# train.optimizer_offload is tried (GPU targets) where activations are already at their least:
+# it trades two moves of the state over the host link per step for its 8 bytes a parameter
+OPTIMIZER_OFFLOAD_REMATS = ("full", "offload_layer_inputs")
 RECOMPUTE = {"none": 1.0, "save_matmuls": 1.1, "full": 4 / 3, "offload_layer_inputs": 4 / 3}  # training FLOPs with remat / without
 STATE_BYTES_PER_PARAM = 16  # fp32 params, grads, Adam's two moments
+OPTIMIZER_BYTES_PER_PARAM = 8  # Adam's two fp32 moments: what train.optimizer_offload keeps on host
 HEADROOM = 0.9  # plan to use at most this share of device memory
 
 log = logging.getLogger(__name__)
@@ -84,6 +88,7 @@ class Candidate:
     remat: str
     context_strategy: str = ""  # all_gather | ring | all_to_all with a context axis; "" without one
     pipeline_recompute: bool | None = None  # 1F1B on a pipe axis: recompute each stage's forward (True) or keep it (False)
+    optimizer_offload: bool = False  # train.optimizer_offload: the optimizer state in host memory
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -96,12 +101,14 @@ class Candidate:
     def overrides(self) -> list[str]:
         out = [f"parallel.mesh={self.mesh_spec}", f"train.microbatches={self.microbatches}", f"model.remat={self.remat}"]
         out += [f"parallel.pipeline_recompute={str(self.pipeline_recompute).lower()}"] if self.pipeline_recompute is not None else []
+        out += ["train.optimizer_offload=true"] if self.optimizer_offload else []
         return out + ([f"parallel.context_strategy={self.context_strategy}"] if self.context_strategy else [])
 
     def label(self) -> str:
         strategy = f" {self.context_strategy}" if self.context_strategy else ""
         stages = "" if self.pipeline_recompute is None else (" 1f1b recompute" if self.pipeline_recompute else " 1f1b keep")
-        return f"{self.mesh_spec}{strategy}{stages} mb={self.microbatches} remat={self.remat}"
+        offload = " optimizer_offload" if self.optimizer_offload else ""
+        return f"{self.mesh_spec}{strategy}{stages} mb={self.microbatches} remat={self.remat}{offload}"
 
 
 def divisors(n: int) -> list[int]:
@@ -116,6 +123,7 @@ def configured(config: Config, candidate: Candidate) -> Config:
         out.parallel.context_strategy = candidate.context_strategy
     if candidate.pipeline_recompute is not None:
         out.parallel.pipeline_recompute = candidate.pipeline_recompute
+    out.train.optimizer_offload = candidate.optimizer_offload
     return out
 
 
@@ -127,10 +135,17 @@ def candidate_pipeline(config: Config, candidate: Candidate):
 
 
 def enumerate_candidates(
-    config: Config, gpus: int, gpus_per_node: int, rejected: Counter | None = None, remats: tuple[str, ...] = REMATS
+    config: Config,
+    gpus: int,
+    gpus_per_node: int,
+    rejected: Counter | None = None,
+    remats: tuple[str, ...] = REMATS,
+    optimizer_offload: bool = False,
 ) -> list[Candidate]:
-    """Every layout of ``config`` on ``gpus`` devices that jaxdist accepts, with each of ``remats``;
-    ``rejected`` (if given) counts the validator's reasons for the others."""
+    """Every layout of ``config`` on ``gpus`` devices that jaxdist accepts, with each of ``remats``,
+    and with ``optimizer_offload`` each of the memory-tight ones (``OPTIMIZER_OFFLOAD_REMATS``) also
+    with the optimizer state in host memory; ``rejected`` (if given) counts the validator's reasons
+    for the others."""
     out = []
     batch, experts = config.train.global_batch, config.model.moe_experts if config.model.kind == "llama" else 0
     for pipe in divisors(gpus):
@@ -147,8 +162,9 @@ def enumerate_candidates(
                         for microbatches in (m for m in (1, 2, 4, 8, 16) if batch % (shards * m) == 0):
                             one_f_one_b = pipe > 1 and config.parallel.schedule == "1f1b"
                             for remat, recompute in itertools.product(remats, (False, True) if one_f_one_b else (None,)):
-                                for strategy in CONTEXT_STRATEGIES if context > 1 else ("",):
-                                    candidate = Candidate(mesh, microbatches, remat, strategy, recompute)
+                                offloads = (False, True) if optimizer_offload and remat in OPTIMIZER_OFFLOAD_REMATS else (False,)
+                                for strategy, offload in itertools.product(CONTEXT_STRATEGIES if context > 1 else ("",), offloads):
+                                    candidate = Candidate(mesh, microbatches, remat, strategy, recompute, offload)
                                     try:
                                         check_config_on_mesh(configured(config, candidate), parse_mesh(candidate.mesh_spec))
                                     except JaxdistError as e:
@@ -174,9 +190,17 @@ def routed_expert_params(config: Config) -> int:
 def states_bytes(candidate: Candidate, n_params: int, expert_params: int = 0) -> float:
     """Model states per device: sharded over fsdp, context (as FSDP shards them), tensor and pipe;
     the routed experts' ``expert_params`` (part of ``n_params``) over expert too."""
+    return (STATE_BYTES_PER_PARAM - OPTIMIZER_BYTES_PER_PARAM * candidate.optimizer_offload) * params_per_device(
+        candidate, n_params, expert_params
+    )
+
+
+def params_per_device(candidate: Candidate, n_params: int, expert_params: int = 0) -> float:
+    """Parameters one device holds: split over fsdp, context, tensor and pipe; the routed
+    experts' ``expert_params`` (part of ``n_params``) over expert too."""
     sizes = candidate.sizes
     split = sizes["fsdp"] * sizes["context"] * sizes["tensor"] * sizes["pipe"]
-    return STATE_BYTES_PER_PARAM * ((n_params - expert_params) / split + expert_params / (split * sizes["expert"]))
+    return (n_params - expert_params) / split + expert_params / (split * sizes["expert"])
 
 
 def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_attention: bool) -> float:
@@ -319,7 +343,11 @@ def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware
     fsdp_link = hardware.inter_node if nodes > sizes["data"] else hardware.intra_node  # data crosses nodes first, then fsdp
     gather = fsdp_traffic(config, candidate, n_params, not hardware.shared_host) / (fsdp_link.bandwidth * fsdp_link.efficiency)
     gather = max(0.0, gather - hardware.overlap * compute)  # the layer loop's gathers hide behind its compute
-    return compute * comm_penalty + kv + experts + gather
+    host = 0.0
+    if candidate.optimizer_offload and hardware.host_link is not None:  # the state in and out, behind the backward
+        moved = 2 * OPTIMIZER_BYTES_PER_PARAM * params_per_device(candidate, n_params, routed)
+        host = moved / (hardware.host_link.bandwidth * hardware.host_link.efficiency)
+    return compute * comm_penalty + kv + experts + gather + host
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,7 +455,7 @@ def _compile_target(config: Config, target: GpuTarget) -> dict[str, Any]:
     )
     cost = gpu_program_cost(parse_hlo(compiled.as_text()), {a: int(n) for a, n in trainer.layout.mesh.shape.items()})
     summary = _summary(config, trainer, compiled, cost, notes)
-    summary["memory"]["peak"] = int(compiled.memory_analysis().peak_memory_in_bytes)
+    summary["memory"]["peak"] = device_peak(compiled)
     summary["kernels"] = {kind: round(n) for kind, n in schedule_kernel_counts(cost).items()}
     summary["target"] = {"name": target.hardware.key, "gpus": target.gpus, "gpus_per_node": target.gpus_per_node}
     return summary

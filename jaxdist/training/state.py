@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from jaxdist.layout.mesh import INNER_BATCH_AXES
 from jaxdist.layout.sharding import Layout, tree_shardings
@@ -25,6 +25,23 @@ from jaxdist.parallel import diloco, grad_reduce
 from jaxdist.training import loss_scale
 
 log = logging.getLogger(__name__)
+
+HOST_MEMORY, DEVICE_MEMORY = "pinned_host", "device"  # train.optimizer_offload: where the optimizer state lives, is updated
+
+
+def in_memory(sharding: NamedSharding, kind: str) -> NamedSharding:
+    """``sharding`` in memory ``kind``. Compile-only devices (a GPU target compiled here)
+    describe no memories, and a sharding on them drops its kind; one on their abstract mesh
+    keeps it (the step is then lowered under ``jax.set_mesh``: ``needs_mesh_context``)."""
+    placed = sharding.with_memory_kind(kind)
+    if placed.memory_kind == kind:
+        return placed
+    return NamedSharding(sharding.mesh.abstract_mesh, sharding.spec, memory_kind=kind)
+
+
+def needs_mesh_context(shardings: Any) -> bool:
+    """Whether any of ``shardings`` is on an abstract mesh (``in_memory``)."""
+    return any(isinstance(s, NamedSharding) and isinstance(s.mesh, AbstractMesh) for s in jax.tree.leaves(shardings))
 
 
 @jax.tree_util.register_dataclass
@@ -66,6 +83,7 @@ class StateLayout:
         error_feedback: bool,
         float16: str | None,
         outer_tx: optax.GradientTransformation | None = None,
+        optimizer_offload: bool = False,
     ):
         mesh = layout.mesh
         self.layout, self.abstract_params = layout, abstract_params
@@ -81,6 +99,12 @@ class StateLayout:
             scale = jax.eval_shape(lambda: loss_scale.initial(float16))
             scale_shardings = jax.tree.map(lambda _: layout.replicated(), scale)
         opt_shardings = tree_shardings(abstract_opt, layout.opt_rules, mesh, replicated=self.replicated)
+        # train.optimizer_offload: the state lives in host memory; the update works on a copy
+        # in device memory (``opt_on_device``) and its result goes back (the step's out_shardings)
+        self.opt_device_shardings = None
+        if optimizer_offload:
+            self.opt_device_shardings = jax.tree.map(lambda s: in_memory(s, DEVICE_MEMORY), opt_shardings)
+            opt_shardings = jax.tree.map(lambda s: in_memory(s, HOST_MEMORY), opt_shardings)
         self.abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt, residual, scale)
         self.shardings = TrainState(layout.replicated(), self.param_shardings, opt_shardings, residual_shardings, scale_shardings)
         self.replicas = mesh.shape[diloco.AXIS] if outer_tx is not None else 0
@@ -105,6 +129,16 @@ class StateLayout:
         self.abstract = TrainState(a.step, per_replica(a.params), per_replica(a.opt_state), None, per_replica(a.loss_scale), outer)
         outer_shardings = diloco.OuterState(self.param_shardings, momentum_shardings)
         self.shardings = TrainState(s.step, stacked(s.params), stacked(s.opt_state), None, stacked(s.loss_scale), outer_shardings)
+
+    def opt_on_device(self, opt_state: Any, grads: Any) -> Any:
+        """The optimizer state in device memory for the update (itself when it lives there),
+        brought once the gradients exist: XLA's scheduler would otherwise start the copies at
+        the top of the step, to hide them, and hold the state through the forward and backward,
+        the peak it is offloaded to lower."""
+        if self.opt_device_shardings is None:
+            return opt_state
+        opt_state, _ = jax.lax.optimization_barrier((opt_state, grads))
+        return jax.device_put(opt_state, self.opt_device_shardings)
 
     def with_shardings(self, abstract: Any, shardings: Any) -> Any:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)

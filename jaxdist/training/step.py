@@ -12,7 +12,9 @@
   all-reduce or FSDP's reduce-scatter), a per-device accumulation reduced once (replicated
   parameters), or a compressed codec (``parallel.grad_reduce.CompressedReduction``).
 - **update**: optax (clipping, AdamW or SGD, the schedule), fp16's loss scale, a non-finite
-  update dropped, fp8's amax histories written, MoE's router bias moved.
+  update dropped, fp8's amax histories written, MoE's router bias moved. With
+  ``train.optimizer_offload`` the optimizer state comes from host memory for the update
+  once the gradients exist and goes back (``training.state.StateLayout.opt_on_device``).
 
 What wraps a whole step comes from outside too: DiLoCo's per-replica step and outer sync
 (``parallel.diloco.Replicas``) and the simulated slow link (``parallel.slow_link``). No
@@ -22,6 +24,7 @@ feature adds a branch to ``train_step``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +48,8 @@ from jaxdist.parallel.microbatch import accumulate, split_for_accumulation
 from jaxdist.training import loss_scale, migrate
 from jaxdist.training.optim import lr_schedule, make_optimizer
 from jaxdist.training.state import PER_REPLICA, StateLayout, TrainState, optimizer_step
+
+log = logging.getLogger(__name__)
 
 GradFn = Callable[[Any, Any], tuple[tuple[jax.Array, jax.Array, Any], Any]]  # (params, batch) -> ((loss sum, weight, stats), grads)
 
@@ -139,17 +144,19 @@ class Update:
     # after the optimizer from them (aux-loss-free balancing's router bias)
     metrics_from: Callable[[dict[str, jax.Array], jax.Array], dict[str, jax.Array]] | None = None
     after_update: Callable[[Any, dict[str, jax.Array]], Any] | None = None
+    opt_on_device: Callable[[Any, Any], Any] = lambda opt_state, grads: opt_state  # train.optimizer_offload: host -> device
 
     def __call__(self, state: TrainState, loss_sum, weight, stats, grads, residual, scale) -> tuple[TrainState, dict[str, jax.Array]]:
         divisor = weight if scale is None else weight * scale
         grads = fp8.map_gradients(lambda g: g / divisor.astype(g.dtype), grads)  # fp8 observations are values, not sums
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        old_opt_state = self.opt_on_device(state.opt_state, grads)
+        updates, opt_state = self.tx.update(grads, old_opt_state, state.params)
         params = fp8.overwrite_histories(optax.apply_updates(state.params, updates), grads)
         if self.after_update is not None:
             params = self.after_update(params, stats)
         loss, grad_norm = loss_sum / weight, optax.tree.norm(fp8.without_histories(grads))
         # The rate this update used: the optimizer's own step count, which skipped steps do not advance.
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(optimizer_step(state.opt_state))}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(optimizer_step(old_opt_state))}
         if self.metrics_from is not None:
             metrics.update(self.metrics_from(stats, weight))
         new_scale = state.loss_scale
@@ -160,12 +167,19 @@ class Update:
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
             params, opt_state, residual = (
-                jax.tree.map(keep, *pair) for pair in ((params, state.params), (opt_state, state.opt_state), (residual, state.residual))
+                jax.tree.map(keep, *pair) for pair in ((params, state.params), (opt_state, old_opt_state), (residual, state.residual))
             )
             metrics["skipped"] = ~finite
         return dataclasses.replace(
             state, step=state.step + 1, params=params, opt_state=opt_state, residual=residual, loss_scale=new_scale
         ), metrics
+
+
+# a weaker path, said in one line: the state moves, but to the memory it was already in
+OFFLOAD_SAVES_NOTHING = (
+    "train.optimizer_offload: {platform} devices have no memory apart from the host's, so the optimizer state "
+    "kept in pinned host memory saves no device memory here (the same values, one more copy per step)"
+)
 
 
 # -- the Trainer -----------------------------------------------------------------------------
@@ -186,14 +200,29 @@ class Trainer:
         float16 = config.train.loss_scale if config.model.dtype == "float16" else None
         error_feedback = self.reduce_plan is not None and self.reduce_plan.error_feedback
         self.state_layout = StateLayout(
-            abstract_params, self.tx, layout, error_feedback=error_feedback, float16=float16, outer_tx=self.replicas.outer_tx
+            abstract_params,
+            self.tx,
+            layout,
+            error_feedback=error_feedback,
+            float16=float16,
+            outer_tx=self.replicas.outer_tx,
+            optimizer_offload=config.train.optimizer_offload,
         )
         self.param_shardings, self.state_shardings = self.state_layout.param_shardings, self.state_layout.shardings
         self.reduction = choose_reduction(config, layout, self.param_shardings, self.reduce_plan, self.replicas.count)
         self.update = Update(
-            self.tx, self.schedule, float16 == "dynamic", config.train.nonfinite == "skip", task.metrics_from, task.after_update
+            self.tx,
+            self.schedule,
+            float16 == "dynamic",
+            config.train.nonfinite == "skip",
+            task.metrics_from,
+            task.after_update,
+            self.state_layout.opt_on_device,
         )
         grad_reduce.say_what_reduces(config, layout, self.reduce_plan, self.replicas.count)
+        platform = layout.mesh.devices.flat[0].platform
+        if config.train.optimizer_offload and platform != "gpu":
+            log.info(OFFLOAD_SAVES_NOTHING.format(platform=platform))
         self.state_layout.say_replicated()
         self.train_step = jax.jit(
             self.replicas.per_replica(self._train_step, layout.mesh, PER_REPLICA),
