@@ -220,7 +220,9 @@ class ParallelConfig(_Freezable):
     mesh: str = knob("auto", "the device mesh (--mesh): AxB, name=size,... or auto")
     dcn_mesh: str = knob("", 'across-host part of the mesh (--dcn-mesh); "" derives it: data, then fsdp, cross hosts')
     strategy: str = knob("auto", "auto | dp | fsdp | zero1, optionally +tp")
-    schedule: Literal["gpipe", "circular", "1f1b"] = knob("gpipe", "pipeline schedule on a pipe axis")
+    schedule: Literal["gpipe", "circular", "1f1b", "zb1"] = knob(
+        "gpipe", "pipeline schedule on a pipe axis (zb1: 1F1B with each weight gradient deferred into an idle slot)"
+    )
     pipeline_microbatches: int = knob(0, "pipeline microbatches per step (per accumulation microbatch); 0: the pipe size", ">= 0")
     virtual_stages: int = knob(1, "layer chunks per device (circular; with 1f1b: interleaved 1F1B)", ">= 1")
     pipeline_recompute: bool = knob(False, "1f1b: recompute each stage's forward in its backward instead of keeping its activations")

@@ -23,6 +23,7 @@ SCHEDULES = {
     "gpipe": ("parallel.schedule=gpipe",),
     "circular": ("parallel.schedule=circular", "parallel.virtual_stages=2"),
     "1f1b": ("parallel.schedule=1f1b",),
+    "zb1": ("parallel.schedule=zb1",),
 }
 ONE_F_ONE_B = {  # 1F1B's choices: keep or recompute the stage's activations, plain or interleaved
     "1f1b-recompute": ("parallel.schedule=1f1b", "parallel.pipeline_recompute=true"),
@@ -33,7 +34,9 @@ ONE_F_ONE_B = {  # 1F1B's choices: keep or recompute the stage's activations, pl
 
 # Training steps (the optimizer on the pipelined layout) for each schedule and each mesh once;
 # every schedule's gradients on each mesh are the next test's (a step's losses follow from them).
-@pytest.mark.parametrize(("mesh", "schedule"), [("pipe=2", "gpipe"), ("pipe=4", "circular"), ("data=2,tensor=2,pipe=2", "1f1b")])
+@pytest.mark.parametrize(
+    ("mesh", "schedule"), [("pipe=2", "gpipe"), ("pipe=4", "circular"), ("data=2,tensor=2,pipe=2", "1f1b"), ("data=2,pipe=2", "zb1")]
+)
 def test_losses_match_the_plain_model(mesh, schedule):
     pipelined = train_losses(mesh, (*EIGHT_LAYERS, *SCHEDULES[schedule], "parallel.pipeline_microbatches=4"))
     np.testing.assert_allclose(pipelined, train_losses("data=1", EIGHT_LAYERS), rtol=1e-5)
@@ -60,6 +63,39 @@ def test_gradients_match_the_plain_model(mesh, schedule):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(grads, ref_grads, strict=True):  # relative error of each gradient tensor
         assert np.linalg.norm(g - r) <= 1e-5 * np.linalg.norm(r), (np.linalg.norm(g - r), np.linalg.norm(r))
+
+
+@pytest.mark.parametrize(
+    ("mesh", "extra"),
+    [
+        ("pipe=4", ("parallel.pipeline_microbatches=8",)),  # the table's W slots (ticks 6 and 13)
+        ("fsdp=2,pipe=2", ("parallel.pipeline_microbatches=4", "train.microbatches=2")),
+        ("data=2,tensor=2,pipe=2", ("parallel.pipeline_microbatches=4",)),
+    ],
+)
+def test_zero_bubble_gradients_match_the_plain_model(mesh, extra):
+    """zb1 splits each chunk's backward into B and W (``parallel.split_backward``) and runs W
+    ticks later: the loss and gradients are the plain model's."""
+    loss, grads = _grads(mesh, "parallel.schedule=zb1", *extra)
+    ref_loss, ref_grads = _grads("data=1", *(e for e in extra if e.startswith("train.")))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert np.linalg.norm(g - r) <= 1e-5 * np.linalg.norm(r), (np.linalg.norm(g - r), np.linalg.norm(r))
+
+
+def test_zero_bubble_resumes_a_one_f_one_b_checkpoint(tmp_path):
+    """The schedule changes how the step runs, not the state: a 1F1B run saved at step 3 goes
+    on under zb1 and meets the uninterrupted 1F1B run."""
+    from jaxdist.training.run import run
+
+    def steps(schedule: str, stop: int, run_dir):
+        overrides = (*TINY, *EIGHT_LAYERS, "train.steps=6", "checkpoint.every_steps=3", f"train.stop_after_step={stop}")
+        config = load_config(None, [*overrides, f"parallel.schedule={schedule}", "parallel.pipeline_microbatches=4"])
+        return run(config, parse_mesh("pipe=2"), run_dir, devices=jax.devices()[:2], progress=False).losses
+
+    uninterrupted = steps("1f1b", 6, tmp_path / "whole")
+    resumed = steps("1f1b", 3, tmp_path / "split") + steps("zb1", 6, tmp_path / "split")
+    np.testing.assert_allclose(resumed, uninterrupted, rtol=1e-5)
 
 
 def test_one_f_one_b_carries_the_float16_loss_scale_into_its_backward():

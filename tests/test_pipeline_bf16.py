@@ -21,7 +21,7 @@ pytestmark = pytest.mark.heavy
 
 BF16 = ("model.dtype=bfloat16", "parallel.pipeline_microbatches=4")
 FP8 = ("model.dtype=bfloat16", "model.fp8=current", "model.fp8_keep_ends=false", "parallel.pipeline_microbatches=4")
-SCHEDULES = {"gpipe": ("parallel.schedule=gpipe",), "1f1b": ("parallel.schedule=1f1b",)}
+SCHEDULES = {"gpipe": ("parallel.schedule=gpipe",), "1f1b": ("parallel.schedule=1f1b",), "zb1": ("parallel.schedule=zb1",)}
 MESHES = ("pipe=2", "data=2,pipe=2")
 STEPS = 3
 # name: (kind, mesh, overrides); "grads": the first batch's loss and gradients, "train": STEPS steps' losses

@@ -8,7 +8,17 @@ import pytest
 
 from jaxdist.config import load_config
 from jaxdist.layout.mesh import parse_mesh
-from jaxdist.parallel.pipeline_schedule import PipelineSpec, executed_over_ideal, one_f_one_b_backward, one_f_one_b_forward
+from jaxdist.parallel.pipeline_schedule import (
+    BACKWARD,
+    FORWARD,
+    IDLE,
+    WEIGHT,
+    PipelineSpec,
+    executed_over_ideal,
+    one_f_one_b_backward,
+    one_f_one_b_forward,
+    zero_bubble_table,
+)
 
 from helpers import TINY
 
@@ -72,6 +82,54 @@ def test_interleaved_heads_fall_in_the_head_ticks(stages, microbatches, virtual)
     last_device = [one_f_one_b_forward(spec, S - 1, t) for t in range(spec.ticks)]
     finished = {t for t, (valid, _, _, chunk) in enumerate(last_device) if valid and chunk == V - 1}
     assert finished == head_ticks and len(finished) == microbatches
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 4), (2, 8), (3, 5), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_zero_bubble_slots_run_every_piece_once_in_dependency_order(stages, microbatches):
+    """zb1's table, slot by slot in a tick's order (forward, head, backward, W): every device
+    runs each microbatch's F, B and W once; F after the previous stage's F of it (a tick
+    earlier: it comes through the ring), B after the next stage's B, and on the last stage in
+    the tick of its own F (after the head); W after its own B; a forward slot runs only F or W,
+    a backward slot only B or W; no more W inputs wait at once than its ring holds."""
+    table = zero_bubble_table(stages, microbatches)
+    assert table.ticks == microbatches + 2 * stages - 2
+    order = {}  # (kind, stage, microbatch) -> (tick, slot position)
+    for t, s in itertools.product(range(table.ticks), range(stages)):
+        for position, (slot, allowed) in enumerate(
+            [(table.forward, {IDLE, FORWARD, WEIGHT}), (table.backward, {IDLE, BACKWARD, WEIGHT}), (table.weight, {IDLE, WEIGHT})]
+        ):
+            op, m = slot[t][s]
+            assert op in allowed, (t, s, position, op)
+            if position == 2 and op != IDLE:
+                assert t in table.weight_ticks
+            if op != IDLE:
+                kind = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}[op]
+                assert (kind, s, m) not in order, ("twice", kind, s, m)
+                order[kind, s, m] = (t, position)
+    assert len(order) == 3 * stages * microbatches
+    for s, m in itertools.product(range(stages), range(microbatches)):
+        if s > 0:
+            assert order["F", s, m][0] == order["F", s - 1, m][0] + 1
+        if s < stages - 1:
+            assert order["B", s, m][0] == order["B", s + 1, m][0] + 1
+        else:
+            assert order["B", s, m][0] == order["F", s, m][0]
+        assert order["W", s, m] > order["B", s, m]
+    for s in range(stages):  # B writes its W's inputs at slot m % w_ring: never over one still waiting
+        for m in range(microbatches - table.w_ring):
+            assert order["W", s, m] < order["B", s, m + table.w_ring]
+
+
+def test_zero_bubble_halves_one_f_one_b_bubble_by_hand():
+    """S = 4, M = 8, in thirds of a chunk step: 1F1B runs 3 warm-up forwards, 8 ticks of F + B +
+    W and 3 of B + W: 3 + 24 + 6 = 33 for 24 of work, a bubble of 9/33. zb1 runs the same 3
+    forwards, then 11 ticks of a forward and a backward slot (22) and 8 - 2 x 4 + 2 = 2 W slots:
+    27, a bubble of 3/27, under half of 1F1B's."""
+    zb, one_f_one_b = PipelineSpec(4, 8, 1, "zb1"), PipelineSpec(4, 8, 1, "1f1b")
+    assert zero_bubble_table(4, 8).cost == 27 and len(zero_bubble_table(4, 8).weight_ticks) == 2
+    assert zb.bubble == pytest.approx(3 / 27) and one_f_one_b.bubble == pytest.approx(9 / 33)
+    assert zb.bubble <= one_f_one_b.bubble / 2
+    assert executed_over_ideal(zb, 1.0) == pytest.approx(27 / 24)
 
 
 def test_bubbles_by_hand():

@@ -40,6 +40,7 @@ from jaxdist.parallel.microbatch import merge_microbatches, split_microbatches
 from jaxdist.parallel.pipeline_1f1b import one_f_one_b_loss
 from jaxdist.parallel.pipeline_parts import from_last_stage, index, promote, restore, set_where, shift, stage_major, sum_dtype
 from jaxdist.parallel.pipeline_schedule import PipelineSpec
+from jaxdist.parallel.pipeline_zb import zero_bubble
 
 StageFn = Callable[[Any, jax.Array, dict[str, jax.Array]], jax.Array]
 HeadLossFn = Callable[[Any, jax.Array, dict[str, jax.Array]], jax.Array]  # (head params, y, targets) -> loss sum
@@ -155,10 +156,11 @@ def pipelined_loss(spec: PipelineSpec) -> Callable[[StagedModel, dict[str, jax.A
         stage = functools.partial(model.run_layers, graphdef)
         targets, weight = model.loss_targets(batch)
         mesh = active_layout().mesh
-        if spec.schedule == "1f1b":
+        if spec.schedule in ("1f1b", "zb1"):
             seed = step_context.current().loss_cotangent  # 1F1B runs its backward inside the forward: it needs fp16's scale now
             seed = jnp.ones((), jnp.float32) if seed is None else jnp.asarray(seed, jnp.float32)
-            return one_f_one_b_loss(stage, model.head_loss, spec, mesh)(stacked, model.head_params(), x, aux, targets, seed), weight, {}
+            explicit = one_f_one_b_loss(stage, model.head_loss, spec, mesh, zero_bubble if spec.schedule == "zb1" else None)
+            return explicit(stacked, model.head_params(), x, aux, targets, seed), weight, {}
         # dense layers only (validate: no MoE here)
         return pipeline_loss(stage, model.head_loss, stacked, model.head_params(), x, aux, targets, spec, mesh), weight, {}
 

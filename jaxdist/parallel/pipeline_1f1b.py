@@ -30,58 +30,37 @@ recomputes its forward (about 4/3 of the layer work; a ring of [b, T, D] inputs)
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxdist.parallel.microbatch import merge_microbatches, split_microbatches
-from jaxdist.parallel.pipeline_parts import from_last_stage, index, layer_major, my_piece, psum_in, set_where, shift, stage_major, sum_dtype
+from jaxdist.parallel.pipeline_parts import (
+    StageResiduals,
+    from_last_stage,
+    index,
+    layer_major,
+    my_piece,
+    psum_in,
+    set_where,
+    shift,
+    stage_major,
+    sum_dtype,
+)
 from jaxdist.parallel.pipeline_schedule import PipelineSpec, one_f_one_b_backward, one_f_one_b_forward
 
 SEQ = 1  # the sequence axis of a microbatch [b, T, D]: what the head is split over
-
-
-class StageResiduals:
-    """A chunk's ``jax.vjp`` split into what changes per microbatch (kept in the ring) and
-    the chunk's weights (``jax.vjp`` forwards its primal inputs into the residuals by
-    identity; they are put back from the chunk's weights in the backward, never copied
-    into the ring)."""
-
-    def __init__(self, stage_fn):
-        self.stage_fn = stage_fn
-        self.treedef = None
-        self.layout: list[int | None] = []  # per vjp leaf: the index of the weight leaf it is, or None (kept)
-
-    def forward(self, params: Any, h: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
-        y, vjp = jax.vjp(lambda p, x: self.stage_fn(p, x, aux), params, h)
-        leaves, treedef = jax.tree_util.tree_flatten(vjp)
-        weights = {id(w): k for k, w in enumerate(jax.tree.leaves(params))}
-        # the structure of this trace's vjp (its backward in the same tick rebuilds from it)
-        self.treedef, self.layout = treedef, [weights.get(id(leaf)) for leaf in leaves]
-        return y, [leaf for leaf, w in zip(leaves, self.layout, strict=True) if w is None]
-
-    def backward(self, params: Any, kept: list[jax.Array], cotangent: jax.Array) -> tuple[Any, jax.Array]:
-        weights, kept = jax.tree.leaves(params), iter(kept)
-        leaves = [next(kept) if w is None else weights[w] for w in self.layout]
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)(cotangent)
 
 
 def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_params, head_params, x, aux, targets, seed):
     """(loss sum, and the gradients of loss sum x ``seed`` by layer params, head params and x)."""
     S, M, V = spec.stages, spec.microbatches, spec.virtual
     R = spec.ring_slots
-    staged = stage_major(layer_params, spec)  # [S, V, K, ...]
-    x_mb = split_microbatches(x, M)
-    aux_mb = {k: split_microbatches(v, M) for k, v in aux.items()}
-    targets_mb = {k: split_microbatches(v, M) for k, v in targets.items()}
     residuals = StageResiduals(stage_fn)
     acc = sum_dtype(x.dtype, mesh)  # what the sums over pipe run in (pipeline_parts: bf16 on CPU)
 
     def per_stage(params, head_params, x_mb, aux_mb, targets_mb, seed):
-        params = jax.tree.map(lambda p: p[0], params)  # [V, K, ...]
         s = jax.lax.axis_index("pipe")
         mb_shape = x_mb.shape[1:]
 
@@ -174,6 +153,22 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
         if not tail:
             carry = run(carry, warm + steady, cool, forward=False, head=False, backward=True)
         _, _, _, loss, g_params, g_head, dx = carry
+        return loss, g_params, g_head, dx
+
+    return on_stages(per_stage, spec, mesh, layer_params, head_params, x, aux, targets, seed)
+
+
+def on_stages(per_stage, spec: PipelineSpec, mesh: Mesh, layer_params, head_params, x, aux, targets, seed):
+    """Run a schedule's ``per_stage(chunk params [V, K, ...], head params, x_mb, aux_mb,
+    targets_mb, seed) -> (loss, chunk grads, head grads, dx_mb)`` (each a sum over this device's
+    rows, and its sequence piece) on every stage, and complete the sums: (loss sum, layer grads,
+    head grads, dx)."""
+    M = spec.microbatches
+    acc = sum_dtype(x.dtype, mesh)
+
+    def completed(params, head_params, x_mb, aux_mb, targets_mb, seed):
+        params = jax.tree.map(lambda p: p[0], params)  # [V, K, ...]
+        loss, g_params, g_head, dx = per_stage(params, head_params, x_mb, aux_mb, targets_mb, seed)
         # loss, head grads and dx are sums over this device's rows (and sequence piece);
         # they are completed over 'data' once, after the schedule (like DDP's bucket)
         loss = jax.lax.psum(loss, ("pipe", "data"))
@@ -187,30 +182,36 @@ def _one_f_one_b(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_p
     # loop while tensor is partitioned too; reducing explicitly at the end avoids it.
     rows = PartitionSpec(None, "data")
     run = jax.shard_map(
-        per_stage,
+        completed,
         mesh=mesh,
         in_specs=(PartitionSpec("pipe"), PartitionSpec(), rows, rows, rows, PartitionSpec()),
         out_specs=(PartitionSpec(), PartitionSpec("pipe"), PartitionSpec(), rows),
         axis_names={"pipe", "data"},
         check_vma=False,
     )
+    staged = stage_major(layer_params, spec)  # [S, V, K, ...]
+    x_mb = split_microbatches(x, M)
+    aux_mb = {k: split_microbatches(v, M) for k, v in aux.items()}
+    targets_mb = {k: split_microbatches(v, M) for k, v in targets.items()}
     loss, g_staged, g_head, dx = run(staged, head_params, x_mb, aux_mb, targets_mb, seed)
     g_head = jax.tree.map(lambda g, p: g.astype(p.dtype), g_head, head_params)
     return loss, layer_major(g_staged, layer_params), g_head, merge_microbatches(dx).astype(x.dtype)
 
 
-def one_f_one_b_loss(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh):
+def one_f_one_b_loss(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, schedule=None):
     """loss(layer_params, head_params, x, aux, targets, seed) -> summed loss, whose gradient
     comes from the explicit 1F1B schedule (computed together with the loss), started from
     the cotangent ``seed`` (the loss scale autodiff will bring; its own cotangent then
-    only rescales, by g / seed)."""
+    only rescales, by g / seed). ``schedule``: another explicit schedule of the same signature
+    as 1F1B's (``pipeline_zb.zero_bubble``)."""
+    run = _one_f_one_b if schedule is None else schedule
 
     @jax.custom_vjp
     def loss(layer_params, head_params, x, aux, targets, seed):
-        return _one_f_one_b(stage_fn, head_loss_fn, spec, mesh, layer_params, head_params, x, aux, targets, seed)[0]
+        return run(stage_fn, head_loss_fn, spec, mesh, layer_params, head_params, x, aux, targets, seed)[0]
 
     def forward(layer_params, head_params, x, aux, targets, seed):
-        value, g_layers, g_head, dx = _one_f_one_b(stage_fn, head_loss_fn, spec, mesh, layer_params, head_params, x, aux, targets, seed)
+        value, g_layers, g_head, dx = run(stage_fn, head_loss_fn, spec, mesh, layer_params, head_params, x, aux, targets, seed)
         return value, (g_layers, g_head, dx, aux, targets, seed)
 
     def backward(residuals, g):

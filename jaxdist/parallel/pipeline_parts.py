@@ -96,3 +96,28 @@ def promote(tree: Any, mesh: Mesh) -> Any:
 def restore(tree: Any, like: Any) -> Any:
     """``tree`` in ``like``'s dtypes (undoes ``promote``)."""
     return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
+
+
+class StageResiduals:
+    """A chunk's ``jax.vjp`` split into what changes per microbatch (kept in the ring) and
+    the chunk's weights (``jax.vjp`` forwards its primal inputs into the residuals by
+    identity; they are put back from the chunk's weights in the backward, never copied
+    into the ring)."""
+
+    def __init__(self, stage_fn):
+        self.stage_fn = stage_fn
+        self.treedef = None
+        self.layout: list[int | None] = []  # per vjp leaf: the index of the weight leaf it is, or None (kept)
+
+    def forward(self, params: Any, h: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
+        y, vjp = jax.vjp(lambda p, x: self.stage_fn(p, x, aux), params, h)
+        leaves, treedef = jax.tree_util.tree_flatten(vjp)
+        weights = {id(w): k for k, w in enumerate(jax.tree.leaves(params))}
+        # the structure of this trace's vjp (its backward in the same tick rebuilds from it)
+        self.treedef, self.layout = treedef, [weights.get(id(leaf)) for leaf in leaves]
+        return y, [leaf for leaf, w in zip(leaves, self.layout, strict=True) if w is None]
+
+    def backward(self, params: Any, kept: list[jax.Array], cotangent: jax.Array) -> tuple[Any, jax.Array]:
+        weights, kept = jax.tree.leaves(params), iter(kept)
+        leaves = [next(kept) if w is None else weights[w] for w in self.layout]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)(cotangent)

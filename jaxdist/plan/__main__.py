@@ -21,6 +21,8 @@ them, ``jaxdist.plan.link_profile``). Compiles are cached, so a rerun is fast. `
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import logging
 import math
@@ -188,7 +190,9 @@ def _price(config, fitting, hardware, args, target=None) -> dict:
     tried = left_out = past = 0
     bar = tqdm(total=min(args.max_compiles, len(fitting)), desc="compiling layouts", unit="layout", file=sys.stderr)
     bar.disable = not sys.stderr.isatty()
-    for candidate, estimate in fitting:
+    queue = collections.deque(fitting)
+    while queue:
+        candidate, estimate = queue.popleft()
         if tried >= args.max_compiles:
             past += 1
             continue
@@ -240,6 +244,12 @@ def _price(config, fitting, hardware, args, target=None) -> dict:
                 "notes": layout_notes,
             }
         )
+        if memory > usable:  # the same layout with its optimizer state on host is the next to try, if offered
+            twin = dataclasses.replace(candidate, optimizer_offload=True)
+            offered = [item for item in queue if item[0] == twin]
+            if offered and not candidate.optimizer_offload:
+                queue.remove(offered[0])
+                queue.appendleft(offered[0])
     bar.close()
     for note in plan_notes(notes, hardware.shared_host):  # each once, however many layouts compiled it
         say_note(note)
