@@ -3,7 +3,8 @@
 Reads the traces ``python -m jaxdist.train --profile-steps A:B`` wrote into
 ``RUN_DIR/profile/`` and prints the bottleneck report (``jaxdist.inspect.profile_report``,
 which documents every field): ``breakdown_s`` and ``fractions``, ``bound``, ``top_ops``,
-``collectives``, ``predicted``, ``stragglers``, ``advice``; ``--json`` prints it as one JSON
+``collectives``, ``predicted``, ``stragglers``, ``advice``, and the whole run's ``goodput``
+(``RUN_DIR/goodput.json``); ``--json`` prints it as one JSON
 object. It also writes ``RUN_DIR/profile/summary.json`` and ``RUN_DIR/profile/breakdown.png``.
 """
 

@@ -456,3 +456,19 @@ def test_two_process_data_parallel_training_is_communication_heavy(tmp_path: Pat
     assert communication > 0.2 and communication > 5 * (baseline["communication_exposed"] + baseline["communication_overlapped"])
     assert summary["bound"] in ("communication", "compute") and summary["collectives"]["all-reduce"]["count"] > 0
     assert len(summary["stragglers"]["processes"]) == 2
+
+
+def test_the_whole_runs_goodput_is_in_the_report(data_bound: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The traced steps' breakdown sits beside the whole run's goodput (RUN_DIR/goodput.json, at
+    the run's end): its shares in the JSON, its line in the table, and one line while it is absent."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(data_bound["run_dir"], run_dir)
+    (run_dir / "goodput.json").unlink(missing_ok=True)
+    assert main([str(run_dir)]) == EXIT_OK
+    assert "the whole run: no goodput.json yet (written when the run ends)" in capsys.readouterr().out
+    accounted = {"goodput": 0.5, "wall_s": 10.0, "shares": {"productive": 0.5, "compile": 0.3, "startup": 0.2}}
+    (run_dir / "goodput.json").write_text(json.dumps(accounted))
+    assert main([str(run_dir), "--json"]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out)["goodput"] == accounted
+    assert main([str(run_dir)]) == EXIT_OK
+    assert "the whole run: goodput 50% of 10.0s (compile 30%, startup 20%)" in capsys.readouterr().out

@@ -4,7 +4,8 @@ Reads the traces ``python -m jaxdist.train --profile-steps A:B`` wrote into
 ``RUN_DIR/profile/process_<i>/`` (one per process, with ``window.json``) and process 0's
 ``RUN_DIR/profile/analysis.json`` (what ``jaxdist.analyze`` expects of the step), and
 reports, per traced step and averaged: ``breakdown_s`` and ``fractions``, ``bound``,
-``top_ops``, ``collectives``, ``predicted``, ``stragglers``, ``advice``. ``summarize``
+``top_ops``, ``collectives``, ``predicted``, ``stragglers``, ``advice``, and the whole run's
+``goodput`` (``RUN_DIR/goodput.json``, written when the run ends; None before). ``summarize``
 writes ``RUN_DIR/profile/summary.json`` (what it returns) and
 ``RUN_DIR/profile/breakdown.png`` itself; the training loop calls it at the end of the
 traced window, ``python -m jaxdist.profile`` recomputes both (``format_summary`` is its table).
@@ -78,6 +79,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jaxdist.cluster import goodput
 from jaxdist.errors import JaxdistError
 from jaxdist.inspect import bottleneck as report
 from jaxdist.inspect.advice import advice
@@ -153,6 +155,7 @@ def summarize(run_dir: str | Path, *, write: bool = True) -> dict[str, Any]:
         "predicted": report.predicted(analysis, seconds, step_s, ctx),
         "stragglers": report.stragglers(traces, items),
         "advice": advice(bound, fractions, phases, step_s, ctx),
+        "goodput": read_json(run_dir / goodput.FILE) or None,  # the whole run's wall time, where it went (at its end)
         "notes": _notes(traces, items, ctx),
         "traces": [str(t.trace_file) for t in traces],
     }
@@ -268,6 +271,8 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  slowest: process {st['slowest']} at {_x(st['slowest_vs_median'])} the median; most work: process {st['most_work']} at {_x(st['most_work_vs_median'])}"
         )
     lines += [f"note: {n}" for n in s.get("notes", [])]
+    good = s.get("goodput")
+    lines += ["", f"the whole run: {goodput.summary_line(good)}" if good else f"the whole run: no {goodput.FILE} yet (written when the run ends)"]
     lines += ["", "try:"]
     lines += [f"  - {a['key']}: {a['action']} ({a['reason']})" for a in s["advice"]]
     files = s.get("files") or {}
