@@ -272,7 +272,10 @@ def format_summary(s: dict[str, Any]) -> str:
         )
     lines += [f"note: {n}" for n in s.get("notes", [])]
     good = s.get("goodput")
-    lines += ["", f"the whole run: {goodput.summary_line(good)}" if good else f"the whole run: no {goodput.FILE} yet (written when the run ends)"]
+    lines += [
+        "",
+        f"the whole run: {goodput.summary_line(good)}" if good else f"the whole run: no {goodput.FILE} yet (written when the run ends)",
+    ]
     lines += ["", "try:"]
     lines += [f"  - {a['key']}: {a['action']} ({a['reason']})" for a in s["advice"]]
     files = s.get("files") or {}
