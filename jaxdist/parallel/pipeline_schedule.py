@@ -164,21 +164,20 @@ def _place_weights(stages: int, microbatches: int, weight_ticks: frozenset[int])
 @functools.cache
 def zero_bubble_table(stages: int, microbatches: int) -> ZeroBubbleTable:
     """zb1's table: the fewest W slots that finish every W (max(1, M - 2 S + 2): each device has
-    2 S - 2 free slots after its first B), spread over the ticks so that the fewest W inputs wait
-    at once. Lockstep ticks cost the slots they have on every device, so each added W slot costs a
-    third of a chunk step: this table takes the least time; its W inputs wait longer than 1F1B's
-    activations (``w_ring``)."""
+    2 S - 2 free slots after its first B), in one run of ticks (the latest of those that hold the
+    fewest W inputs at once), so that the schedule's loops are few: a run of ticks with a W slot is
+    a loop of its own, and XLA gives every loop its own temporaries. Lockstep ticks cost the slots
+    they have on every device, so each added W slot costs a third of a chunk step: this table
+    takes the least time; its W inputs wait longer than 1F1B's activations (``w_ring``)."""
     ticks = microbatches + 2 * stages - 2
     count = max(1, microbatches - 2 * stages + 2)
     best = None
     while best is None:
-        for low in range(ticks):
-            for high in range(low + count, ticks + 1):
-                span = high - low - 1
-                chosen = frozenset(low + round(k * span / max(count - 1, 1)) for k in range(count)) if count > 1 else frozenset({high - 1})
-                placed = _place_weights(stages, microbatches, chosen) if len(chosen) == count else None
-                if placed is not None and (best is None or placed[1] < best[1][1]):
-                    best = (chosen, placed)
+        for low in range(ticks - count + 1):
+            chosen = frozenset(range(low, low + count))
+            placed = _place_weights(stages, microbatches, chosen)
+            if placed is not None and (best is None or placed[1] <= best[1][1]):
+                best = (chosen, placed)
         count += 1
     chosen, (rows, held) = best
     freeze = lambda table: tuple(tuple(row) for row in table)  # noqa: E731
