@@ -17,7 +17,7 @@ pytest.importorskip("jax_plugins.xla_cuda12", reason="JAX's CUDA plugin is not i
 
 from jaxdist.config import load_config  # noqa: E402
 from jaxdist.data.sources import resolve_vocab  # noqa: E402
-from jaxdist.inspect.gpu_program import kernel_counts  # noqa: E402
+from jaxdist.inspect.gpu_program import collective_schedule, kernel_counts  # noqa: E402
 from jaxdist.layout.mesh import parse_mesh  # noqa: E402
 from jaxdist.plan.gpu_target import compile_for_target, target_hardware  # noqa: E402
 
@@ -34,6 +34,8 @@ LAYOUTS = {
     "compressed-int8": ("data=8", "parallel.strategy=dp", "parallel.grad_reduce=int8"),
     "float16": ("fsdp=8", "model.dtype=float16"),
     "muon": ("fsdp=8", "train.optimizer=muon"),
+    # zero bubble: its slots are conditionals per device; the ring's permutes stay async
+    "pipe-zb1": ("fsdp=2,pipe=4", "parallel.schedule=zb1", "parallel.pipeline_microbatches=8"),
 }
 
 
@@ -50,3 +52,6 @@ def test_each_layout_compiles_for_h100_with_cudnn_attention_in_every_layer(layou
     if "parallel.context_strategy=all_gather" not in overrides:
         assert kernels.get("attention_cudnn_fwd", 0) >= 4 and kernels.get("attention_cudnn_bwd", 0) >= 4, kernels
     assert kernels["gemm"] > 0, kernels
+    if mesh.endswith("pipe=4"):  # every stage-to-stage permute asynchronous, with kernels in its window
+        permutes = collective_schedule(compiled.as_text())["collective-permute"]
+        assert permutes["count"] == permutes["async"] > 0 and permutes["overlapped_fraction"] == 1.0, permutes
