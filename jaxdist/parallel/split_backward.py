@@ -158,11 +158,11 @@ def partition(eqns: Sequence[JaxprEqn], b_out: Sequence[Any], w_out: Sequence[An
             need_w.update(_reads(eqn))
     b_items.reverse()
     w_items.reverse()
-    defined_by_b = {v for item in b_items for v in item.outvars}
     w_reads = {v for item in w_items for v in _reads(item)} | {v for v in w_out if not isinstance(v, Literal)}
     defined_by_w = {v for item in w_items for v in item.outvars}
-    interface = [v for v in defined_by_b if v in w_reads and v not in defined_by_w]
-    return Halves(b_items, w_items, sorted(interface, key=id))
+    # in B's order of definition: the same program in every process (an order by id would not be)
+    interface = [v for item in b_items for v in item.outvars if v in w_reads and v not in defined_by_w]
+    return Halves(b_items, w_items, list(dict.fromkeys(interface)))
 
 
 def split_scan(eqn: JaxprEqn, b_wants: list[bool], w_wants: list[bool]) -> tuple[ScanPart, ScanPart]:
