@@ -100,8 +100,10 @@ def test_a_rank_slow_in_its_host_loop_and_one_slowed_from_outside_are_each_named
     - rank 2 sleeps SLOW_S in each step's host work in steps 21-40 (the fault hook): ``host``
       names it at the end of a window within those steps (21-30 and 31-40 on a quiet machine;
       a second job's load on the others can hide one window's gap, never name it outside them);
-    - rank 1 is stopped 50 ms of every 80 ms from outside (SIGSTOP / SIGCONT, as a CPU quota or a
-      throttled device would slow it) once step 42 is logged: ``compute`` names it once its probe
+    - rank 1 is stopped 50 ms of every 65 ms from outside (SIGSTOP / SIGCONT, as a CPU quota or a
+      throttled device would slow it) once step 42 is logged; its running stretches (15 ms) are
+      shorter than the probe's chain (25-100 ms here), which with 30 ms stretches could run
+      within one and slip past (a fresh-clone run under the suite's own load named nobody): ``compute`` names it once its probe
       was over the factor at the end of two windows in a row (``host`` may too: on CPU its host
       loop is stopped as well), and never names rank 2."""
     run_dir = tmp_path / "run"
@@ -114,7 +116,7 @@ def test_a_rank_slow_in_its_host_loop_and_one_slowed_from_outside_are_each_named
             time.sleep(0.1)
         (rank1,) = [p for p in psutil.Process(proc.pid).children() if p.environ().get("JAXDIST_PROCESS_ID") == "1"]
         started = max(json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x)
-        threading.Thread(target=_duty_cycle, args=(rank1.pid, 0.05, 0.03, until), daemon=True).start()
+        threading.Thread(target=_duty_cycle, args=(rank1.pid, 0.05, 0.015, until), daemon=True).start()
         out = proc.communicate(timeout=300)[0]
     finally:
         until.set()
