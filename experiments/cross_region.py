@@ -1,26 +1,30 @@
 """Training across regions: DDP vs DiLoCo over a simulated slow link.
 
     python experiments/cross_region.py [--steps 300] [--latency-ms 50] [--gbps 1]
-                                       [--cases ddp,h1,h10,h50,h10-int8] [--out DIR] [--write-readme]
+                                       [--cases ddp,h1,h10,...] [--out DIR] [--write-readme]
 
 Two "regions" of 2 processes each (4 processes x 1 CPU device over gloo, ``jaxdist.launch``):
 
 - ``ddp``: ``--mesh data=4``; every step's gradient all-reduce crosses the link;
 - ``hN``: DiLoCo, ``--mesh replica=2,data=2``, ``parallel.diloco_inner_steps=N``: inside a
   region the usual data-parallel step, across regions one outer step every N steps;
-- ``h10-int8``: the same with the outer average crossing in int8.
+- ``h10-int8``: the same with the outer average crossing in int8;
+- ``h10-stream2``, ``h10-stream4``: streaming DiLoCo, the model in 2 or 4 fragments, each
+  synced at its own offset in the round of 10 steps (``parallel.diloco_fragments``);
+- ``h10-stream4-tau2``: 4 fragments, each applied 2 steps after it is sent, the link's time
+  beside those steps (``parallel.diloco_overlap_steps=2``); ``-fp4``: the average in fp4.
 
 The link is simulated (``parallel.replica_link_latency_ms`` / ``replica_link_gbps``): after
 each program whose collectives cross it, every process sleeps latency x collectives +
 bytes / bandwidth, with the collectives and bytes read from the compiled program
-(``jaxdist/parallel/diloco.py: SlowLink``). Loopback itself is not slowed. Not charged to
+(``jaxdist/parallel/slow_link.py: SlowLink``). Loopback itself is not slowed. Not charged to
 the link: the metrics gathered at log points (a few floats every ``train.log_every``
 steps).
 
-Printed per case: bytes each device sends over the link per step, seconds of link time
-per step, median step time, wall time to reach the target loss (DDP's final loss + 5%,
-smoothed over 3 log points), the final loss; plus a PNG of loss against wall time and
-against step.
+Printed per case: bytes each device sends over the link per step and at most in one
+sync (the link's peak use), seconds of link time per step, median step time, wall time to reach the target loss (DDP's final loss + 5%,
+smoothed over 3 log points), the final loss; plus a PNG of loss against wall time, against
+step and against bytes sent over the link.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ sys.path.insert(0, str(HERE))
 from compression_bench import start_bench, write_readme  # noqa: E402
 from scaling import Runner, host_line  # noqa: E402
 
-MODEL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.dtype=float32"]
+MODEL = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.dtype=float32"]
 MODEL += ["train.seq_len=32", "train.global_batch=16", "data.source=stdlib", "checkpoint.every_steps=0", "train.compile_cache=off"]
 MODEL += ["train.lr=3e-3", "train.warmup_steps=20"]
 CASES = {
@@ -49,8 +53,24 @@ CASES = {
     "h10": ("replica=2,data=2", ["parallel.diloco_inner_steps=10"]),
     "h50": ("replica=2,data=2", ["parallel.diloco_inner_steps=50"]),
     "h10-int8": ("replica=2,data=2", ["parallel.diloco_inner_steps=10", "parallel.diloco_reduce=int8"]),
+    "h10-stream2": ("replica=2,data=2", ["parallel.diloco_inner_steps=10", "parallel.diloco_fragments=2"]),
+    "h10-stream4": ("replica=2,data=2", ["parallel.diloco_inner_steps=10", "parallel.diloco_fragments=4"]),
+    "h10-stream4-tau2": (
+        "replica=2,data=2",
+        ["parallel.diloco_inner_steps=10", "parallel.diloco_fragments=4", "parallel.diloco_overlap_steps=2"],
+    ),
+    "h10-stream4-tau2-fp4": (
+        "replica=2,data=2",
+        [
+            "parallel.diloco_inner_steps=10",
+            "parallel.diloco_fragments=4",
+            "parallel.diloco_overlap_steps=2",
+            "parallel.diloco_outer_dtype=fp4",
+        ],
+    ),
 }
 LINK_LINE = re.compile(r"simulated (?:replica )?link.*?: (\d+) collectives, ([\d.]+) MiB per device per (outer )?step -> \+([\d.]+) ms")
+PEAK = re.compile(r"at most ([\d.]+) MiB a sync")
 README = HERE / "README.md"
 BEGIN, END = "<!-- cross-region:begin -->", "<!-- cross-region:end -->"
 SMOOTH = 3
@@ -87,8 +107,10 @@ def run_case(name: str, args: argparse.Namespace, runner: Runner) -> dict | None
         walls.append(wall)
         steps.append(r["step"])
         losses.append(r["loss"])
+    peak = PEAK.search(match.string[match.start() : match.string.find("\n", match.start())])
     return {
         "link_bytes_per_step": float(match.group(2)) * 2**20 / h,
+        "link_bytes_per_sync": float(peak.group(1) if peak else match.group(2)) * 2**20,
         "link_s_per_step": float(match.group(4)) / 1e3 / h,
         "step_time_s": statistics.median(r["step_time_s"] for r in records[1:]),
         "steps": steps,
@@ -116,8 +138,8 @@ def table(results: dict, args: argparse.Namespace, info: dict, target: float) ->
         f"target loss {target:.3f} (DDP's final + 5%); `python experiments/cross_region.py --steps {args.steps} "
         f"--latency-ms {args.latency_ms:g} --gbps {args.gbps:g} --outer-lr {args.outer_lr:g} --outer-momentum {args.outer_momentum:g}`",
         "",
-        "| case | link bytes / step | vs DDP | link time / step | step time (median) | wall time to target | vs DDP | final loss |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | link bytes / step | vs DDP | most in one sync | link time / step | step time (median) | wall time to target | vs DDP | final loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base = results.get("ddp")
     base_time = time_to(base, target) if base else None
@@ -129,7 +151,8 @@ def table(results: dict, args: argparse.Namespace, info: dict, target: float) ->
         ratio = f"{r['link_bytes_per_step'] / base['link_bytes_per_step']:.3f}" if base else "—"
         speed = f"{base_time / reached:.2f}x faster" if base_time and reached else "—"
         lines.append(
-            f"| {name} | {r['link_bytes_per_step'] / 2**20:.3f} MiB | {ratio} | {r['link_s_per_step'] * 1e3:.1f} ms | "
+            f"| {name} | {r['link_bytes_per_step'] / 2**20:.3f} MiB | {ratio} | {r['link_bytes_per_sync'] / 2**20:.3f} MiB | "
+            f"{r['link_s_per_step'] * 1e3:.1f} ms | "
             f"{r['step_time_s'] * 1e3:.0f} ms | {f'{reached:.0f} s' if reached else 'not reached'} | {speed} | {r['final_loss']:.3f} |"
         )
     return "\n".join(lines)
@@ -141,12 +164,14 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (by_time, by_step, by_bytes) = plt.subplots(1, 3, figsize=(16, 4))
     for name, r in results.items():
         by_time.plot(r["wall_s"], smoothed(r["losses"]), label=name)
         by_step.plot(r["steps"], smoothed(r["losses"]), label=name)
+        by_bytes.plot([s * r["link_bytes_per_step"] / 2**20 for s in r["steps"]], smoothed(r["losses"]), label=name)
     by_time.set(xlabel="wall time (s)", ylabel="training loss (smoothed)", title="loss vs wall time")
     by_step.set(xlabel="step", title="loss vs step")
+    by_bytes.set(xlabel="MiB sent over the link per device", xscale="log", title="loss vs bytes moved")
     by_time.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -236,6 +236,18 @@ class ParallelConfig(_Freezable):
     diloco_outer_lr: float = knob(0.7, "DiLoCo: the outer step's learning rate on the replica-averaged parameter delta", "> 0")
     diloco_outer_momentum: float = knob(0.9, "DiLoCo: the outer step's Nesterov momentum (0: plain SGD)", "[0, 1)")
     diloco_reduce: Literal["float32", "bfloat16", "int8"] = knob("float32", "DiLoCo: what the delta crosses the replica axis as")
+    diloco_outer_dtype: Literal["", "float32", "bfloat16", "int8", "fp4"] = knob(
+        "", "DiLoCo: what the outer average crosses the replica axis as (int8, fp4: a scale per block); unset: parallel.diloco_reduce"
+    )
+    diloco_fragments: int = knob(
+        1, "Streaming DiLoCo: parts of the model, each synced at its own offset in a round (1: all at once)", ">= 1"
+    )
+    diloco_overlap_steps: int = knob(
+        0, "Streaming DiLoCo: inner steps a fragment's outer average travels beside before it is applied (0: at once)", ">= 0"
+    )
+    diloco_overlap_mix: float = knob(
+        0.5, "Streaming DiLoCo: the share of its own parameters a replica keeps when a late outer update lands", "[0, 1]"
+    )
     replica_link_latency_ms: float = knob(0.0, "simulated slow link between replicas (experiments): latency per collective", ">= 0")
     replica_link_gbps: float = knob(0.0, "simulated slow link: bandwidth in Gbit/s (0: not simulated)", ">= 0")
     context_strategy: Literal["all_gather", "ring", "all_to_all"] = knob(

@@ -102,6 +102,9 @@ UNUSED = {
     "parallel.diloco_outer_lr=0.5": "DiLoCo is off",
     "parallel.diloco_outer_momentum=0.5": "DiLoCo is off",
     "parallel.diloco_reduce=int8": "DiLoCo is off",
+    "parallel.diloco_outer_dtype=fp4": "DiLoCo is off",
+    "parallel.diloco_fragments=2": "DiLoCo is off",
+    "parallel.diloco_overlap_steps=1": "DiLoCo is off",
     "parallel.context_strategy=ring": "without a context axis",
     "parallel.context_load_balance=false": "without a context axis",
     "model.moe_top_k=1": "model.moe_experts=0 (a dense model)",
@@ -120,6 +123,12 @@ def test_a_key_with_no_effect_says_so_in_one_line(override):
     lines = [x for x in check_config_on_mesh(config, parse_mesh("data=2")) if "has no effect" in x]
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"{override.split('=')[0]}=") and UNUSED[override] in lines[0], lines
+
+
+def test_the_overlap_mix_without_an_overlap_says_it_has_no_effect():
+    config = load_config(None, [*TINY, "parallel.diloco_inner_steps=4", "parallel.diloco_overlap_mix=0.3"])
+    lines = [x for x in check_config_on_mesh(config, parse_mesh("replica=2")) if "has no effect" in x]
+    assert len(lines) == 1 and lines[0].startswith("parallel.diloco_overlap_mix=0.3") and "diloco_overlap_steps=0" in lines[0], lines
 
 
 def test_a_no_effect_warning_reaches_stderr_with_one_prefix(capsys):

@@ -152,22 +152,31 @@ def build_report(trainer: Any, compiled: Any) -> dict[str, Any]:
 
 def _diloco_section(trainer: Any, inner_ops: Sequence[CollectiveOp], mesh_shape: dict[str, int]) -> dict[str, Any]:
     """DiLoCo's traffic: the inner step's collectives (above) never span the replica axis;
-    the outer step's, run once per H steps, do. Per-step figures amortise them over H."""
-    outer = trainer.replicas.outer_program(trainer.state_layout).lower(trainer.abstract_state()).compile()
-    outer_ops = collective_ops(parse_hlo(outer.as_text()), mesh_shape)
+    the outer steps', one per fragment per H steps, do. Per-step figures amortise them over H;
+    ``peak_sync_cross_replica_wire_bytes`` is the most one sync sends (streaming: a fragment's)."""
+    abstract = trainer.abstract_state()
+    sends = [p.send.lower(abstract).compile() for p in trainer.replicas.outer_programs(trainer.state_layout)]
+    per_fragment = [collective_ops(parse_hlo(c.as_text()), mesh_shape) for c in sends]
+    outer_ops = [op for ops in per_fragment for op in ops]
     h = trainer.replicas.inner_steps
 
     def across(ops):
         return [op for op in ops if op.axes and "replica" in op.axes]
 
-    outer_bytes = sum(op.executions * (op.wire_bytes or 0) for op in across(outer_ops))
+    fragment_bytes = [sum(op.executions * (op.wire_bytes or 0) for op in across(ops)) for ops in per_fragment]
+    outer_bytes = sum(fragment_bytes)
+    p = trainer.config.parallel
     return {
         "inner_steps": h,
-        "outer_reduce": trainer.config.parallel.diloco_reduce,
+        "outer_reduce": p.diloco_outer_dtype or p.diloco_reduce,
+        "fragments": len(sends),
+        "overlap_steps": p.diloco_overlap_steps,
         "inner_cross_replica_collectives": sum(op.executions for op in across(inner_ops)),
         "outer_collectives": collective_stats(outer_ops),
         "outer_collectives_by_axes": collectives_by_axes(outer_ops),
         "outer_cross_replica_wire_bytes": outer_bytes,
+        "fragment_cross_replica_wire_bytes": fragment_bytes,
+        "peak_sync_cross_replica_wire_bytes": max(fragment_bytes),
         "cross_replica_wire_bytes_per_step": outer_bytes / h,
     }
 
@@ -238,6 +247,11 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_human_bytes(d['outer_cross_replica_wire_bytes'])} ({d['outer_reduce']}) across it every {d['inner_steps']} steps "
             f"= {_human_bytes(d['cross_replica_wire_bytes_per_step'])} per step",
         ]
+        if d["fragments"] > 1 or d["overlap_steps"]:
+            lines.append(
+                f"                streaming: {d['fragments']} fragments on their own offsets, at most "
+                f"{_human_bytes(d['peak_sync_cross_replica_wire_bytes'])} a sync, each applied {d['overlap_steps']} steps after it is sent"
+            )
     if "target" in report:  # analyze --target: XLA:GPU's program
         t = report["target"]
         kernels = ", ".join(f"{kind} {n:,}" for kind, n in report["kernels"].items() if n)

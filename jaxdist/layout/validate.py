@@ -96,6 +96,15 @@ def _check_diloco(config: Config, sizes: MeshSizes) -> None:
         raise ConfigError("DiLoCo (parallel.diloco_inner_steps > 0) does not support a pipe axis yet")
     if sizes.get("context", 1) > 1:
         raise ConfigError("DiLoCo (parallel.diloco_inner_steps > 0) does not compose with a context axis yet")
+    if p.diloco_outer_dtype and p.diloco_reduce != "float32" and p.diloco_outer_dtype != p.diloco_reduce:
+        raise ConfigError(
+            f"parallel.diloco_outer_dtype={p.diloco_outer_dtype} and parallel.diloco_reduce={p.diloco_reduce} disagree: set one"
+        )
+    if p.diloco_overlap_steps >= p.diloco_inner_steps:
+        raise ConfigError(
+            f"parallel.diloco_overlap_steps={p.diloco_overlap_steps} must be below parallel.diloco_inner_steps={p.diloco_inner_steps}: "
+            "a fragment's outer update has to land before its next round is sent"
+        )
     if config.train.optimizer_offload:
         raise ConfigError(
             "train.optimizer_offload with DiLoCo: the inner optimizer's state is per replica under its vmap, "
@@ -292,9 +301,12 @@ def unused_keys(config: Config, sizes: MeshSizes, used: Collection[str] = ()) ->
     if sizes.get("expert", 1) == 1 and changed("parallel", "expert_buffer_factor"):
         found.append(("parallel.expert_buffer_factor", "a mesh without an expert axis (nothing is dispatched across devices)"))
     if p.diloco_inner_steps == 0:
-        for key in ("diloco_outer_lr", "diloco_outer_momentum", "diloco_reduce"):
+        keys = ("diloco_outer_lr", "diloco_outer_momentum", "diloco_reduce", "diloco_outer_dtype", "diloco_fragments")
+        for key in (*keys, "diloco_overlap_steps", "diloco_overlap_mix"):
             if changed("parallel", key):
                 found.append((f"parallel.{key}", "parallel.diloco_inner_steps=0 (DiLoCo is off)"))
+    elif p.diloco_overlap_steps == 0 and changed("parallel", "diloco_overlap_mix"):
+        found.append(("parallel.diloco_overlap_mix", "parallel.diloco_overlap_steps=0 (each outer update lands at once and replaces)"))
     if t.optimizer != "muon":
         for key in ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_scale"):
             if changed("train", key):

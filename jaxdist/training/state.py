@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -83,6 +84,7 @@ class StateLayout:
         error_feedback: bool,
         float16: str | None,
         outer_tx: optax.GradientTransformation | None = None,
+        outer_pending: Callable[[Any, Any], tuple[Any, Any]] | None = None,
         optimizer_offload: bool = False,
     ):
         mesh = layout.mesh
@@ -109,11 +111,12 @@ class StateLayout:
         self.shardings = TrainState(layout.replicated(), self.param_shardings, opt_shardings, residual_shardings, scale_shardings)
         self.replicas = mesh.shape[diloco.AXIS] if outer_tx is not None else 0
         if outer_tx is not None:
-            self._stack_per_replica(outer_tx)
+            self._stack_per_replica(outer_tx, outer_pending)
 
-    def _stack_per_replica(self, outer_tx: optax.GradientTransformation) -> None:
+    def _stack_per_replica(self, outer_tx: optax.GradientTransformation, outer_pending) -> None:
         """DiLoCo: params, optimizer state and loss scale gain a leading replica dimension;
-        the outer parameters and momentum are added."""
+        the outer parameters and momentum are added (and streaming DiLoCo's averages on their
+        way, ``outer_pending``)."""
         mesh, replicas = self.layout.mesh, self.replicas
         abstract_momentum = jax.eval_shape(outer_tx.init, self.abstract_params)
         momentum_shardings = tree_shardings(abstract_momentum, self.layout.param_rules, mesh, replicated=self.replicated)
@@ -125,9 +128,10 @@ class StateLayout:
             return None if tree is None else diloco.stacked_shardings(tree, mesh)
 
         a, s = self.abstract, self.shardings
-        outer = diloco.OuterState(self.abstract_params, abstract_momentum)
+        pending, pending_shardings = outer_pending(self.abstract_params, self.param_shardings) if outer_pending else (None, None)
+        outer = diloco.OuterState(self.abstract_params, abstract_momentum, pending)
         self.abstract = TrainState(a.step, per_replica(a.params), per_replica(a.opt_state), None, per_replica(a.loss_scale), outer)
-        outer_shardings = diloco.OuterState(self.param_shardings, momentum_shardings)
+        outer_shardings = diloco.OuterState(self.param_shardings, momentum_shardings, pending_shardings)
         self.shardings = TrainState(s.step, stacked(s.params), stacked(s.opt_state), None, stacked(s.loss_scale), outer_shardings)
 
     def opt_on_device(self, opt_state: Any, grads: Any) -> Any:

@@ -206,6 +206,7 @@ class Trainer:
             error_feedback=error_feedback,
             float16=float16,
             outer_tx=self.replicas.outer_tx,
+            outer_pending=self.replicas.pending_layout,
             optimizer_offload=config.train.optimizer_offload,
         )
         self.param_shardings, self.state_shardings = self.state_layout.param_shardings, self.state_layout.shardings
