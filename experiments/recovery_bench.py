@@ -73,8 +73,9 @@ def one_run(mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
     if proc.returncode != 0 or killed is None or failed_step_done is None:
         raise SystemExit(f"{mode}: the run failed (exit {proc.returncode}); see {run_dir} and {out.name}")
     records = [json.loads(x) for x in (run_dir / "elastic.jsonl").read_text().splitlines()]
-    phases = next((r.get("seconds") for r in records if r["reason"] == "in-process"), None)
-    grow = next((r.get("seconds") for r in records if r["reason"] == "rejoin"), None)
+    recovery = next((r for r in records if r["reason"] == "in-process"), {})
+    rejoin = next((r for r in records if r["reason"] == "rejoin"), {})
+    phases, grow = recovery.get("seconds"), rejoin.get("seconds")
     regrown = None if grown_step_done is None else grown_step_done - killed
     return {
         "next_step_s": next_step - killed,
@@ -82,6 +83,7 @@ def one_run(mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
         "phases": phases,
         "regrown_s": regrown,
         "grow": grow,
+        "compiled_ahead": (recovery.get("compiled_ahead"), rejoin.get("compiled_ahead")),  # (recovery, rejoin)
     }
 
 
@@ -114,6 +116,12 @@ def main() -> None:
     phases = [r["phases"] for r in results.get("in-process", []) if r["phases"]]
     if phases:
         print("in-process phases (median s): " + ", ".join(f"{k} {statistics.median(p[k] for p in phases):.2f}" for k in phases[0]))
+        runs = [r for r in results["in-process"] if r["phases"]]
+        beyond = statistics.median(r["next_step_s"] - r["phases"]["detect"] for r in runs)
+        ahead = [r["compiled_ahead"] for r in runs]
+        print(
+            f"in-process, kill -> next step beyond the detection (median s): {beyond:.1f}; step compiled ahead (recovery, rejoin): {ahead}"
+        )
     regrown = [r["regrown_s"] for r in results.get("in-process", []) if r["regrown_s"] is not None]
     grows = [r["grow"] for r in results.get("in-process", []) if r["grow"]]
     if regrown:

@@ -40,12 +40,20 @@ class _OneLine(logging.Formatter):
         return self.PREFIX.get(record.levelno, "jaxdist: ") + record.getMessage()
 
 
+QUIET_THREAD = "jaxdist-ahead-of-time"  # compiles steps in the background for a mesh not in use yet
+HELD_RECORDS: list[logging.LogRecord] = []  # what that thread said: said when its step is used (``training.precompile``)
+
+
 class _ProcessZero(logging.Filter):
-    """Only process 0 of a multi-process run speaks (each process would say the same)."""
+    """Only process 0 of a multi-process run speaks (each process would say the same); the
+    background compiles' lines are held until their mesh is in use."""
 
     process_index = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.threadName == QUIET_THREAD:
+            HELD_RECORDS.append(record)
+            return False
         return self.process_index == 0 or getattr(record, "every_process", False)
 
 

@@ -204,9 +204,12 @@ def test_a_killed_process_is_recovered_in_process_then_replaced_with_the_uninter
     )
     assert recovery["mesh"] == "data=2"
     assert set(recovery["seconds"]) == {"detect", "agree", "reshard", "recompile", "first_step"}
+    # the survivors' step for data=2 was compiled in the background after the first step: taken, not compiled
+    assert recovery["compiled_ahead"] is True and ", the step compiled ahead in " in out, out[-4000:]
     assert (rejoin["reason"], rejoin["from"], rejoin["to"], rejoin["joined_rank"], rejoin["mesh"]) == ("rejoin", 2, 3, rank, "data=3")
     assert step <= rejoin["step"] < HOLD_STEP  # joined at a boundary after the recovery, by the hold at the latest
     assert set(rejoin["seconds"]) == {"wait", "broadcast", "recompile", "first_step"}
+    assert rejoin["compiled_ahead"] is True  # data=3 in the order process 0 chose, compiled once data=2 ran
     assert f"elastic: 2 -> 3 processes, process {rank} rejoined; continuing at step {rejoin['step'] + 1} on mesh data=3" in out
 
     logged = _logged_losses(run_dir)

@@ -46,14 +46,11 @@ import numpy as np
 
 from jaxdist.cluster import recoverable
 from jaxdist.cluster.heartbeat import fault_point
-from jaxdist.errors import EXIT_RECOVERY, JaxdistError
+from jaxdist.training import precompile
+from jaxdist.training.recovery_mesh import RecoveryImpossible, device_order, mesh_on
 from jaxdist.training.rejoin_hold import POLL_S, RejoinHold
 
 log = logging.getLogger(__name__)
-
-
-class RecoveryImpossible(JaxdistError):
-    exit_code = EXIT_RECOVERY
 
 
 class PeerLost(Exception):
@@ -129,23 +126,6 @@ class Recovered:
     record: dict  # elastic.jsonl's fields so far (the first step's seconds are added after it)
 
 
-def mesh_on(config, n_devices: int) -> dict[str, int]:
-    """The mesh spec sized to ``n_devices`` (a ``-1`` axis takes what remains), or why not."""
-    from jaxdist.layout.mesh import format_mesh, mesh_device_count, parse_mesh, resolve_mesh
-
-    text = recoverable.MEMBERSHIP.mesh_spec or config.parallel.mesh  # the user's spec: the config holds what -1 became
-    spec = parse_mesh(text)
-    if spec is None:
-        raise RecoveryImpossible("--mesh auto cannot be sized to the survivors: give the run a mesh such as data=-1")
-    try:
-        sizes = resolve_mesh(spec, n_devices)
-    except JaxdistError as e:
-        raise RecoveryImpossible(f"the mesh {text} does not fit the {n_devices} live devices ({e})") from None
-    if mesh_device_count(sizes) != n_devices:
-        raise RecoveryImpossible(f"the mesh {format_mesh(sizes)} uses {mesh_device_count(sizes)} devices, not the {n_devices} live ones")
-    return sizes
-
-
 def reshard_from_survivors(state: Any, shardings: Any) -> tuple[Any, int]:
     """``state`` on ``shardings`` (the new mesh) from this process's shards; how many it lacked (0: complete)."""
     import jax
@@ -200,7 +180,10 @@ def recover(lost: PeerLost, config, all_devices: list, build_trainer, make_batch
     recoverable.mark_recovering(lost.step)
     sizes = mesh_on(config, len(live))
     start = time.perf_counter()
-    trainer = build_trainer(sizes, _device_order(live, sizes, membership))
+    order = device_order(live, sizes, membership)
+    ahead = precompile.AHEAD.take(precompile.layout_key(survivors, order))
+    wait_s = time.perf_counter() - start  # for a compile ahead still under way
+    trainer = ahead.trainer if ahead else build_trainer(sizes, order)
     membership.use_mesh(trainer.layout.mesh)
     state, missing = reshard_from_survivors(lost.state, trainer.state_shardings)
     missing_anywhere = membership.allgather(np.int64(missing), "reshard")
@@ -209,13 +192,13 @@ def recover(lost: PeerLost, config, all_devices: list, build_trainer, make_batch
             f"{int(missing_anywhere.sum())} state shards had their only copies on process {', '.join(map(str, failed))} "
             "(the mesh shards the state across processes): the run restarts from its last checkpoint"
         )
-    reshard_s = time.perf_counter() - start
+    reshard_s = time.perf_counter() - start - wait_s
     start = time.perf_counter()
     batches = make_batches(trainer.layout, lost.step - 1)
     first = next(batches)
-    step_fn = trainer.compile_step(state, first)
+    step_fn = trainer.compile_step(state, first, compiled=ahead.compiled if ahead else None)
     membership.sync("compiled")  # the first step's collectives must not wait out a slower compile
-    recompile_s = time.perf_counter() - start
+    recompile_s = time.perf_counter() - start + wait_s
     from jaxdist.layout.mesh import format_mesh
 
     record = {
@@ -227,10 +210,12 @@ def recover(lost: PeerLost, config, all_devices: list, build_trainer, make_batch
         "exit_code": None,
         "mesh": format_mesh(sizes),
         "seconds": {"detect": lost.detect_s, "agree": agree_s, "reshard": reshard_s, "recompile": recompile_s},
+        "compiled_ahead": ahead is not None,
     }
+    ahead_note = f", the step compiled ahead in {ahead.seconds:.1f}s" if ahead else ""
     log.info(
         f"elastic: {len(before)} -> {len(survivors)} processes in-process, continuing at step {lost.step} on mesh {format_mesh(sizes)} "
-        f"(detect {lost.detect_s:.1f}s, agree {agree_s:.2f}s, reshard {reshard_s:.2f}s, recompile {recompile_s:.1f}s)"
+        f"(detect {lost.detect_s:.1f}s, agree {agree_s:.2f}s, reshard {reshard_s:.2f}s, recompile {recompile_s:.1f}s{ahead_note})"
     )
     import jax
 
@@ -238,21 +223,6 @@ def recover(lost: PeerLost, config, all_devices: list, build_trainer, make_batch
         for rank in failed:  # the launcher may start its replacement now: it joins at a step boundary (``grow``)
             recoverable.open_slot(rank)
     return Recovered(trainer, state, batches, first, step_fn, record)
-
-
-def _device_order(devices: list, sizes: dict[str, int], membership) -> list:
-    """``devices`` in an order none of whose mesh groups a process restarted since has a stale
-    communicator for (``cluster.recoverable.fresh_device_order``)."""
-    from jaxdist.layout.mesh import MESH_AXES
-
-    restarted = {d.id for d in devices if d.process_index in membership.rejoined}
-    order = recoverable.fresh_device_order(devices, [sizes.get(a, 1) for a in MESH_AXES], membership.groups, restarted)
-    if order is None:
-        raise RecoveryImpossible(
-            "no order of the live devices gives a mesh whose device groups are all new to the processes that rejoined "
-            "(XLA:CPU keeps a communicator per group for a process's life): the run restarts from its last checkpoint"
-        )
-    return order
 
 
 # -- a replacement rejoins ---------------------------------------------------------------------
@@ -290,7 +260,7 @@ def plan_growth(joined: PeerJoined, config, all_devices: list, meter: bool) -> J
     live = [d for d in all_devices if d.process_index in new_processes]
     sizes = mesh_on(config, len(live))
     membership.rejoined |= set(joiners)
-    order = _device_order(live, sizes, membership)
+    order = device_order(live, sizes, membership)
     plan = JoinPlan(
         epoch=membership.epoch + 1,
         step=joined.step,
@@ -333,7 +303,8 @@ def grow(plan: JoinPlan, config, all_devices: list, build_trainer, make_batches,
     by_id = {d.id: d for d in all_devices}
     order = [by_id[i] for i in plan.order]
     sizes = mesh_on(config, len(order))
-    trainer = build_trainer(sizes, order)
+    ahead = precompile.AHEAD.take(precompile.layout_key(plan.processes, order))  # the survivors' (a replacement holds none)
+    trainer = ahead.trainer if ahead else build_trainer(sizes, order)
     membership.use_mesh(trainer.layout.mesh)
     start = time.perf_counter()
     host = host_copy(*source) if source is not None else None  # the survivors' collective, on their mesh
@@ -345,8 +316,8 @@ def grow(plan: JoinPlan, config, all_devices: list, build_trainer, make_batches,
     start = time.perf_counter()
     batches = make_batches(trainer.layout, plan.step - 1)
     first = next(batches)
-    step_fn = trainer.compile_step(state, first)
-    membership.sync("compiled")
+    step_fn = trainer.compile_step(state, first, compiled=ahead.compiled if ahead else None)
+    membership.sync("compiled")  # a replacement compiles (process 0's compile ahead wrote its program to the cache)
     recompile_s = time.perf_counter() - start
     if jax.process_index() == 0:
         for rank in plan.joined:
@@ -360,6 +331,7 @@ def grow(plan: JoinPlan, config, all_devices: list, build_trainer, make_batches,
         "joined_rank": plan.joined[0] if len(plan.joined) == 1 else plan.joined,
         "mesh": format_mesh(sizes),
         "seconds": {"wait": wait_s, "broadcast": broadcast_s, "recompile": recompile_s},
+        "compiled_ahead": ahead is not None,
     }
     log.info(
         f"elastic: {record['from']} -> {len(plan.processes)} processes, process {joined} rejoined; continuing at "
@@ -446,35 +418,51 @@ def train_recovering(
             "in-process recovery: each step runs to completion inside live_devices and keeps its input state "
             "(no buffer donation: one more copy of the state per device)"
         )
+
+    def after_first_step(seconds: float, record: dict | None = None) -> None:
+        if record is not None:
+            write_record(run_dir, record, seconds)
+        precompile.compile_recoveries_ahead(config, all_devices, build_trainer)
+
+    hooks.guard.after_first_step = after_first_step
     losses, eval_losses = [], {}
     changed = joined
-    while True:
-        if changed is not None:
-            trainer, state, batches, first, step_fn = changed.trainer, changed.state, changed.batches, changed.first_batch, changed.step_fn
-            hooks.guard.devices = list(trainer.layout.mesh.devices.flat)
-            hooks.guard.after_first_step = lambda seconds, record=changed.record: write_record(run_dir, record, seconds)
-            hooks.eval_batches = make_eval(trainer.layout)
-            hooks.data_state = batches.get_state
-            if hooks.config_dict is not None:  # the checkpoints' saved config says the mesh they were saved on
-                hooks.config_dict = {**hooks.config_dict, "parallel": {**hooks.config_dict["parallel"], "mesh": changed.record["mesh"]}}
-            if checkpointer is not None and changed is not joined:  # a replacement opened its own on the live processes
-                checkpointer.use_processes(recoverable.MEMBERSHIP.live_processes(), recoverable.MEMBERSHIP.epoch)
-        try:
-            result = run_loop(trainer, state, itertools.chain([first], batches), step_fn)
-        except (PeerLost, PeerJoined) as event:
-            partial = getattr(event, "partial", None)
-            if partial is not None:
-                losses += partial.losses
-                eval_losses.update(partial.eval_losses)
-            batches.close()
-            if isinstance(event, PeerLost):
-                changed = recover(event, config, all_devices, build_trainer, make_batches)
-            else:
-                plan = plan_growth(event, config, all_devices, meter=getattr(hooks.energy, "meter", None) is not None)
-                changed = grow(plan, config, all_devices, build_trainer, make_batches, source=(trainer, event.state))
-            continue
-        result.losses, result.eval_losses = losses + result.losses, {**eval_losses, **result.eval_losses}
-        return result, batches
+    try:
+        while True:
+            if changed is not None:
+                trainer, state, batches, first, step_fn = (
+                    changed.trainer,
+                    changed.state,
+                    changed.batches,
+                    changed.first_batch,
+                    changed.step_fn,
+                )
+                hooks.guard.devices = list(trainer.layout.mesh.devices.flat)
+                hooks.guard.after_first_step = lambda seconds, record=changed.record: after_first_step(seconds, record)
+                hooks.eval_batches = make_eval(trainer.layout)
+                hooks.data_state = batches.get_state
+                if hooks.config_dict is not None:  # the checkpoints' saved config says the mesh they were saved on
+                    hooks.config_dict = {**hooks.config_dict, "parallel": {**hooks.config_dict["parallel"], "mesh": changed.record["mesh"]}}
+                if checkpointer is not None and changed is not joined:  # a replacement opened its own on the live processes
+                    checkpointer.use_processes(recoverable.MEMBERSHIP.live_processes(), recoverable.MEMBERSHIP.epoch)
+            try:
+                result = run_loop(trainer, state, itertools.chain([first], batches), step_fn)
+            except (PeerLost, PeerJoined) as event:
+                partial = getattr(event, "partial", None)
+                if partial is not None:
+                    losses += partial.losses
+                    eval_losses.update(partial.eval_losses)
+                batches.close()
+                if isinstance(event, PeerLost):
+                    changed = recover(event, config, all_devices, build_trainer, make_batches)
+                else:
+                    plan = plan_growth(event, config, all_devices, meter=getattr(hooks.energy, "meter", None) is not None)
+                    changed = grow(plan, config, all_devices, build_trainer, make_batches, source=(trainer, event.state))
+                continue
+            result.losses, result.eval_losses = losses + result.losses, {**eval_losses, **result.eval_losses}
+            return result, batches
+    finally:
+        precompile.AHEAD.stop()  # its compile must not outlive the run
 
 
 def join_running(config, build_trainer, make_batches) -> tuple[Recovered, bool]:

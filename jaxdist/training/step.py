@@ -274,10 +274,11 @@ class Trainer:
         # the data's loss only: MoE's balancing terms are in the training objective, not in eval_loss
         return jnp.stack([loss_sum - stats.get(REGULARIZER, 0.0), weight])
 
-    def compile_step(self, state: TrainState, batch: Batch) -> Callable:
-        """The step the loop calls, compiled for ``state``: the train step, wrapped by DiLoCo's
-        outer sync and the simulated link when they apply."""
-        compiled = self.train_step.lower(state, batch).compile()
+    def compile_step(self, state: TrainState, batch: Batch, compiled: Any = None) -> Callable:
+        """The step the loop calls, compiled for ``state`` (or ``compiled``, the train step
+        compiled ahead): the train step, wrapped by DiLoCo's outer sync and the simulated link
+        when they apply."""
+        compiled = compiled or self.train_step.lower(state, batch).compile()
         if self.config.model.fp8 != "off" and self.layout.mesh.devices.flat[0].platform == "gpu":
             # XLA runs an fp8 dot it cannot give an fp8 GEMM in f16, silently: count what it made
             fp8.say_fp8_gemms(self.config.model, kernel_counts(compiled.as_text())["gemm_fp8"], self.microbatches)
