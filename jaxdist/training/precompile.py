@@ -6,8 +6,8 @@ would train on next: without one more process (every process but 0, whose death 
 restart, and this one), or with a dead process's replacement back, in the device order
 ``recovery`` would choose then. ``recover`` and ``grow`` take the held step instead of
 compiling: the recompile phase becomes a lookup. Process 0 also writes the programs to the
-persistent compilation cache, where a replacement (a new process, which must compile) finds
-its own.
+persistent compilation cache, where on GPUs a replacement (a new process, which must compile)
+finds its own; JAX's key for a CPU program differs per process, so there it compiles in full.
 
 What is held is bounded: at most ``MAX_HELD`` layouts (the first processes' deaths); the
 rest are said in one line and compiled at recovery as before. A layout whose order is no
