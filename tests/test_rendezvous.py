@@ -32,7 +32,7 @@ from jaxdist.cluster.rendezvous import Ending, Generation, Registration, end_gen
 from jaxdist.errors import JaxdistError
 from jaxdist.training.checkpoint import checkpoint_steps
 
-from helpers import TINY, membership_changes, subprocess_env
+from helpers import TINY, checked_goodput, membership_changes, subprocess_env
 
 ETCD = shutil.which("etcd")
 pytestmark = pytest.mark.skipif(ETCD is None, reason="etcd is not installed (Debian: apt-get install etcd-server)")
@@ -596,6 +596,10 @@ def test_a_killed_node_drops_out_and_a_new_one_joins_with_the_same_losses(nodes,
     worst = max(abs(loss - reference_losses[s - 1]) / abs(reference_losses[s - 1]) for s, loss in logged)
     assert worst < 1e-5, worst
     assert not nodes.left(5.0)
+    # the survivor, process 0's node at the end, accounted the run over all three generations: the node's
+    # loss (the lease running out) is lost time, the steps since the last checkpoint retrained
+    accounted = checked_goodput(run_dir, 40, idle_share=0.05)
+    assert accounted["restarts"] == 2 and accounted["seconds"]["lost"] > 0, accounted
 
 
 @pytest.mark.heavy

@@ -24,7 +24,7 @@ import socket
 import time
 from pathlib import Path
 
-from jaxdist.cluster import elastic
+from jaxdist.cluster import elastic, goodput
 from jaxdist.cluster.elastic_launch import after_failure, drive, save_and_stop, stopped_at
 from jaxdist.cluster.etcd import Etcd, EtcdError, EtcdUnavailable
 from jaxdist.cluster.launcher import (
@@ -126,6 +126,7 @@ class NodeElastic:
         self.leaving = False
         self.gen: Launcher | None = None
         self.reservation: socket.socket | None = None  # node 0's coordinator port, from the proposal to the set's end
+        self.ran_process_zero = False  # whether the last generation this node ran had process 0 here (it accounts the run)
         self.unreachable_at = -float("inf")  # when a read of etcd last failed
 
     def on_signal(self, signum: int, frame=None) -> None:
@@ -335,6 +336,7 @@ class NodeElastic:
             self.reg.set_stopped(gen.number)
             return EXIT_BAD_INPUT
         node0 = rank == 0
+        self.ran_process_zero = node0
         placement = Placement(gen.coordinator, gen.world, rank * p.nproc_per_node, p.address if node0 else None, self.reservation)
         resume = p.first_resume if gen.change.get("reason") == "start" else "auto"
         self._announce(gen, rank)
@@ -461,7 +463,9 @@ class NodeElastic:
 
 
 def run_node(plan: NodePlan) -> int:
-    """This node's part of the run ``plan`` describes, until it ends here; the exit status."""
+    """This node's part of the run ``plan`` describes, until it ends here; the exit status.
+    The node that ran process 0 last accounts the run's wall time from its first start into
+    ``RUN_DIR/goodput.json`` (``cluster.goodput``; the run directory is shared by every node)."""
     loop = NodeElastic(plan)
     try:
         return drive(loop)
@@ -469,3 +473,6 @@ def run_node(plan: NodePlan) -> int:
         if loop.reservation is not None:
             loop.reservation.close()
         loop.reg.leave()
+        started = goodput.run_started(plan.run_dir) if loop.ran_process_zero else None
+        if started is not None:
+            goodput.write(plan.run_dir, started, time.time())
