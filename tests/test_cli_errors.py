@@ -166,6 +166,8 @@ NUMERIC_KEYS = {
     "checkpoint.keep": (False, False),
     **dict.fromkeys(["parallel.virtual_stages", "parallel.grad_topk_fraction", "parallel.diloco_outer_lr"], (False, False)),
     **dict.fromkeys(["parallel.pipeline_microbatches", "parallel.diloco_inner_steps", "parallel.diloco_outer_momentum"], (True, False)),
+    "parallel.diloco_fragments": (False, False),
+    **dict.fromkeys(["parallel.diloco_overlap_steps", "parallel.diloco_overlap_mix"], (True, False)),
     **dict.fromkeys(["parallel.replica_link_latency_ms", "parallel.replica_link_gbps", "parallel.expert_buffer_factor"], (True, False)),
 }
 
