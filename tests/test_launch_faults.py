@@ -151,7 +151,11 @@ def test_two_threads_interleaved_gloo_lines_are_chatter_and_a_missing_peer_is_st
         "[Gloo] Rank [Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
         "1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
     ]
-    for mixed in (at_the_count, at_the_rank):
+    at_the_expected = [  # a fresh-clone run's: the other thread's rank between "peer ranks. " and "Expected"
+        "[Gloo] Rank [Gloo] Rank 0 is connected to 1 peer ranks. 1Expected number of connected peer ranks is : 1\n",
+        " is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+    ]
+    for mixed in (at_the_count, at_the_rank, at_the_expected):
         chatter = distributed.GlooChatter()
         assert [chatter(line) for line in (*mixed, "step 1 | loss 5.9\n", "1\n")] == [True, True, False, False]
     chatter = distributed.GlooChatter()

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 # The fixed parts of that line, between which gloo writes the numbers (one operator<< each).
-GLOO_PARTS = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\. Expected number of connected peer ranks is :")
+GLOO_PARTS = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :")
 
 
 def is_gloo_chatter(line: str) -> bool:
