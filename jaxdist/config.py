@@ -164,6 +164,14 @@ class TrainConfig(_Freezable):
     loss_scale: str = knob("dynamic", "model.dtype=float16 only: dynamic (GradScaler's schedule) | a fixed positive number")
     straggler_factor: float = knob(1.3, "name a process whose own work per step is this many times the others' median", ">= 1")
     straggler_window: int = knob(50, "steps per straggler comparison (--straggler-window); 0: off", ">= 0")
+    objective: Literal["lm", "dpo"] = knob(
+        "lm", "lm: next-token cross-entropy | dpo: Direct Preference Optimization on data.source=preference pairs"
+    )
+    dpo_beta: float = knob(0.1, "dpo: the KL penalty's strength beta (rewards are beta x the log-ratio to the reference)", "> 0")
+    dpo_label_smoothing: float = knob(0.0, "dpo (sigmoid): the share of pairs assumed mislabelled (cDPO)", "[0, 0.5)")
+    dpo_loss: Literal["sigmoid", "ipo"] = knob(
+        "sigmoid", "dpo: sigmoid (-log sigmoid(beta x margin)) | ipo ((margin - 1/(2 beta))^2 on per-token mean log-probs)"
+    )
 
     def schedule_length(self) -> int:
         """Steps the learning-rate schedule spans: ``schedule_steps``, else ``steps``."""
@@ -172,17 +180,17 @@ class TrainConfig(_Freezable):
 
 @dataclasses.dataclass
 class DataConfig(_Freezable):
-    source: Literal["stdlib", "text", "tokens", "synthetic", "chat"] = knob(
+    source: Literal["stdlib", "text", "tokens", "synthetic", "chat", "preference"] = knob(
         "stdlib",
         "stdlib (this Python's own sources, no download) | text (your files) | tokens (prepared shards) | synthetic | "
-        'chat ({"messages": [...]} JSON Lines)',
+        'chat ({"messages": [...]} JSON Lines) | preference ({"prompt", "chosen", "rejected"} JSON Lines, for train.objective=dpo)',
     )
     path: str = knob("", "text: files, globs or a directory; tokens: a `jaxdist.data prepare` output directory")
     tokenizer: str = knob("", '"" or byte: byte-level; or a Hugging Face tokenizer.json / SentencePiece .model file')
     text_unit: Literal["file", "line"] = knob("file", "text: one document per file | per line (JSON Lines / Parquet: one per record)")
     text_field: str = knob("text", "text: the field (JSON Lines) or column (Parquet) that holds a record's text")
     bad_records: Literal["stop", "skip"] = knob(
-        "stop", "text: a record without the field, not UTF-8 or in a truncated file stops the read | is skipped and counted"
+        "stop", "text, chat, preference: a bad record (no such field, not UTF-8, a truncated file) stops the read | is skipped and counted"
     )
     cache_dir: str = knob(
         "", 'tokens in object storage: a local folder keeping the blocks read, across runs and processes ("": memory only)'
@@ -193,7 +201,9 @@ class DataConfig(_Freezable):
     eval_fraction: float = knob(0.01, "the held-out tail of the corpus", "(0, 1)")
     shuffle: bool = knob(True, "shuffle the documents by seed")
     document_mask: bool = knob(True, "packed documents do not attend to each other")
-    chat_template: str = knob("", 'chat: a Jinja chat template file; "": the chat_template of the tokenizer\'s tokenizer_config.json')
+    chat_template: str = knob(
+        "", 'chat, preference: a Jinja chat template file; "": the chat_template of the tokenizer\'s tokenizer_config.json'
+    )
     loss_on: Literal["assistant", "all"] = knob("assistant", "chat: the loss on the assistant's tokens only | on every token")
     chat_overflow: Literal["truncate", "drop"] = knob(
         "truncate", "chat: a conversation longer than train.seq_len is cut to it | left out (both counted in the log)"

@@ -80,8 +80,33 @@ def check_rules(config: Any) -> None:
         t.global_batch % t.microbatches == 0,
         f"train.global_batch ({t.global_batch}) must be divisible by train.microbatches ({t.microbatches})",
     )
+    _check_objective(config)
     strategy_parts = set(config.parallel.strategy.split("+"))
     _require(
         strategy_parts <= {"auto", "dp", "fsdp", "zero1", "tp"} and len(strategy_parts & {"auto", "dp", "fsdp", "zero1"}) <= 1,
         f"parallel.strategy must be auto, dp, fsdp or zero1, optionally with +tp, got {config.parallel.strategy!r}",
+    )
+
+
+def _check_objective(config: Any) -> None:
+    """``train.objective=dpo``: preference pairs, a dense decoder, one step one batch (the mesh's
+    part is ``layout.validate``'s)."""
+    m, t, d = config.model, config.train, config.data
+    dpo = t.objective == "dpo"
+    _require(
+        dpo == (d.source == "preference"),
+        "train.objective=dpo trains on data.source=preference (prompt/chosen/rejected pairs), and that source is only for it; "
+        f"got train.objective={t.objective} with data.source={d.source}",
+    )
+    if not dpo:
+        return
+    _require(m.kind == "llama", f"train.objective=dpo is for the llama decoder, not model.kind={m.kind}")
+    _require(
+        m.moe_experts == 0,
+        "train.objective=dpo does not support MoE (model.moe_experts > 0) yet: its balancing terms are an lm objective's",
+    )
+    _require(t.microbatches == 1, f"train.objective=dpo does not support train.microbatches={t.microbatches} yet (use 1)")
+    _require(t.eval_every == 0, "train.objective=dpo has no held-out evaluation yet: set train.eval_every=0")
+    _require(
+        m.fp8 != "delayed", "train.objective=dpo does not support model.fp8=delayed (the frozen reference would keep stale amax histories)"
     )

@@ -150,6 +150,8 @@ NUMERIC_KEYS = {
     "train.straggler_factor": (False, False),  # >= 1
     "train.muon_ns_steps": (False, False),
     "train.muon_momentum": (True, False),
+    "train.dpo_beta": (False, False),
+    "train.dpo_label_smoothing": (True, False),
     **dict.fromkeys(["data.workers", "data.prefetch", "data.synthetic_latency_ms"], (True, False)),
     "data.eval_fraction": (False, False),
     "data.cache_gb": (False, False),

@@ -114,6 +114,9 @@ UNUSED = {
     "parallel.expert_buffer_factor=2": "without an expert axis",
     "model.fp8_history=8": "model.fp8=off",
     "model.fp8_keep_ends=false": "model.fp8=off",
+    "train.dpo_beta=0.5": "train.objective=lm",
+    "train.dpo_label_smoothing=0.1": "train.objective=lm",
+    "train.dpo_loss=ipo": "train.objective=lm",
 }
 
 

@@ -26,6 +26,7 @@ from jaxdist.cluster.lifetime import grain_worker_init
 from jaxdist.config import Config
 from jaxdist.data.chat import chat_splits
 from jaxdist.data.loader import process_rows, to_global
+from jaxdist.data.preference import preference_pairs
 from jaxdist.data.sources import Corpus, TokenStream, open_corpus
 from jaxdist.data.synthetic import SlowReads, SyntheticImages, SyntheticTokens
 from jaxdist.errors import JaxdistError
@@ -104,6 +105,10 @@ def example_source(config: Config, split: str) -> Any:
         return SlowReads(source, config.data.synthetic_latency_ms / 1000) if config.data.synthetic_latency_ms else source
     if m.kind == "resnet":
         raise JaxdistError(f"model.kind=resnet trains on data.source=synthetic images, not {config.data.source!r}")
+    if config.data.source == "preference":  # chosen/rejected pairs, two rows an example (train.objective=dpo)
+        if split != "train":
+            raise JaxdistError("data.source=preference has no held-out split yet (train.eval_every=0)")
+        return preference_pairs(config)
     if config.data.source == "chat":  # conversations packed whole, the loss on the assistant's tokens
         train, evaluation = chat_splits(config)
         return train if split == "train" else evaluation
@@ -135,12 +140,24 @@ class ProcessSlice:
 
 
 def batches_dataset(source: Any, part: ProcessSlice, *, seed: int, shuffle: bool) -> grain.MapDataset:
-    """Element k: this process's rows of global batch k (endless; reshuffled each epoch)."""
+    """Element k: this process's rows of global batch k (endless; reshuffled each epoch). A
+    source whose examples are several rows (``rows_per_example``: preference pairs) is shuffled
+    and batched by example, then flattened, so an example's rows stay adjacent."""
     ds = grain.MapDataset.source(source)
     if shuffle:
         ds = ds.shuffle(seed=seed)
-    ds = ds.repeat(None).batch(part.rows, drop_remainder=True)
+    per_example = getattr(source, "rows_per_example", 1)
+    if part.rows % per_example:
+        raise JaxdistError(f"{part.rows} batch rows per process would split an example of {per_example} rows")
+    ds = ds.repeat(None).batch(part.rows // per_example, drop_remainder=True)
+    if per_example > 1:
+        ds = ds.map(_flatten_examples)
     return ds[part.block :: part.blocks]
+
+
+def _flatten_examples(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """[examples, rows per example, ...] -> [rows, ...]."""
+    return {key: value.reshape(-1, *value.shape[2:]) for key, value in batch.items()}
 
 
 def read_threads(source: Any, prefetch: int) -> int:

@@ -308,7 +308,7 @@ def record_tokenizer(config: Config) -> None:
                 f"prepared data {d.path} was tokenized with {tokenizer}, which is gone; "
                 "pass data.tokenizer=FILE (that same file) so that the run records its tokenizer"
             )
-    elif d.source in ("stdlib", "text", "chat") and not tokenizer:
+    elif d.source in ("stdlib", "text", "chat", "preference") and not tokenizer:
         tokenizer = "byte"
     if tokenizer and tokenizer != "byte" and not Path(tokenizer).expanduser().is_absolute():
         tokenizer = str(Path(tokenizer).expanduser().absolute())

@@ -33,6 +33,8 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes, used: Collection[str]
         _check_resnet(config, sizes)
     _check_diloco(config, sizes)
     _check_fp8(config, sizes)
+    if config.train.objective == "dpo":
+        _check_preference(config, sizes)
     warnings.extend(unused_keys(config, sizes, used))
     warnings.extend(_short_schedule(config))
     if sizes["pipe"] > 1:
@@ -71,6 +73,20 @@ def _check_batch(config: Config, sizes: MeshSizes) -> None:
     if t.global_batch % (shards * t.microbatches):
         raise MeshError(
             f"train.global_batch ({t.global_batch}) must be divisible by replica x data x fsdp x expert ({shards}) x train.microbatches ({t.microbatches})"
+        )
+
+
+def _check_preference(config: Config, sizes: MeshSizes) -> None:
+    """DPO's pairs (rows 2i, 2i+1) stay whole on one device; the axes it does not run on yet."""
+    for axis, why in (("pipe", "the pipeline schedule is the lm loss"), ("context", "a pair's rows would be split"),
+                      ("replica", "DiLoCo's replicas carry no reference model"), ("expert", "it needs an MoE model")):  # fmt: skip
+        if sizes.get(axis, 1) > 1:
+            raise MeshError(f"train.objective=dpo does not support a {axis} axis yet ({why})")
+    rows = config.train.global_batch // batch_shards(sizes)
+    if rows % 2:
+        raise MeshError(
+            f"train.objective=dpo: train.global_batch ({config.train.global_batch}) over replica x data x fsdp x expert "
+            f"({batch_shards(sizes)}) gives {rows} rows per device, which would split a chosen/rejected pair: make it even"
         )
 
 
@@ -313,8 +329,16 @@ def unused_keys(config: Config, sizes: MeshSizes, used: Collection[str] = ()) ->
                 found.append((f"train.{key}", f"train.optimizer={t.optimizer} (it is Muon's)"))
     if config.data.source != "chat":
         for key in ("chat_template", "loss_on", "chat_overflow"):
-            if changed("data", key):
+            if changed("data", key) and not (key == "chat_template" and config.data.source == "preference"):
                 found.append((f"data.{key}", f"data.source={config.data.source} (it is for chat data)"))
+    if t.objective != "dpo":
+        for key in ("dpo_beta", "dpo_label_smoothing", "dpo_loss"):
+            if changed("train", key):
+                found.append((f"train.{key}", f"train.objective={t.objective} (it is DPO's)"))
+    elif t.dpo_loss == "ipo" and changed("train", "dpo_label_smoothing"):
+        found.append(("train.dpo_label_smoothing", "train.dpo_loss=ipo (label smoothing is the sigmoid loss's)"))
+    if t.objective == "dpo" and changed("model", "loss_chunk"):
+        found.append(("model.loss_chunk", "train.objective=dpo (its log-probabilities take the whole sequence's logits)"))
     if not config.log.wandb:
         for key in ("wandb_project", "wandb_entity", "wandb_name"):
             if changed("log", key):

@@ -43,6 +43,8 @@ class Task:
     attention: str | None = None  # the attention implementation chosen (decoders): xla | xla_fp32 | cudnn | pallas
     metrics_from: Callable[[Stats, jax.Array], dict[str, jax.Array]] | None = None  # statistics, weight -> metrics
     after_update: Callable[[Any, Stats], Any] | None = None  # params, statistics -> params (state moved outside the optimizer)
+    # a frozen reference model (train.objective=dpo): (reference model, batch) -> the batch with what the loss reads from it
+    with_reference: Callable[[nnx.Module, Batch], Batch] | None = None
     # set from outside by parallel.parallelize, installed in each step's context (layout.step_context)
     sequence_kernel: Callable | None = None  # context parallelism's attention
     expert_kernel: Callable | None = None  # expert parallelism's dispatch

@@ -265,6 +265,11 @@ class Llama(nnx.Module):
         sums[REGULARIZER] = weight * balancing  # in the loss sum, not the data's loss: eval leaves it out
         return loss_sum + sums[REGULARIZER], weight, sums
 
+    def target_logps(self, batch: dict[str, jax.Array]) -> jax.Array:
+        """The log-probability of each target, [batch, seq] float32, unmasked (preference objectives sum them)."""
+        y, _ = self._all_layers(*self.embed_tokens(batch))
+        return -optax.softmax_cross_entropy_with_integer_labels(self._logits(self.head_params(), y), batch["targets"])
+
     def _all_layers(self, x: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Every layer (the dense leading stack first), and the MoE layers' statistics stacked [moe layers, ...]."""
         stacks = self._stacks()

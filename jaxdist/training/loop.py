@@ -19,6 +19,7 @@ from jaxdist.cluster.heartbeat import beat, fault_point
 from jaxdist.errors import NonFiniteLoss
 from jaxdist.inspect.trace_capture import StepTracer
 from jaxdist.models import Batch
+from jaxdist.training.dpo import REWARD_METRICS
 from jaxdist.training.energy import IntervalEnergy, energy_fields
 from jaxdist.training.metrics import MetricsLogger
 from jaxdist.training.preemption import Preempted
@@ -230,6 +231,8 @@ def _window_record(fetched: list[dict], tokens_per_step: int, n_devices: int, ti
     if "loss_scale" in last:
         record["loss_scale"] = float(last["loss_scale"])
     for key in MOE_METRICS & last.keys():
+        record[key] = float(last[key])
+    for key in (k for k in REWARD_METRICS if k in last):  # train.objective=dpo (training.dpo)
         record[key] = float(last[key])
     if "skipped" in last:
         record["skipped_steps"] = skipped_steps

@@ -158,12 +158,13 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None, *,
     from jaxdist.layout.strategy import resolve_strategy
     from jaxdist.models import build_task
     from jaxdist.parallel import parallelize
+    from jaxdist.training.dpo import preference_task
     from jaxdist.training.step import Trainer
 
     devices = list(jax.devices() if devices is None else devices)
     if not is_frozen(config):  # a tool's config (analyze, plan); a run's plan is resolved already
         resolve_vocab(config)
-    task = build_task(config, devices[0].platform, getattr(devices[0], "compute_capability", None))
+    task = preference_task(build_task(config, devices[0].platform, getattr(devices[0], "compute_capability", None)), config)
     if mesh_sizes is None:
         mesh_sizes = auto_mesh(len(devices), task.n_params)
     for line in check_config_on_mesh(config, mesh_sizes, used_keys):  # raises before anything is built

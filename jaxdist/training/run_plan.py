@@ -27,6 +27,7 @@ from typing import Literal
 
 from jaxdist.config import Config, freeze, unfrozen
 from jaxdist.data.sources import resolve_vocab
+from jaxdist.errors import JaxdistError
 from jaxdist.layout.devices import settle_remaining_axis
 from jaxdist.layout.mesh import MeshSizes, parse_mesh
 from jaxdist.training.checkpoint import checkpoint_steps
@@ -79,6 +80,11 @@ def resolve_run(
         mesh_sizes = parse_mesh(config.parallel.mesh)
     resume, init_from, weights_dir = weights_resume(resume, init_from, run_dir)
     own = run_dir is not None and resume != "never" and bool(checkpoint_steps(run_dir / "checkpoints"))
+    if weights_dir is not None and config.train.objective == "dpo":
+        raise JaxdistError(
+            f"--resume {resume}: a weights-only checkpoint holds no reference model, so it cannot continue a train.objective=dpo run "
+            "exactly; resume from a full checkpoint, or start a new run from these weights with --init-from"
+        )
     if weights_dir is not None:
         start: Start = "weights-only"
     elif own or resume not in ("auto", "never"):

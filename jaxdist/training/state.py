@@ -45,7 +45,6 @@ def needs_mesh_context(shardings: Any) -> bool:
     return any(isinstance(s, NamedSharding) and isinstance(s.mesh, AbstractMesh) for s in jax.tree.leaves(shardings))
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
     step: jax.Array
@@ -54,6 +53,20 @@ class TrainState:
     residual: Any = None  # error feedback: per device, what gradient compression dropped ([devices, *param]), unscaled
     loss_scale: Any = None  # model.dtype=float16: jaxdist.training.loss_scale.LossScale
     outer: Any = None  # DiLoCo: jaxdist.parallel.diloco.OuterState (params and opt_state are then per replica)
+    reference: Any = None  # train.objective=dpo: the frozen reference model's parameters (sharded as ``params``)
+
+
+_ALWAYS = ("step", "params", "opt_state", "residual", "loss_scale", "outer")
+
+
+def _flatten_state(state: TrainState):
+    """A state's children by field name; ``reference`` only when there is one, so a state without
+    it has the tree (and a checkpoint the structure) it had before the field existed."""
+    names = _ALWAYS + (("reference",) if state.reference is not None else ())
+    return [(jax.tree_util.GetAttrKey(name), getattr(state, name)) for name in names], len(names)
+
+
+jax.tree_util.register_pytree_with_keys(TrainState, _flatten_state, lambda _, children: TrainState(*children))
 
 
 # DiLoCo's inner step maps over the replica dimension of everything but the step and the outer state.
@@ -86,6 +99,7 @@ class StateLayout:
         outer_tx: optax.GradientTransformation | None = None,
         outer_pending: Callable[[Any, Any], tuple[Any, Any]] | None = None,
         optimizer_offload: bool = False,
+        reference: bool = False,
     ):
         mesh = layout.mesh
         self.layout, self.abstract_params = layout, abstract_params
@@ -107,8 +121,12 @@ class StateLayout:
         if optimizer_offload:
             self.opt_device_shardings = jax.tree.map(lambda s: in_memory(s, DEVICE_MEMORY), opt_shardings)
             opt_shardings = jax.tree.map(lambda s: in_memory(s, HOST_MEMORY), opt_shardings)
-        self.abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt, residual, scale)
-        self.shardings = TrainState(layout.replicated(), self.param_shardings, opt_shardings, residual_shardings, scale_shardings)
+        # train.objective=dpo: the frozen reference model, shaped and sharded as the parameters
+        kept, kept_shardings = (abstract_params, self.param_shardings) if reference else (None, None)
+        self.abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt, residual, scale, reference=kept)
+        self.shardings = TrainState(
+            layout.replicated(), self.param_shardings, opt_shardings, residual_shardings, scale_shardings, reference=kept_shardings
+        )
         self.replicas = mesh.shape[diloco.AXIS] if outer_tx is not None else 0
         if outer_tx is not None:
             self._stack_per_replica(outer_tx, outer_pending)

@@ -208,6 +208,7 @@ class Trainer:
             outer_tx=self.replicas.outer_tx,
             outer_pending=self.replicas.pending_layout,
             optimizer_offload=config.train.optimizer_offload,
+            reference=task.with_reference is not None,
         )
         self.param_shardings, self.state_shardings = self.state_layout.param_shardings, self.state_layout.shardings
         self.reduction = choose_reduction(config, layout, self.param_shardings, self.reduce_plan, self.replicas.count)
@@ -251,19 +252,29 @@ class Trainer:
         """fp16: the objective is the mean loss x the loss scale (GradScaler's convention), whatever the batch."""
         return None if scale is None else scale / float(self.task.tokens_per_example * self.config.train.global_batch)
 
+    def _with_reference(self, reference: Any, batch: Batch) -> Batch:
+        """The batch with what the loss reads from the frozen reference model (``Task.with_reference``;
+        computed in the step, outside the gradient); the batch itself without one."""
+        if reference is None:
+            return batch
+        return self.task.with_reference(nnx.merge(self.graphdef, reference), batch)
+
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         scale = self._scale(None if state.loss_scale is None else state.loss_scale.scale)
         with installed(self.context(scale, vmapped=self.replicas.count > 0)):  # DiLoCo vmaps this step over its replicas
+            batch = self._with_reference(state.reference, batch)
             loss_sum, weight, stats, grads, residual = self.reduction(
                 grad_fn(self._loss, scale), state.params, batch, state.residual, scale
             )
         return self.update(state, loss_sum, weight, stats, grads, residual, scale)
 
-    def loss_and_grads(self, params: Any, batch: Batch, loss_scale: float | None = None) -> tuple[jax.Array, Any]:
+    def loss_and_grads(self, params: Any, batch: Batch, loss_scale: float | None = None, reference: Any = None) -> tuple[jax.Array, Any]:
         """Mean loss and its gradients (what one train step would apply, with zero residuals),
-        for checks. ``loss_scale``: of the mean loss x that scale (returned unscaled)."""
+        for checks. ``loss_scale``: of the mean loss x that scale (returned unscaled);
+        ``reference``: the frozen reference model's parameters (train.objective=dpo)."""
         scale = self._scale(None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32))
         with installed(self.context(scale)):
+            batch = self._with_reference(reference, batch)
             loss_sum, weight, _, grads, _ = self.reduction(grad_fn(self._loss, scale), params, batch, self._extras().residual, scale)
         divisor = weight if scale is None else weight * scale
         return loss_sum / weight, fp8.map_gradients(lambda g: g / divisor.astype(g.dtype), grads)
@@ -298,7 +309,9 @@ class Trainer:
             extras = self._extras()
             params, opt_state, outer = self.replicas.fresh(params, self.tx.init(params))
             residual = None if outer is not None else extras.residual  # DiLoCo reduces inside replicas in fp32
-            return TrainState(jnp.zeros((), jnp.int32), params, opt_state, residual, extras.loss_scale, outer)
+            # train.objective=dpo: the reference is the initial weights, a copy of its own (the step donates params)
+            reference = jax.tree.map(jnp.copy, params) if self.state_layout.abstract.reference is not None else None
+            return TrainState(jnp.zeros((), jnp.int32), params, opt_state, residual, extras.loss_scale, outer, reference)
 
         if params is None:
             return jax.jit(lambda: init(None), out_shardings=self.state_shardings)()

@@ -1,0 +1,99 @@
+"""``train.objective=dpo``: Direct Preference Optimization on chosen/rejected pairs.
+
+The batch holds pairs as adjacent rows (2i chosen, 2i+1 rejected; ``data.preference``), the loss
+mask on the answers' tokens. Each row's log-probability ``log pi(answer | prompt)`` is the sum of
+its answer tokens' log-probabilities (the per-token mean for ``train.dpo_loss=ipo``, as TRL does),
+for the policy and for the frozen reference model; with the margin
+``delta = (pi_c - ref_c) - (pi_r - ref_r)``:
+
+- sigmoid: ``-(1 - ls) log sigmoid(beta delta) - ls log sigmoid(-beta delta)`` (``ls``:
+  ``train.dpo_label_smoothing``);
+- ipo: ``(delta - 1 / (2 beta))^2``.
+
+The loss is summed over pairs with their count as its weight, so the step's mean is per pair.
+The metrics are TRL's: ``rewards/chosen`` and ``rewards/rejected`` (beta x (pi - ref), means),
+``rewards/accuracies`` (the share of pairs whose chosen reward is the higher) and
+``rewards/margins``; they travel as sums through the step's statistics (``Task.metrics_from``).
+
+The reference model is the run's initial weights (``--init-from``'s, or the seed's), kept in the
+train state (``TrainState.reference``): sharded as the parameters, no optimizer state, no
+gradient. It is the default, rather than reference log-probabilities computed once and stored
+beside the data, because it needs no pass before training and no file that could go stale
+against the data or the tokenizer, and because it is checkpointed with the rest of the state: a
+resume is exact without ``--init-from`` being given again (or its checkpoint still existing).
+Its price is a second forward pass per step (no backward) and one more copy of the weights in
+device memory and in each full checkpoint. Its log-probabilities are computed in the same step,
+under ``stop_gradient`` (``step.Trainer._with_reference``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdist.config import Config
+from jaxdist.models import Batch, Stats, Task
+
+REFERENCE = "reference_logps"  # the batch key: each row's reference log-probability
+REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+def row_logps(model: nnx.Module, batch: Batch, average: bool) -> jax.Array:
+    """Each row's answer log-probability [rows]: the sum over the loss mask (``average``: the mean)."""
+    mask = batch["loss_mask"]
+    total = jnp.sum(model.target_logps(batch) * mask, axis=-1)
+    return total / jnp.maximum(jnp.sum(mask, axis=-1), 1.0) if average else total
+
+
+def with_reference(model: nnx.Module, batch: Batch, *, average: bool) -> Batch:
+    """``batch`` with the reference model's row log-probabilities, outside the gradient."""
+    return {**batch, REFERENCE: jax.lax.stop_gradient(row_logps(model, batch, average))}
+
+
+def pair_terms(policy: jax.Array, reference: jax.Array, *, beta: float, label_smoothing: float, loss: str) -> tuple[jax.Array, Stats]:
+    """(per-pair losses, the reward metrics' sums over pairs) from row log-probabilities [2 x pairs]."""
+    policy, reference = policy.reshape(-1, 2), reference.reshape(-1, 2)
+    chosen, rejected = beta * (policy[:, 0] - reference[:, 0]), beta * (policy[:, 1] - reference[:, 1])
+    delta = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
+    if loss == "ipo":
+        losses = (delta - 1.0 / (2.0 * beta)) ** 2
+    else:
+        losses = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(beta * delta) - label_smoothing * jax.nn.log_sigmoid(-beta * delta)
+    sums = {
+        "rewards/chosen": jnp.sum(chosen),
+        "rewards/rejected": jnp.sum(rejected),
+        "rewards/accuracies": jnp.sum((chosen > rejected).astype(jnp.float32)),
+        "rewards/margins": jnp.sum(chosen - rejected),
+    }
+    return losses, sums
+
+
+def dpo_loss(model: nnx.Module, batch: Batch, *, beta: float, label_smoothing: float, loss: str) -> tuple[jax.Array, jax.Array, Stats]:
+    """(the pairs' summed loss, their count, the reward metrics' sums): a ``Task.loss_fn``."""
+    policy = row_logps(model, batch, average=loss == "ipo")
+    losses, sums = pair_terms(policy, batch[REFERENCE], beta=beta, label_smoothing=label_smoothing, loss=loss)
+    return jnp.sum(losses), jnp.asarray(losses.shape[0], jnp.float32), sums
+
+
+def reward_metrics(stats: Stats, pairs: jax.Array) -> dict[str, jax.Array]:
+    """The reward metrics (means over the step's pairs) from their sums: a ``Task.metrics_from``."""
+    return {key: stats[key] / pairs for key in REWARD_METRICS}
+
+
+def preference_task(task: Task, config: Config) -> Task:
+    """``task`` (the decoder's) trained with ``train.objective=dpo``; itself for ``lm``."""
+    t = config.train
+    if t.objective != "dpo":
+        return task
+    average = t.dpo_loss == "ipo"
+    return dataclasses.replace(
+        task,
+        loss_fn=functools.partial(dpo_loss, beta=t.dpo_beta, label_smoothing=t.dpo_label_smoothing, loss=t.dpo_loss),
+        metrics_from=reward_metrics,
+        with_reference=functools.partial(with_reference, average=average),
+        flops_per_example=task.flops_per_example * 4 / 3,  # the reference's forward: a third of a training step's FLOPs
+    )
