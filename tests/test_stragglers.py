@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from jaxdist.training.stragglers import slow_compute, straggler, straggler_line
+from jaxdist.training.stragglers import slow_compute, stalled_from_outside, straggler, straggler_line
 
 from helpers import TINY, subprocess_env
 
@@ -67,6 +67,68 @@ def test_the_probe_comparison_names_the_slowest_over_the_factor_and_the_floor(pr
         assert straggler_line(record, 1.3).startswith(f"straggler: process {named} on {HOSTS[named]} took {probe_ms[named]:.1f} ms")
 
 
+@pytest.mark.parametrize(
+    ("shares", "named"),
+    [
+        ([0.02, 0.03, 0.62], 2),  # stopped 60% of the window
+        ([0.10, 0.12, 0.25], None),  # 2x the others but 13 points: a loaded machine's spread
+        ([0.30, 0.35, 0.45], None),  # everyone stalled (the whole host): 1.3x is under the factor
+        ([0.55, 0.0, 0.01], 0),
+        ([0.0, 0.0, 0.0], None),
+    ],
+)
+def test_the_stalled_comparison_names_a_share_over_the_factor_and_the_floor(shares, named):
+    record = stalled_from_outside(shares, 1.3, HOSTS, (21, 40))
+    assert (record or {}).get("process") == named
+    if named is not None:
+        assert (record["kind"], record["stalled_share"], record["steps"]) == ("stalled", shares[named], [21, 40])
+        line = straggler_line(record, 1.3)
+        assert line.startswith(
+            f"straggler: process {named} on {HOSTS[named]} was kept from running for {100 * shares[named]:.0f}% of steps 21-40"
+        )
+
+
+METER = """
+import sys, time
+from jaxdist.training.hiccups import HiccupMeter
+meter = HiccupMeter()
+print("ready", flush=True)
+sys.stdin.readline()
+meter.take()
+time.sleep(float(sys.argv[1]))
+print(meter.take(), flush=True)
+"""
+
+
+def test_the_hiccup_meter_counts_the_time_a_process_is_stopped_from_outside_and_not_its_sleeps():
+    """Two processes sleeping 2 s each, one stopped 60 ms of every 100 ms meanwhile (what a 40%
+    CPU quota does): the stopped one's meter reads about 60%, the other's about nothing."""
+    children = [
+        subprocess.Popen([sys.executable, "-c", METER, "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+        for _ in range(2)
+    ]
+    until = threading.Event()
+    try:
+        for child in children:
+            assert child.stdout.readline().strip() == "ready"
+        for child in children:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        stopper = threading.Thread(target=_duty_cycle, args=(children[0].pid, 0.06, 0.04, until))
+        stopper.start()
+        time.sleep(1.9)
+        until.set()
+        stopper.join()
+        stopped, free = (float(child.communicate(timeout=30)[0]) for child in children)
+    finally:
+        until.set()
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+    assert 0.4 < stopped < 0.75 and free < 0.1, (stopped, free)
+
+
 def _launch(run_dir, steps: int, window: int, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", "3", "--devices-per-proc", "1", "--", "--mesh", "data=3"]
     args = ["--run-dir", str(run_dir), "--steps", str(steps), "--straggler-window", str(window), *TINY, "train.global_batch=12"]
@@ -109,7 +171,8 @@ def test_a_rank_slow_in_its_host_loop_and_one_slowed_from_outside_are_each_named
       shorter than the probe's chain (25-100 ms here), which with 30 ms stretches could run
       within one and slip past (a fresh-clone run under the suite's own load named nobody): ``compute`` names it once its probe
       was over the factor at the end of two windows in a row (``host`` may too: on CPU its host
-      loop is stopped as well), and never names rank 2."""
+      loop is stopped as well), and never names rank 2; ``stalled`` names it at the end of every
+      window it was stopped through, and nobody else in any window."""
     run_dir = tmp_path / "run"
     proc = _launch(run_dir, 71, 10, {"JAXDIST_FAULT_SLOW": f"2:{SLOW_S}:21:40"})
     until = threading.Event()
@@ -131,6 +194,7 @@ def test_a_rank_slow_in_its_host_loop_and_one_slowed_from_outside_are_each_named
     named = _stragglers(run_dir)
     host = [x for x in named if x["kind"] == "host"]
     compute = [x for x in named if x["kind"] == "compute"]
+    stalled = [x for x in named if x["kind"] == "stalled"]
 
     slow_host = [x for x in host if x["process"] == 2]
     windows = [x["step"] for x in slow_host]
@@ -144,6 +208,15 @@ def test_a_rank_slow_in_its_host_loop_and_one_slowed_from_outside_are_each_named
     assert min(x["steps"][0] for x in compute) > started - 20, (started, compute)  # nobody before the slowing
     assert all(x["probe_ms"] > FACTOR * x["others_probe_ms"] for x in compute)
     assert sum("straggler: process 1 on" in line and "slowed as a whole" in line for line in out.splitlines()) == len(compute)
+
+    # stalled: rank 1 in every window that ends after the slowing began, the first one included
+    # when most of it was slowed, and nobody else ever (rank 2's sleeps are its own work)
+    full_windows = set(range((started + 9) // 10 * 10 + 10, 71, 10))  # those beginning after the step last logged
+    assert {x["process"] for x in stalled} == {1} and full_windows <= {x["step"] for x in stalled} <= full_windows | {
+        full_windows and min(full_windows) - 10
+    }, (started, stalled)
+    assert all(x["stalled_share"] > 0.4 and x["others_stalled_share"] < 0.2 for x in stalled if x["step"] in full_windows), stalled
+    assert sum("straggler: process 1 on" in line and "was kept from running" in line for line in out.splitlines()) == len(stalled)
 
     membership = [json.loads(x) for x in (run_dir / "elastic.jsonl").read_text().splitlines()]
     assert [(x["step"], x["process"], x["kind"]) for x in membership if x["reason"] == "straggler"] == [

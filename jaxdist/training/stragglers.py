@@ -21,6 +21,12 @@ end of two windows in a row (one probe is noisier than a window of steps): a ``c
 beside the ``host`` one. A slow host loop leaves the probe alone, and a
 slowed device leaves the host loop alone, so the two kinds tell the causes apart.
 
+A process stopped from outside part of the time (SIGSTOP, a cgroup's CPU quota) may run the
+probe inside one of its running stretches, so a third measure covers it: the share of the
+window's wall time its ``HiccupMeter`` woke late (``training.hiccups``). One over the factor
+times the others' median and at least ``MIN_STALLED_SHARE`` above it is named at the end of
+that window: a ``stalled`` record (a whole window's share is steadier than one probe).
+
 ``JAXDIST_FAULT_SLOW=RANK:SECONDS[:FROM_STEP[:TO_STEP]]`` is a fault-injection hook for tests:
 that rank sleeps so long in each step's host work (in those steps), as a process with a slow loader would.
 ``JAXDIST_FAULT_SLOW_SHRUNK=PROCESSES:SECONDS`` slows every process of a run started with fewer than
@@ -39,6 +45,7 @@ import time
 from jaxdist.cluster import recoverable
 from jaxdist.cluster.heartbeat import fault_point
 from jaxdist.errors import JaxdistError
+from jaxdist.training.hiccups import HiccupMeter
 
 log = logging.getLogger(__name__)
 ENV_SLOW = "JAXDIST_FAULT_SLOW"  # test-only fault injection: "RANK:SECONDS"
@@ -46,6 +53,7 @@ ENV_SLOW_SHRUNK = "JAXDIST_FAULT_SLOW_SHRUNK"  # test-only fault injection: "PRO
 MIN_SHARE = 0.05  # an excess below this share of the step time is not named,
 MIN_EXCESS_S = 0.010  # nor one under 10 ms (process 0, which writes the metrics, runs a few ms over the others)
 MIN_PROBE_EXCESS_S = 0.010  # a probe under 10 ms over the others' is timer noise
+MIN_STALLED_SHARE = 0.2  # stopped a fifth of the window more than the others: a second job's load stays well under
 HOST_BYTES = 64
 PROBE = {"cpu": (256, 120), "gpu": (4096, 10)}  # (matrix size, matmuls in a row): 50-100 ms here (2 CPU cores), ~25 ms on an H100
 
@@ -98,6 +106,7 @@ class StragglerWatch:
         self.slow_s, self.slow_from, self.slow_to = _slow_seconds(self.rank)
         self.shrunk_s = _slow_shrunk_seconds(jax.process_count())
         self.probe = ComputeProbe(jax.local_devices()[0]) if self.enabled else None
+        self.hiccups = HiccupMeter() if self.enabled else None
         self.slow_probe: int | None = None  # process 0: whose probe was over the factor in the last window
 
     def host_work(self, seconds: float) -> None:
@@ -138,16 +147,18 @@ class StragglerWatch:
             self.hosts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in np.asarray(gathered).reshape(-1, HOST_BYTES)]
         if state is not None:
             jax.block_until_ready(state)  # the step still running would be in the probe's time
+        stalled = self.hiccups.take()  # before the probes: the others' turns are waits
         probe_s = self._probe_in_turn(live)
         # the median step: a pause of the machine's in one step is not a straggler
-        mine = np.array([statistics.median(self.per_step or [0.0]), probe_s], np.float32)
-        own = np.asarray(recoverable.process_allgather(mine, "straggler-own")).reshape(-1, 2)
+        mine = np.array([statistics.median(self.per_step or [0.0]), probe_s, stalled], np.float32)
+        own = np.asarray(recoverable.process_allgather(mine, "straggler-own")).reshape(-1, 3)
         self.window_start, self.per_step, self.step_times = time.perf_counter(), [], []
         self.windows += 1
         if jax.process_index() != 0 or self.windows == 1:  # the first window warms up (start-up noise): compared from the second
             return []
         steps_range = (step - steps + 1, step)
         records = [straggler(own[:, 0].tolist(), step_s, self.factor, self.hosts, steps_range)]
+        records.append(stalled_from_outside(own[:, 2].tolist(), self.factor, self.hosts, steps_range))
         compute = slow_compute(own[:, 1].tolist(), self.factor, self.hosts, (step - 2 * steps + 1, step))
         named_before, self.slow_probe = self.slow_probe, None if compute is None else live[compute["process"]]
         if compute is not None and named_before == self.slow_probe:  # one probe is noisier than a window of steps: two in a row
@@ -204,12 +215,37 @@ def slow_compute(probe_s: list[float], factor: float, hosts: list[str], steps: t
     return _record("compute", rank, hosts, steps, probe_ms=probe_s[rank], others_probe_ms=others)
 
 
+def stalled_from_outside(shares: list[float], factor: float, hosts: list[str], steps: tuple[int, int]) -> dict | None:
+    """The process that woke late for the largest share of the window over ``factor`` times the
+    others' median (and ``MIN_STALLED_SHARE`` above it), as a ``stalled`` record; None when none did."""
+    worst = furthest_over(shares, factor, MIN_STALLED_SHARE)
+    if worst is None:
+        return None
+    rank, others = worst
+    return {
+        "process": rank,
+        "kind": "stalled",
+        "host": hosts[rank],
+        "stalled_share": round(shares[rank], 3),
+        "others_stalled_share": round(others, 3),
+        "steps": list(steps),
+    }
+
+
 def _record(kind: str, rank: int, hosts: list[str], steps: tuple[int, int], **seconds: float) -> dict:
     """A straggler record: ``seconds`` written in milliseconds."""
     return {"process": rank, "kind": kind, "host": hosts[rank], **{k: round(1e3 * v, 3) for k, v in seconds.items()}, "steps": list(steps)}
 
 
 def straggler_line(record: dict, factor: float) -> str:
+    if record.get("kind") == "stalled":
+        first, last = record["steps"]
+        return (
+            f"straggler: process {record['process']} on {record['host']} was kept from running for "
+            f"{100 * record['stalled_share']:.0f}% of steps {first}-{last}'s wall time (its threads woke that late), the others' "
+            f"median {100 * record['others_stalled_share']:.0f}%: stopped or throttled from outside (a CPU quota, SIGSTOP, "
+            f"a host short of memory) (train.straggler_factor {factor:g})"
+        )
     if record.get("kind") == "compute":
         ratio = record["probe_ms"] / max(record["others_probe_ms"], 1e-9)
         first, last = record["steps"]
