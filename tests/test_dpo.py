@@ -3,7 +3,7 @@
 The loss and TRL's four reward metrics against numpy, from log-probabilities of the plain
 model's logits on each row alone; the same losses and metrics on sharded meshes as on one
 device; an interrupted run resumed equals the uninterrupted one exactly; a run learns a rule the
-rejected answers break; the pairs' layout; bad input in one line.
+rejected answers break, from an SFT checkpoint, until greedy answers follow it; the pairs' layout; bad input in one line.
 """
 
 from __future__ import annotations
@@ -12,17 +12,22 @@ import json
 import random
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from jaxdist import train as train_cli
-from jaxdist.config import load_config
+from jaxdist.config import ParallelConfig, load_config
 from jaxdist.data.preference import preference_pairs
 from jaxdist.data.sources import resolve_vocab
+from jaxdist.data.tokenizers import load_tokenizer
+from jaxdist.inference.generation import generate_ids
+from jaxdist.inference.loading import load
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh
 from jaxdist.training.dpo import REWARD_METRICS, pair_terms
 from jaxdist.training.run import build_trainer, run
+from jaxdist.training.weights import checkpoint_config
 
 from helpers import TINY, first_batch
 
@@ -213,14 +218,55 @@ def test_resume_equals_the_uninterrupted_run(pairs_file, one_device, tmp_path):
         assert [r[key] for r in resumed] == [r[key] for r in one_device], key
 
 
-def test_a_run_learns_the_rule(tmp_path):
-    path = write_jsonl(tmp_path / "rule.jsonl", rule_pairs(256))
-    config = load_config(None, dpo_overrides(path, "train.steps=30", "train.global_batch=32", "train.seq_len=16", "train.lr=5e-3"))
-    run(config, parse_mesh("data=1"), tmp_path / "run", devices=jax.devices()[:1], progress=False)
-    records = metrics(tmp_path / "run")
+def reversal_pairs(n: int, seed: int) -> list[dict]:
+    """The rule: the chosen answer repeats the prompt's word, the rejected one reverses it (never
+    the same word: first and last letters differ)."""
+    rng = random.Random(seed)
+    records = []
+    while len(records) < n:
+        word = "".join(rng.choice(LETTERS) for _ in range(3))
+        if word[0] != word[-1]:
+            records.append({"prompt": f"{word}=", "chosen": word, "rejected": word[::-1]})
+    return records
+
+
+def _greedy_answers(run_dir, prompts: list[str]) -> list[str]:
+    """Each prompt's 3-byte greedy answer from the run's last checkpoint."""
+    step_dir = max((d for d in (run_dir / "checkpoints").iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
+    config = checkpoint_config(step_dir)
+    config.parallel = ParallelConfig(mesh="data=1")
+    loaded = load(config, step_dir)
+    tokenizer = load_tokenizer(None)
+    ids = jnp.asarray(np.array([tokenizer.encode(p) for p in prompts], np.int32))
+    out, _ = jax.jit(lambda model, ids: generate_ids(model, ids, 3))(nnx.merge(loaded.trainer.graphdef, loaded.params), ids)
+    return [tokenizer.decode([int(t) for t in row]) for row in np.asarray(out)]
+
+
+@pytest.mark.heavy
+def test_dpo_from_an_sft_checkpoint_makes_greedy_answers_follow_the_rule(tmp_path):
+    """Supervised fine-tuning on both answers of every pair (the chosen and the rejected one as
+    text) leaves greedy decoding undecided between them; DPO from that checkpoint (the reference
+    is the SFT model) lifts the reward accuracy over 0.9 and makes the greedy answers to held-out
+    prompts follow the rule."""
+    pairs = reversal_pairs(512, seed=0)
+    sft_text = [{"text": p["prompt"] + p[side]} for p in pairs for side in ("chosen", "rejected")]
+    common = (*TINY, "train.global_batch=32", "train.seq_len=16", "train.lr=5e-3", "checkpoint.every_steps=0")
+    sft = ("data.source=text", f"data.path={write_jsonl(tmp_path / 'sft.jsonl', sft_text)}", "data.text_unit=line", "train.steps=80")
+    run(load_config(None, (*common, *sft)), parse_mesh("data=1"), tmp_path / "sft", devices=jax.devices()[:1], progress=False)
+    dpo = dpo_overrides(write_jsonl(tmp_path / "pairs.jsonl", pairs), "train.steps=40")
+    config = load_config(None, (*dpo, *common[len(TINY) :]))
+    run(config, parse_mesh("data=1"), tmp_path / "dpo", devices=jax.devices()[:1], progress=False, init_from=str(tmp_path / "sft"))
+
+    records = metrics(tmp_path / "dpo")
     assert records[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-4)  # the policy starts as the reference
-    late = [r["rewards/accuracies"] for r in records[-5:]]
-    assert np.mean(late) > 0.9 and records[-1]["rewards/margins"] > 1.0, [r["rewards/accuracies"] for r in records]
+    assert np.mean([r["rewards/accuracies"] for r in records[-5:]]) > 0.9, [r["rewards/accuracies"] for r in records]
+    held_out = reversal_pairs(64, seed=99)
+    prompts = [p["prompt"] for p in held_out]
+    follows = {
+        name: np.mean([a == p["chosen"] for a, p in zip(_greedy_answers(tmp_path / name, prompts), held_out, strict=True)])
+        for name in ("sft", "dpo")
+    }
+    assert follows["sft"] < 0.75 and follows["dpo"] > 0.9, follows
 
 
 # ---------------------------------------------------------------------------------------------
