@@ -330,18 +330,17 @@ class DiLoCo(OneModel):
 
     def host_step(self, compiled, state, mesh, start_step: int, link: slow_link.SlowLink | None, state_layout=None) -> Callable:
         programs = self.outer_programs(state_layout)
-        count = sent = 0
+        count = sent = most = 0
         for p in programs:
             p.send = p.send.lower(state).compile()
             p.apply = p.apply.lower(state).compile() if p.apply is not None else None
             if link is not None:
                 p.delay_s, n, b = link.delay_s(p.send, mesh)
-                count, sent = count + n, sent + b
+                count, sent, most = count + n, sent + b, max(most, b)
         if link is not None:
             delay = sum(p.delay_s for p in programs)
             streaming = ""
             if len(programs) > 1 or self.overlap:
-                most = max(link.delay_s(p.send, mesh)[2] for p in programs)
                 streaming = f" ({len(programs)} fragments, at most {most / 2**20:.2f} MiB a sync, each beside {self.overlap} inner steps)"
             log.info(
                 f"simulated replica link: {count} collectives, {sent / 2**20:.2f} MiB per device per outer step -> "
