@@ -218,6 +218,13 @@ def test_a_rank_slow_in_its_host_loop_and_one_slowed_from_outside_are_each_named
     assert all(x["stalled_share"] > 0.4 and x["others_stalled_share"] < 0.2 for x in stalled if x["step"] in full_windows), stalled
     assert sum("straggler: process 1 on" in line and "was kept from running" in line for line in out.splitlines()) == len(stalled)
 
+    # every compared window's measures, the named records among them
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    measures = {x["step"]: x["straggler_measures"] for x in lines if "straggler_measures" in x}
+    assert sorted(measures) == list(range(20, 71, 10)) and all(m["processes"] == [0, 1, 2] for m in measures.values()), measures
+    assert all(measures[x["step"]]["stalled_share"][1] == x["stalled_share"] for x in stalled)
+    assert all(max(m["stalled_share"]) < 0.2 for step, m in measures.items() if step <= started), measures
+
     membership = [json.loads(x) for x in (run_dir / "elastic.jsonl").read_text().splitlines()]
     assert [(x["step"], x["process"], x["kind"]) for x in membership if x["reason"] == "straggler"] == [
         (x["step"], x["process"], x["kind"]) for x in named

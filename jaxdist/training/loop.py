@@ -196,6 +196,8 @@ def train_loop(
             logger.log(step, {"straggler": record})
             if hooks.membership_record is not None:
                 hooks.membership_record(reason="straggler", step=step, **record)
+        if stragglers is not None and (measures := stragglers.take_measures()) is not None:
+            logger.log(step, {"straggler_measures": measures})
         tracer.after_step(step, state)
     result.state = state
     return result

@@ -108,6 +108,7 @@ class StragglerWatch:
         self.probe = ComputeProbe(jax.local_devices()[0]) if self.enabled else None
         self.hiccups = HiccupMeter() if self.enabled else None
         self.slow_probe: int | None = None  # process 0: whose probe was over the factor in the last window
+        self.measures: dict | None = None  # process 0: the last compared window's measures (``take_measures``)
 
     def host_work(self, seconds: float) -> None:
         """``seconds`` of this step's own host work (not waiting for devices)."""
@@ -157,6 +158,14 @@ class StragglerWatch:
         if jax.process_index() != 0 or self.windows == 1:  # the first window warms up (start-up noise): compared from the second
             return []
         steps_range = (step - steps + 1, step)
+        # every process's three measures, for a reader asking why someone was (not) named
+        self.measures = {
+            "processes": live,
+            "own_ms_per_step": [round(1e3 * float(x), 3) for x in own[:, 0]],
+            "probe_ms": [round(1e3 * float(x), 3) for x in own[:, 1]],
+            "stalled_share": [round(float(x), 3) for x in own[:, 2]],
+            "steps": list(steps_range),
+        }
         records = [straggler(own[:, 0].tolist(), step_s, self.factor, self.hosts, steps_range)]
         records.append(stalled_from_outside(own[:, 2].tolist(), self.factor, self.hosts, steps_range))
         compute = slow_compute(own[:, 1].tolist(), self.factor, self.hosts, (step - 2 * steps + 1, step))
@@ -167,6 +176,11 @@ class StragglerWatch:
         for record in records:
             record["process"] = live[record["process"]]  # a row of the gather -> the process's own index
         return records
+
+    def take_measures(self) -> dict | None:
+        """The measures of the window compared at the last ``step_done`` (process 0), once."""
+        measures, self.measures = self.measures, None
+        return measures
 
     def _probe_in_turn(self, live: list[int]) -> float:
         """This process's probe time. CPU devices share the host's cores, so there the processes
