@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -127,6 +128,77 @@ def test_the_hiccup_meter_counts_the_time_a_process_is_stopped_from_outside_and_
                 child.kill()
                 child.communicate()
     assert 0.4 < stopped < 0.75 and free < 0.1, (stopped, free)
+
+
+BUSY = """
+import sys, threading, time
+import numpy as np
+from jaxdist.training.hiccups import HiccupMeter
+meter = HiccupMeter()
+def work():  # 30% of a core in numpy (the GIL released), in 10 ms periods
+    a = np.random.rand(300, 300)
+    while True:
+        start = time.monotonic()
+        while time.monotonic() - start < 0.003:
+            a @ a
+        time.sleep(0.007)
+threading.Thread(target=work, daemon=True).start()
+print("ready", flush=True)
+sys.stdin.readline()
+meter.take()
+time.sleep(2)
+print(meter.take(), flush=True)
+"""
+
+
+def _cpu_quota_group(share: float) -> Path | None:
+    """A cgroup (v1's cpu controller, else v2) holding its processes to ``share`` of one CPU; None
+    where this user cannot make one."""
+    for root, v1 in ((Path("/sys/fs/cgroup/cpu"), True), (Path("/sys/fs/cgroup"), False)):
+        if not (root / ("cpu.cfs_quota_us" if v1 else "cgroup.controllers")).exists():
+            continue
+        group = root / f"jaxdist-test-{os.getpid()}"
+        try:
+            group.mkdir()
+            if v1:
+                (group / "cpu.cfs_period_us").write_text("100000")
+                (group / "cpu.cfs_quota_us").write_text(str(int(share * 100000)))
+            else:
+                (group / "cpu.max").write_text(f"{int(share * 100000)} 100000")
+            return group
+        except OSError:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+    return None
+
+
+def test_the_meter_counts_a_cpu_quota_that_throttles_a_process():
+    """Two processes each wanting 30% of a core, one held to 15% by a cgroup's quota: the
+    throttled one's stalled share (the kernel's throttled time, or the meter's late wakes) is far
+    over the free one's."""
+    group = _cpu_quota_group(0.15)
+    if group is None:
+        pytest.skip("no cgroup with a cpu controller can be made here (needs root or a delegated cgroup)")
+    children = [
+        subprocess.Popen([sys.executable, "-c", BUSY], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+        for _ in range(2)
+    ]
+    try:
+        (group / "cgroup.procs").write_text(str(children[0].pid))
+        for child in children:
+            assert child.stdout.readline().strip() == "ready"
+        for child in children:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        throttled, free = (float(child.communicate(timeout=60)[0]) for child in children)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+        with contextlib.suppress(OSError):
+            group.rmdir()
+    assert throttled > 0.3 and free < 0.1, (throttled, free)
 
 
 def _launch(run_dir, steps: int, window: int, env: dict | None = None) -> subprocess.Popen:
