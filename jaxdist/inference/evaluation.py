@@ -1,4 +1,5 @@
-"""A checkpoint's loss and perplexity on held-out data (``python -m jaxdist.eval``).
+"""A checkpoint's loss and perplexity on held-out data, or its scores on lm-evaluation-harness
+tasks (``python -m jaxdist.eval``, ``--tasks``: ``jaxdist.inference.harness``).
 
 Each held-out window of ``train.seq_len`` tokens (``jaxdist.data.batches.held_out``) is
 scored once, in order, in at most ``train.eval_batches`` batches of ``train.global_batch``
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,10 @@ import numpy as np
 
 from jaxdist.config import Config
 from jaxdist.data.batches import eval_batches, held_out
+from jaxdist.data.chat_template import find_chat_template
+from jaxdist.data.tokenizers import load_tokenizer
 from jaxdist.errors import JaxdistError
+from jaxdist.inference import harness
 from jaxdist.inference.loading import load
 
 log = logging.getLogger(__name__)
@@ -54,3 +59,33 @@ def evaluate(config: Config, step_dir: Path) -> dict[str, Any]:
         "checkpoint": str(step_dir),
         "step": loaded.step,
     }
+
+
+def evaluate_tasks(
+    config: Config,
+    step_dir: Path,
+    tasks: list[str],
+    *,
+    include_path: str | None = None,
+    num_fewshot: int | None = None,
+    limit: int | None = None,
+    apply_chat_template: bool = False,
+    batch_size: int = 16,
+) -> dict[str, Any]:
+    """lm-evaluation-harness ``tasks`` on the checkpoint in ``step_dir``: ``tasks`` ({task:
+    {metric: value}}), ``checkpoint``, ``step``, ``seconds``; written to ``RUN_DIR/eval/STEP.json``
+    when the checkpoint is a run's (``eval_file`` says where). The model reads at most
+    ``train.seq_len`` tokens; the run's tokenizer turns text into ids."""
+    harness.go_offline()
+    tokenizer = load_tokenizer(config.data.tokenizer or None)
+    template = find_chat_template(config.data.chat_template, config.data.tokenizer) if apply_chat_template else None
+    loaded = load(config, step_dir, used_keys=("data.chat_template",) if apply_chat_template else ())
+    scorer = harness.Scorer(loaded.trainer, loaded.params, config.train.seq_len, batch_size)
+    lm = harness.adapter(scorer, harness.HarnessText(tokenizer, template, name=tokenizer.name))
+    start = time.perf_counter()
+    results = harness.run_tasks(
+        lm, tasks, include_path=include_path, num_fewshot=num_fewshot, limit=limit, apply_chat_template=apply_chat_template
+    )
+    result = {"tasks": results, "checkpoint": str(step_dir), "step": loaded.step, "seconds": round(time.perf_counter() - start, 3)}
+    path = harness.write_results(step_dir, result)
+    return {**result, "eval_file": str(path) if path else None}

@@ -1,0 +1,245 @@
+"""lm-evaluation-harness on a jaxdist checkpoint (``jaxdist.inference.harness``, ``jaxdist eval
+--tasks``): the adapter's log-likelihoods, rolling log-likelihoods and greedy generations
+against the plain model's logits computed here (numpy log-softmax, no padding, no mesh), the
+same on a ``data=2`` mesh, tasks defined in the test (YAML + local JSON Lines) through
+``lm_eval.simple_evaluate``, the CLI and its bad input. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdist import eval as eval_cli
+from jaxdist import train as train_cli
+from jaxdist.data.tokenizers import ByteTokenizer
+from jaxdist.inference import harness
+from jaxdist.inference.loading import checkpoint_arg_parser, load, load_config
+
+from helpers import TINY, load_model
+
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'jaxdist[eval]')")
+
+SEQ = 64  # the model's context: train.seq_len
+EOD = ByteTokenizer.eod_id
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline(tmp_path_factory):
+    """Offline, with the datasets library's cache in a temporary directory."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
+        for key, value in harness.OFFLINE.items():
+            mp.setenv(key, value)
+        yield
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("harness") / "run"
+    overrides = [o for o in TINY if not o.startswith("train.seq_len")]
+    argv = ["--run-dir", str(run), "--steps", "2", *overrides, f"train.seq_len={SEQ}", "train.eval_every=0", "checkpoint.every_steps=2"]
+    assert train_cli.main(argv) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def model(run_dir):
+    return load_model(run_dir)
+
+
+@pytest.fixture(scope="module")
+def scorers(run_dir):
+    """{mesh: Scorer} on one device and on data=2 (batches of 4 rows)."""
+    out = {}
+    for mesh in ("1", "data=2"):
+        _, config, step_dir = load_config(checkpoint_arg_parser("t", ""), ["--checkpoint", str(run_dir), "--mesh", mesh])
+        loaded = load(config, step_dir)
+        out[mesh] = harness.Scorer(loaded.trainer, loaded.params, SEQ, batch_size=4)
+    return out
+
+
+def lm(scorer):
+    return harness.adapter(scorer, harness.HarnessText(ByteTokenizer(), name="byte"), max_gen_toks=8)
+
+
+def ids(text: str) -> list[int]:
+    return [int(i) for i in ByteTokenizer().encode(text)]
+
+
+def logprobs(model, seq: list[int]) -> np.ndarray:
+    """[len(seq), vocab] log-softmax of the plain model's logits, in numpy (float64)."""
+    logits = np.asarray(model(jnp.asarray([seq], jnp.int32))[0], np.float64)
+    return logits - (np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) + logits.max(-1, keepdims=True))
+
+
+def reference(model, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+    whole = [*context, *continuation][-(SEQ + 1) :]
+    lp = logprobs(model, whole[:-1])
+    n = len(continuation)
+    rows = range(len(whole) - 1 - n, len(whole) - 1)
+    return float(sum(lp[r, whole[r + 1]] for r in rows)), all(int(np.argmax(lp[r])) == whole[r + 1] for r in rows)
+
+
+def greedy_text(model, context: str, max_new: int, until: str) -> str:
+    seq, new = ids(context)[-(SEQ - max_new) :], []
+    for _ in range(max_new):
+        token = int(np.argmax(logprobs(model, seq)[-1]))
+        if token == EOD:
+            break
+        seq.append(token)
+        new.append(token)
+    return ByteTokenizer().decode(new).split(until)[0]
+
+
+def test_loglikelihoods_equal_the_plain_model_on_one_device_and_on_data_2(model, scorers):
+    rng = np.random.default_rng(0)
+    text = [bytes(rng.integers(32, 127, n, dtype=np.uint8)).decode() for n in (3, 11, 20, 37, 50, 80)]
+    requests = [(ids(t), ids(" " + t[:5])) for t in text]  # 6 requests, batches of 4: two buckets; the 80 loses its start
+    requests[0] = (requests[0][0], ids(" abcdefg"))
+    expected = [reference(model, c, k) for c, k in requests]
+    for mesh, scorer in scorers.items():
+        got = scorer.loglikelihood(requests)
+        np.testing.assert_allclose([g[0] for g in got], [e[0] for e in expected], atol=1e-4, err_msg=mesh)
+        assert [g[1] for g in got] == [e[1] for e in expected], mesh
+    # a continuation the model prefers greedily is_greedy
+    context = ids("Q: why")
+    first = int(np.argmax(logprobs(model, context)[-1]))
+    got = scorers["data=2"].loglikelihood([(context, [first])])
+    assert got[0][1] and got[0][0] == pytest.approx(reference(model, context, [first])[0], abs=1e-4)
+
+
+def test_loglikelihood_rolling_sums_the_whole_text_in_windows(model, scorers):
+    short = "a short text"
+    long = "".join(chr(97 + (i * 7) % 26) for i in range(150))  # three windows of 64 predictions
+    requests = [types.SimpleNamespace(args=(t,)) for t in (short, long)]
+    got = lm(scorers["data=2"]).loglikelihood_rolling(requests)
+    seq = [EOD, *ids(short)]
+    lp = logprobs(model, seq[:-1])
+    assert got[0] == pytest.approx(sum(lp[i, seq[i + 1]] for i in range(len(seq) - 1)), abs=1e-4)
+    seq, total = [EOD, *ids(long)], 0.0
+    n = len(seq) - 1  # predictions
+    for start in range(0, n, SEQ):  # predictions start..end-1, each window with the most context it can hold
+        end = min(start + SEQ, n)
+        lo = max(0, end - SEQ)
+        lp = logprobs(model, seq[lo:end])
+        total += sum(lp[j - lo, seq[j + 1]] for j in range(start, end))
+    assert got[1] == pytest.approx(total, abs=1e-4)
+
+
+MC_TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Q: {{{{question}}}}\\nA:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+GEN_TASK = """task: tiny_generate
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["e"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+QUESTIONS = [
+    ("two and two", ["four", "five", "six"], 0),
+    ("sky colour", ["blue", "green"], 1),
+    ("a cat says", ["meow", "woof", "moo", "hiss"], 2),
+    ("first letter", ["a", "zz"], 0),
+    ("opposite of up", ["down", "left", "right"], 1),
+]
+PROMPTS = ["The quick brown", "Once upon a time", "def f(x):", "1, 2, 3,"]
+
+
+def write_tasks(root, model=None) -> None:
+    """The multiple-choice task, and the generation task whose first two answers are what greedy
+    decoding gives (the others not)."""
+    (root / "mc.jsonl").write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
+    (root / "mc.yaml").write_text(MC_TASK.format(data=root / "mc.jsonl"))
+    if model is not None:
+        answers = [greedy_text(model, p, 8, "e") if k < 2 else "no such answer" for k, p in enumerate(PROMPTS)]
+        (root / "gen.jsonl").write_text(
+            "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in zip(PROMPTS, answers, strict=True))
+        )
+        (root / "gen.yaml").write_text(GEN_TASK.format(data=root / "gen.jsonl"))
+
+
+def test_a_multiple_choice_and_a_generation_task_score_what_the_plain_model_predicts(model, scorers, tmp_path):
+    write_tasks(tmp_path, model)
+    right = [
+        int(np.argmax([reference(model, ids(f"Q: {q}\nA:"), ids(" " + choice))[0] for choice in choices])) == answer
+        for q, choices, answer in QUESTIONS
+    ]
+    answers = [json.loads(line)["answer"] for line in (tmp_path / "gen.jsonl").read_text().splitlines()]
+    matches = [greedy_text(model, p, 8, "e") == a for p, a in zip(PROMPTS, answers, strict=True)]
+    got = harness.run_tasks(lm(scorers["data=2"]), ["tiny_choice", "tiny_generate"], include_path=str(tmp_path))
+    assert got["tiny_choice"]["acc"] == pytest.approx(np.mean(right))
+    assert got["tiny_generate"]["exact_match"] == pytest.approx(np.mean(matches)) and sum(matches) >= 2
+    limited = harness.run_tasks(lm(scorers["1"]), ["tiny_choice"], include_path=str(tmp_path), limit=2)
+    assert limited["tiny_choice"]["acc"] == pytest.approx(np.mean(right[:2]))
+
+
+def _eval(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = eval_cli.main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_the_command_line_writes_the_run_s_eval_file_and_refuses_bad_input(run_dir, tmp_path, capsys):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    write_tasks(tasks)
+    base = ("--checkpoint", str(run_dir))
+    rc, out, _ = _eval(capsys, *base, "--tasks", "tiny_choice", "--include-path", str(tasks), "--json", "--num-fewshot", "1")
+    assert rc == 0
+    result = json.loads(out)
+    written = json.loads((run_dir / "eval" / "2.json").read_text())
+    assert result["step"] == written["step"] == 2 and result["eval_file"] == str(run_dir / "eval" / "2.json")
+    assert written["tasks"]["tiny_choice"]["acc"] == result["tasks"]["tiny_choice"]["acc"]
+    assert 0 <= result["tasks"]["tiny_choice"]["acc"] <= 1
+
+    (tmp_path / "remote").mkdir()
+    (tmp_path / "remote" / "t.yaml").write_text(
+        MC_TASK.replace("tiny_choice", "wants_download").replace("dataset_path: json", "dataset_path: nonexistent-org/nonexistent")
+    )
+    bad = {
+        "unknown task(s) no_such_task: not in lm-eval's registry nor under --include-path": (
+            "--tasks",
+            "no_such_task",
+            "--include-path",
+            str(tasks),
+        ),
+        "--include-path": ("--tasks", "tiny_choice", "--include-path", str(tmp_path / "missing")),
+        "could not be loaded without a download": ("--tasks", "wants_download", "--include-path", str(tmp_path / "remote")),
+        "--limit must be positive": ("--tasks", "tiny_choice", "--limit", "0"),
+        "only apply with --tasks": ("--num-fewshot", "2"),
+    }
+    for message, argv in bad.items():
+        rc, out, err = _eval(capsys, *base, *argv)
+        errors = [line for line in err.splitlines() if line.startswith("jaxdist: error")]
+        assert rc == 2 and len(errors) == 1 and message in errors[0], (argv, err)
+        assert "Traceback" not in err and not out
