@@ -9,7 +9,8 @@ one waiting for a peer sleeps instead). Every
 ``train.straggler_window`` steps (the first window warms up) the processes gather their own
 time per step (one small all-gather) and process 0 names one whose time exceeds ``train.straggler_factor`` times the
 others' median, when the excess is at least ``MIN_SHARE`` of the step and ``MIN_EXCESS_S``
-(less is this machine's noise, or costs nothing worth a line): one warning line, and a ``straggler`` record in metrics.jsonl.
+(less is this machine's noise, or costs nothing worth a line), at the end of two windows in a
+row: one warning line, and a ``straggler`` record in metrics.jsonl.
 
 The step's own device time is not told apart from its waits for peers inside one program, so
 a process slowed as a whole (its device throttled, its CPU share cut from outside) is seen
@@ -108,6 +109,7 @@ class StragglerWatch:
         self.probe = ComputeProbe(jax.local_devices()[0]) if self.enabled else None
         self.hiccups = HiccupMeter() if self.enabled else None
         self.slow_probe: int | None = None  # process 0: whose probe was over the factor in the last window
+        self.slow_host: int | None = None  # process 0: whose own time was over the factor in the last window
         self.measures: dict | None = None  # process 0: the last compared window's measures (``take_measures``)
 
     def host_work(self, seconds: float) -> None:
@@ -166,7 +168,11 @@ class StragglerWatch:
             "stalled_share": [round(float(x), 3) for x in own[:, 2]],
             "steps": list(steps_range),
         }
-        records = [straggler(own[:, 0].tolist(), step_s, self.factor, self.hosts, steps_range)]
+        host = straggler(own[:, 0].tolist(), step_s, self.factor, self.hosts, steps_range)
+        host_before, self.slow_host = self.slow_host, None if host is None else live[host["process"]]
+        # two windows in a row, as the probe: process 0's extra work (metrics, logs) after the warm-up
+        # window once put its own time over the factor for one window under a second job's load
+        records = [dict(host, steps=[step - 2 * steps + 1, step]) if host is not None and host_before == self.slow_host else None]
         records.append(stalled_from_outside(own[:, 2].tolist(), self.factor, self.hosts, steps_range))
         compute = slow_compute(own[:, 1].tolist(), self.factor, self.hosts, (step - 2 * steps + 1, step))
         named_before, self.slow_probe = self.slow_probe, None if compute is None else live[compute["process"]]
@@ -273,8 +279,8 @@ def straggler_line(record: dict, factor: float) -> str:
     first, last = record["steps"]
     return (
         f"straggler: process {record['process']} on {record['host']} spent {record['own_ms_per_step']:.1f} ms per step of its own "
-        f"work over steps {first}-{last}, {ratio:.1f}x the others' median {record['others_median_ms']:.1f} ms "
-        f"(step {record['step_ms']:.1f} ms; train.straggler_factor {factor:g})"
+        f"work, over the factor at the end of two windows in a row (steps {first}-{last}), {ratio:.1f}x the others' median "
+        f"{record['others_median_ms']:.1f} ms in the last (step {record['step_ms']:.1f} ms; train.straggler_factor {factor:g})"
     )
 
 
