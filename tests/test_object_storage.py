@@ -349,7 +349,7 @@ def test_the_disk_cache_serves_a_second_run_without_requests_and_stays_under_its
     small = tmp_path / "small"
     limit = 20 * 256 * 2  # 20 blocks of uint16 tokens
     _batches(url, 20, "data=2", f"data.cache_dir={small}", f"data.cache_gb={limit / 1e9}")
-    used = sum(p.stat().st_size for p in small.glob("*.blk"))
+    used = sum(_size_if_kept(p) for p in small.glob("*.blk"))
     assert 0 < used <= limit
     with pytest.raises(ConfigError, match=r"data.cache_gb=5e-07 is less than one cached block .* \(0.000001 GB\)") as error:
         _batches(url, 1, "data=2", f"data.cache_dir={tmp_path / 'tiny'}", "data.cache_gb=5e-7")  # a block is 512 bytes here
@@ -377,3 +377,12 @@ def test_wrong_credentials_are_one_line_that_shows_none_of_them(prepared, tmp_pa
                 attempt()
             message = str(error.value)
             assert "\n" not in message and "wrong-key-id" not in message and "wrong-secret" not in message
+
+
+def _size_if_kept(path) -> int:
+    """A cached block's size; 0 for one evicted between the folder's listing and the stat (the
+    read-ahead's last blocks may still be evicting others)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
