@@ -85,7 +85,7 @@ def cases(eps: list[int]) -> list[tuple[str, str, list[str]]]:
 
 def measure(name: str, mesh: str, extra: list[str], steps: int, window: str, root: Path) -> dict:
     from jaxdist.inspect.profile_report import summarize
-    from jaxdist.models.llama import count_params
+    from jaxdist.models.counts import count_params
     from jaxdist.training.run import run
 
     config = load_config(None, [*MODEL, *extra, f"train.steps={steps}", f"train.profile_steps={window}", f"parallel.mesh={mesh}"])

@@ -250,12 +250,22 @@ def test_microbatches_take_the_max_of_their_amaxes(delayed_setup):
     """train.microbatches=2 records, per tensor, the max of what each microbatch alone records."""
     _, trainer, state, batches = delayed_setup
     batch = batches[0]
-    halves = [_observed(trainer, state.params, jax.tree.map(lambda x, i=i: x[i::2], batch)) for i in range(2)]
+    half_batches = [jax.tree.map(lambda x, i=i: x[i::2], batch) for i in range(2)]
+    halves = [_observed(trainer, state.params, half) for half in half_batches]
     _, accumulating = _trainer("data=1", "train.microbatches=2")
     both = _observed(accumulating, state.params, batch)
     expected = jax.tree.map(np.maximum, *halves)
     jax.tree.map(np.testing.assert_array_equal, both, expected)
     assert jax.tree.reduce(lambda a, b: a or b, jax.tree.map(lambda a, b: bool(np.any(a != b)), *halves))  # the halves differ
+
+    # The weights, quantised once before the microbatch loop, give each microbatch the gradients it
+    # gets alone: the accumulated mean gradient is the halves' mean (equal token counts)
+    def grads(t, b):
+        mean_grads = _JITTED.setdefault(id(t), jax.jit(t.loss_and_grads))(state.params, b)[1]
+        return jax.device_get(nnx.to_pure_dict(fp8.split(mean_grads)[1]))
+
+    mean_of_halves = jax.tree.map(lambda a, b: (a + b) / 2, *(grads(trainer, half) for half in half_batches))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-6), grads(accumulating, batch), mean_of_halves)
 
 
 def test_the_optimizer_never_moves_the_histories(delayed_setup):

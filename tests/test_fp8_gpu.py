@@ -8,6 +8,7 @@ Needs JAX's CUDA plugin (the ``dev`` extra installs it); without it these tests 
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax.numpy as jnp
@@ -145,3 +146,57 @@ def test_current_scalings_synchronous_amax_all_reduces_are_said_in_one_line(prog
         assert note.startswith(f"model.fp8=current: {synchronous} of {all_reduce['count']} all-reduces per step run synchronously")
     else:
         assert note is None
+
+
+def _weight_quantizations_per_step(module) -> dict[str, int]:
+    """Per e4m3 result shape, how many converts a step runs inside ``fp8.quantize_weight``'s
+    named scope (loop trip counts included)."""
+    multipliers, counts = computation_multipliers(module), {}
+    for name, body in module.computations.items():
+        for i in body:
+            if i.opcode == "convert" and i.shape.startswith("f8e4m3") and fp8.WEIGHT_SCOPE in i.attributes:
+                shape = i.shape.split("{")[0]
+                counts[shape] = counts.get(shape, 0) + multipliers.get(name, 0)
+    return {shape: n for shape, n in counts.items() if n}
+
+
+@pytest.mark.heavy
+def test_weights_are_quantised_once_per_step_on_their_shards_and_gathered_in_fp8():
+    """With 4 microbatches on fsdp=2, each fp8 weight stack is quantised outside the microbatch and
+    layer loops (one convert per stack, two where XLA gives the forward and backward loops a
+    copy of the fusion each; the program before this had 48 per stack: 6 layers x 4 microbatches
+    x forward and recomputation), on each device's shard, and every multi-dimensional all-gather
+    in the layer loops moves f8 values (torchtitan's float8 all-gather)."""
+    config = load_config(None, [*BASE, "model.fp8=current", "model.fp8_keep_ends=false", "train.microbatches=4"])
+    resolve_vocab(config)
+    _, compiled, _ = compile_for_target(config, parse_mesh(MESH), target_hardware("h100"), GPUS, 8)
+    module = parse_hlo(compiled.as_text())
+    quantized = _weight_quantizations_per_step(module)
+    stacks = _fp8_einsums_per_layer(config)  # one weight per fp8 einsum, stacked over the layers
+    assert stacks <= sum(quantized.values()) <= 2 * stacks, quantized
+    for shape in quantized:  # [layers, ...] with the fsdp-split dimension halved: each device its shard
+        dims = [int(d) for d in re.findall(r"\d+", shape.split("[", 1)[1])]
+        assert LAYERS in dims and math.prod(dims) * GPUS in _stacked_weight_sizes(config), shape
+    multipliers = computation_multipliers(module)
+    gathered = {
+        i.shape.split("{")[0]
+        for name, body in module.computations.items()
+        if multipliers.get(name, 0) > 1
+        for i in body
+        if i.opcode in ("all-gather", "all-gather-start")
+    }
+    element_types = {t for shape in gathered for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape) if "," in dims}
+    assert element_types == {"f8e4m3fn"}, gathered
+
+
+def _stacked_weight_sizes(config) -> set[int]:
+    """The element counts of the model's fp8 weight stacks ([layers, ...])."""
+    model = nnx.eval_shape(lambda: Llama(config.model, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    sizes = set()
+    for path, node in nnx.iter_graph(model.blocks):
+        if isinstance(node, fp8.Fp8Einsum):
+            holder = model.blocks
+            for name in path[:-1]:
+                holder = getattr(holder, name)
+            sizes.add(math.prod(getattr(holder, node.weight).shape))
+    return sizes

@@ -15,7 +15,8 @@ from jaxdist.data.sources import resolve_vocab
 from jaxdist.inspect.collectives import collective_ops
 from jaxdist.inspect.hlo import parse_hlo
 from jaxdist.layout.mesh import parse_mesh
-from jaxdist.models.llama import Llama, count_params
+from jaxdist.models.counts import count_params
+from jaxdist.models.llama import Llama
 from jaxdist.training.aot import analyze, compile_train_step
 
 from helpers import TINY, first_batch_grads

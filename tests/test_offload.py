@@ -138,7 +138,7 @@ def test_the_planner_offers_offload_only_where_asked_and_screens_it_below_full_r
     devices offload nothing: cpu-local's search leaves it out); its screened memory is below
     full remat's, by the layer inputs it keeps on host (llama3-8b, seq 8192, fsdp=8)."""
     from jaxdist.config import load_config
-    from jaxdist.models.llama import count_params
+    from jaxdist.models.counts import count_params
     from jaxdist.plan.search import OFFLOAD_REMATS, REMATS, enumerate_candidates, estimated_memory
 
     config = load_config("llama3-8b", ["model.vocab_size=32768"])

@@ -134,7 +134,7 @@ def test_the_planner_tries_the_state_on_host_beside_full_remat_and_screens_it_8_
     screened memory is lower by Adam's two f32 moments of the parameters a device holds."""
     import dataclasses
 
-    from jaxdist.models.llama import count_params
+    from jaxdist.models.counts import count_params
     from jaxdist.plan.search import OFFLOAD_REMATS, REMATS, enumerate_candidates, estimated_memory
 
     config = load_config("llama3-8b", ["model.vocab_size=32768"])

@@ -31,7 +31,7 @@ TINY = ["--d-model", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
 def test_param_count_matches_jaxdist(heads, kv_heads):
     from jaxdist.config import ModelConfig
-    from jaxdist.models.llama import count_params
+    from jaxdist.models.counts import count_params
 
     cfg = ModelConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=heads, n_kv_heads=kv_heads)
     model = tb.Llama(tb.Dims(vocab_size=256, d_model=128, n_layers=4, n_heads=heads, n_kv_heads=kv_heads))

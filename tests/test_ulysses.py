@@ -270,7 +270,7 @@ def test_on_h100_the_screen_takes_all_to_all_where_the_tiled_strategies_lose_the
     layout ranks above them (tests/test_plan.py); all_to_all keeps cuDNN's flash attention on whole
     sequences, and the screen ranks it first. Load balancing does not change its time (each device
     attends every token of the sequence for its heads) where it stretches the ring's."""
-    from jaxdist.models.llama import count_params
+    from jaxdist.models.counts import count_params
     from jaxdist.plan.hardware import load_hardware
     from jaxdist.plan.search import enumerate_candidates, estimated_memory, estimated_time
 

@@ -44,7 +44,8 @@ from jaxdist.hf.files import SOURCE_DIR, TOKENIZER_FILES, inside, optional_file,
 from jaxdist.layout.mesh import build_mesh, parse_mesh
 from jaxdist.layout.sharding import rules_for, tree_shardings
 from jaxdist.layout.strategy import resolve_strategy
-from jaxdist.models.llama import Llama, count_params
+from jaxdist.models.counts import count_params
+from jaxdist.models.llama import Llama
 from jaxdist.training.weights import checkpoint_config, find_checkpoint, param_tree_key, read_arrays, save_weights, state_tree
 
 INDEX = "model.safetensors.index.json"

@@ -14,9 +14,10 @@ The model knows nothing of the mesh; what depends on it reaches it here:
 - ``vmapped``: the model runs under ``jax.vmap`` (DiLoCo's replicas), where a kernel whose JAX
   batching rule is wrong must batch itself (cuDNN's packed attention, ``models.attention``).
 
-Two fields are the model's own, changed around parts of it (``changed``): ``fp8_off`` (the
-first and last layers that ``model.fp8_keep_ends`` keeps in the compute dtype) and
-``fp8_grouped`` (an MoE layer's grouped matmuls, which quantise-dequantise).
+The fp8 fields are the model's own, changed around parts of it (``changed``): ``fp8_off`` (the
+first and last layers that ``model.fp8_keep_ends`` keeps in the compute dtype),
+``fp8_grouped`` (an MoE layer's grouped matmuls, which quantise-dequantise), and the weights
+quantised ahead of the loops (``fp8_weights`` per layer, ``fp8_stacks`` per step).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class StepContext:
     vmapped: bool = False
     fp8_off: bool = False
     fp8_grouped: bool = False
+    fp8_weights: Any = None  # {id(Fp8Einsum): QuantizedWeight}: this layer's weights, quantised before the layer loop
+    fp8_stacks: Any = None  # each layer stack's quantised weights, computed before the microbatch loop
 
 
 _EMPTY = StepContext()

@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxdist.config import Config
 from jaxdist.errors import ConfigError
-from jaxdist.models import llama, resnet
+from jaxdist.models import counts, llama, resnet
 from jaxdist.models.attention import choose_implementation
 from jaxdist.models.fp8 import FP8_MIN_CAPABILITY, fp8_capable
 from jaxdist.models.moe import metrics_from_sums, update_router_bias
@@ -139,9 +139,9 @@ def build_task(config: Config, platform: str = "cpu", compute_capability: str | 
         return Task(
             make_model=lambda rngs: llama.Llama(cfg, dtype=dtype, attention=attention, rngs=rngs),
             loss_fn=lm_loss,
-            flops_per_example=llama.flops_per_token(cfg, seq) * seq,
+            flops_per_example=counts.flops_per_token(cfg, seq) * seq,
             tokens_per_example=seq,
-            n_params=llama.count_params(cfg),
+            n_params=counts.count_params(cfg),
             batch_spec=lambda b: {k: jax.ShapeDtypeStruct((b, seq), jnp.float32 if k == "loss_mask" else jnp.int32) for k in keys},
             attention=attention,
             **(moe_hooks(cfg) if cfg.moe_experts else {}),

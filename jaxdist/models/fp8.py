@@ -30,10 +30,11 @@ scale arithmetic.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 MODES = ("off", "current", "delayed")
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 GEMMS_PER_MATMUL = 3  # forward, input gradient, weight gradient
+WEIGHT_SCOPE = "fp8_weight_quantize"  # the named scope of a weight's quantisation
 FP8_MIN_CAPABILITY = "8.9"  # fp8 GEMMs (cuBLASLt's and Triton's) need Ada or Hopper; below, XLA computes fp8 dots in f16
 
 
@@ -94,7 +96,7 @@ def scale_for(current: jax.Array, history: jax.Array | None, dtype) -> jax.Array
     it out of the layer loop); 1 while the history holds nothing yet (step 0, Transformer
     Engine's start) or nothing finite, and for an all-zero tensor."""
     fmax = fp8_ops.get_fp8_max(dtype, jnp.float32)
-    return fp8_ops.compute_scale(current if history is None else jnp.max(history), jnp.ones((), jnp.float32), fmax)
+    return fp8_ops.compute_scale(current if history is None else jnp.max(history, axis=-1), jnp.ones((), jnp.float32), fmax)
 
 
 def record(history: jax.Array, observed: jax.Array) -> jax.Array:
@@ -138,24 +140,59 @@ def scaled_dot(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtyp
     return (y.astype(jnp.float32) * scale).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fp8_einsum(equation: str, x: jax.Array, w: jax.Array, history: jax.Array | None = None) -> jax.Array:
+class QuantizedWeight(NamedTuple):
+    """A weight rounded to e4m3 ahead of its matmuls (``quantize_weight``): the fp8 values,
+    their scale and the weight's amax (recorded in a delayed history). Per-layer stacks
+    of these ([layers, ...], [layers], [layers]) are sliced by the layer scan."""
+
+    values: jax.Array
+    scale: jax.Array
+    seen: jax.Array
+
+
+def quantize_weight(w: jax.Array, history: jax.Array | None = None, stacked: bool = False) -> QuantizedWeight:
+    """``w`` in e4m3 under its scale (current scaling: its amax; delayed: ``history``, its
+    [H] or per layer [layers, H] amaxes). ``stacked``: ``w`` is [layers, ...], one scale
+    per layer. Quantised where the weight is (under FSDP, each device its shard), so what
+    the layer loop gathers is fp8; no gradient flows through it (``fp8_einsum``'s weight
+    gradient goes to ``w`` directly, straight through the rounding)."""
+    w, history = jax.lax.stop_gradient((w, history))  # the history's "gradient" is only what _backward records
+    with jax.named_scope(WEIGHT_SCOPE):  # named in the compiled program's metadata and in profiles
+        seen = jnp.max(jnp.abs(w), axis=tuple(range(1, w.ndim)) if stacked else None).astype(jnp.float32)
+        scale = scale_for(seen, history, E4M3)
+        values = quantize(w, E4M3, scale.reshape(scale.shape + (1,) * (w.ndim - scale.ndim)))
+    return QuantizedWeight(values, scale, seen)
+
+
+def fp8_einsum(
+    equation: str, x: jax.Array, w: jax.Array, history: jax.Array | None = None, quantized: QuantizedWeight | None = None
+) -> jax.Array:
     """``jnp.einsum(equation, x, w)`` with e4m3 operands and an e5m2 output gradient.
     ``history``: delayed scaling's [3, H] amax histories (None: current scaling); its
-    cotangent is the history with this call's three amaxes recorded."""
-    return _forward(equation, x, w, history)[0]
-
-
-def _forward(equation, x, w, history):
+    cotangent is the history with this call's three amaxes recorded. ``quantized``: ``w``
+    already in e4m3 (once per step, before the microbatch and layer loops), else
+    quantised here."""
     if x.dtype != w.dtype:
         raise TypeError(f"fp8_einsum: operands in one compute dtype, got {x.dtype} and {w.dtype}")
+    if quantized is None:
+        quantized = quantize_weight(w, None if history is None else history[1])
+    return _fp8_dot(equation, x, w, quantized, history)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_dot(equation: str, x: jax.Array, w: jax.Array, quantized: QuantizedWeight, history: jax.Array | None) -> jax.Array:
+    """The fp8 product of x and ``quantized``; ``w`` (its compute-dtype original, never read
+    forward) receives the weight gradient."""
+    return _forward(equation, x, w, quantized, history)[0]
+
+
+def _forward(equation, x, w, quantized, history):
     transposed_equations(equation)  # refuse what the backward could not express as two dots
-    seen_x, seen_w = amax(x), amax(w)
+    seen_x = amax(x)
     scale_x = scale_for(seen_x, None if history is None else history[0], E4M3)
-    scale_w = scale_for(seen_w, None if history is None else history[1], E4M3)
-    q_x, q_w = quantize(x, E4M3, scale_x), quantize(w, E4M3, scale_w)
-    y = scaled_dot(equation, q_x, q_w, scale_x * scale_w, x.dtype)
-    return y, (q_x, q_w, scale_x, scale_w, seen_x, seen_w, history)
+    q_x = quantize(x, E4M3, scale_x)
+    y = scaled_dot(equation, q_x, quantized.values, scale_x * quantized.scale, x.dtype)
+    return y, (q_x, quantized.values, scale_x, quantized.scale, seen_x, quantized.seen, history)
 
 
 def _backward(equation, residuals, g):
@@ -168,11 +205,11 @@ def _backward(equation, residuals, g):
     dx = scaled_dot(input_grad, q_g, q_w, scale_g * scale_w, dtype)  # e5m2 x e4m3 (never e5m2 x e5m2)
     dw = scaled_dot(weight_grad, q_x, q_g, scale_x * scale_g, dtype)
     if history is None:
-        return dx, dw, None
-    return dx, dw, jnp.stack([record(history[0], seen_x), record(history[1], seen_w), record(history[2], seen_g)])
+        return dx, dw, None, None
+    return dx, dw, None, jnp.stack([record(history[0], seen_x), record(history[1], seen_w), record(history[2], seen_g)])
 
 
-fp8_einsum.defvjp(_forward, _backward)
+_fp8_dot.defvjp(_forward, _backward)
 
 
 @jax.custom_vjp
@@ -227,10 +264,11 @@ def grouped_dot(dot: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array, 
 
 class Fp8Einsum(nnx.Module):
     """One projection's einsum under ``model.fp8``; under delayed scaling it holds the
-    matmul's amax histories."""
+    matmul's amax histories. ``weight``: the name of its weight in the module that holds
+    both (``quantize_stack`` finds the weight through it)."""
 
-    def __init__(self, mode: str, history_length: int):
-        self.mode = mode
+    def __init__(self, mode: str, history_length: int, weight: str):
+        self.mode, self.weight = mode, weight
         if mode == "delayed":
             self.history = Fp8History(jnp.zeros((3, history_length), jnp.float32), axes=(None, None), no_decay=True)
 
@@ -241,7 +279,61 @@ class Fp8Einsum(nnx.Module):
     def __call__(self, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
         if self.plain():
             return jnp.einsum(equation, x, w)
-        return fp8_einsum(equation, x, w.astype(x.dtype), self.history[...] if self.mode == "delayed" else None)
+        history = self.history[...] if self.mode == "delayed" else None
+        quantized = (step_context.current().fp8_weights or {}).get(id(self))
+        return fp8_einsum(equation, x, w.astype(x.dtype), history, quantized)
+
+
+# -- weights quantised once per step ---------------------------------------------------------
+#
+# A layer's fp8 weight is quantised before the layer loop, where it is sharded (FSDP's
+# all-gather then moves e4m3 bytes, half of bf16's: torchtitan's float8 all-gather), and,
+# with ``train.microbatches``, before the microbatch loop (Transformer Engine's weight cache:
+# one quantisation per step, not per microbatch).
+
+
+def _dots(stack: nnx.Module) -> Iterator[tuple[str, nnx.Module, Fp8Einsum]]:
+    """(path, holder, dot) of each fp8 einsum in ``stack`` that runs fp8."""
+    for path, node in nnx.iter_graph(stack):
+        if isinstance(node, Fp8Einsum) and node.mode != "off":
+            holder = stack
+            for name in path[:-1]:
+                holder = getattr(holder, name)
+            yield "/".join(map(str, path)), holder, node
+
+
+def quantize_stack(stack: nnx.Module) -> dict[str, QuantizedWeight]:
+    """Every fp8 weight of a layer stack (a module whose parameters are [layers, ...], cast
+    to the compute dtype) quantised per layer, keyed by its einsum's path."""
+    quantized = {}
+    for path, holder, dot in _dots(stack):
+        history = dot.history[...][:, 1] if dot.mode == "delayed" else None  # [layers, H]: the weights' row
+        quantized[path] = quantize_weight(getattr(holder, dot.weight)[...], history, stacked=True)
+    return quantized
+
+
+@contextlib.contextmanager
+def quantized_in(block: nnx.Module, quantized: dict[str, QuantizedWeight] | None) -> Iterator[None]:
+    """Within this block (while tracing), ``block``'s fp8 einsums take their weights from
+    ``quantized`` (one layer's slice of ``quantize_stack``)."""
+    if not quantized:
+        yield
+        return
+    by_dot = {id(dot): quantized[path] for path, _, dot in _dots(block) if path in quantized}
+    with step_context.changed(fp8_weights=by_dot):
+        yield
+
+
+@contextlib.contextmanager
+def stacks_quantized(stacks: tuple[dict[str, QuantizedWeight], ...] | None) -> Iterator[None]:
+    """Within this block (while tracing), the model's layer stacks take their fp8 weights from
+    ``stacks`` (its ``quantize_fp8``, computed once per step outside the microbatch loop)."""
+    with step_context.changed(fp8_stacks=stacks):
+        yield
+
+
+def hoisted_stacks() -> tuple[dict[str, QuantizedWeight], ...] | None:
+    return step_context.current().fp8_stacks
 
 
 # -- in the train step -------------------------------------------------------------------

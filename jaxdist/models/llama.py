@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxdist.config import ModelConfig
 from jaxdist.layout.sharding import constrain
+from jaxdist.models import fp8
 from jaxdist.models.attention import model_attention
 from jaxdist.models.fp8 import Fp8Einsum, disabled
 from jaxdist.models.layers import embed_lookup, matmul, project, project_split, rms_norm, split_parts, swiglu
@@ -86,14 +87,14 @@ class Attention(nnx.Module):
             # it needs; query head kv_index * (h/kv) + j reads kv head kv_index, the order of
             # the separate wq (``causal_attention``: head i reads kv head i // (h/kv)).
             self.wqkv = param(rngs, fan_in_init(d), (d, kv, h // kv + 2, hd), ("embed", "kv_heads", None, "head_dim"), pd)
-            self.qkv_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history)
+            self.qkv_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history, "wqkv")
         else:
             self.wq = param(rngs, fan_in_init(d), (d, h, hd), ("embed", "heads", "head_dim"), pd)
             self.wk = param(rngs, fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
             self.wv = param(rngs, fan_in_init(d), (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
-            self.q_dot, self.k_dot, self.v_dot = (Fp8Einsum(cfg.fp8, cfg.fp8_history) for _ in range(3))
+            self.q_dot, self.k_dot, self.v_dot = (Fp8Einsum(cfg.fp8, cfg.fp8_history, name) for name in ("wq", "wk", "wv"))
         self.wo = param(rngs, fan_in_init(h * hd), (h, hd, d), ("heads", "head_dim", "embed"), pd)
-        self.o_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history)  # model.fp8 (models.fp8); plain einsums when off
+        self.o_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history, "wo")  # model.fp8 (models.fp8); plain einsums when off
         self.rope_freqs = tuple(rope_frequencies(cfg).tolist())  # static: a numpy attribute would become NNX state
         self.dtype = dtype
         self.implementation = implementation
@@ -166,13 +167,13 @@ class MLP(nnx.Module):
         self.fused = cfg.fused_projections
         if self.fused:  # [:, 0] gate, [:, 1] up: one matmul, one input-gradient all-reduce under TP
             self.w_gate_up = param(rngs, fan_in_init(d), (d, 2, f), ("embed", None, "mlp"), pd)
-            self.gate_up_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history)
+            self.gate_up_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history, "w_gate_up")
         else:
             self.w_gate = param(rngs, fan_in_init(d), (d, f), ("embed", "mlp"), pd)
             self.w_up = param(rngs, fan_in_init(d), (d, f), ("embed", "mlp"), pd)
-            self.gate_dot, self.up_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history), Fp8Einsum(cfg.fp8, cfg.fp8_history)
+            self.gate_dot, self.up_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history, "w_gate"), Fp8Einsum(cfg.fp8, cfg.fp8_history, "w_up")
         self.w_down = param(rngs, fan_in_init(f), (f, d), ("mlp", "embed"), pd)
-        self.down_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history)
+        self.down_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history, "w_down")
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -273,9 +274,20 @@ class Llama(nnx.Module):
     def _all_layers(self, x: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Every layer (the dense leading stack first), and the MoE layers' statistics stacked [moe layers, ...]."""
         stacks = self._stacks()
+        hoisted = fp8.hoisted_stacks()  # quantised before the microbatch loop, else before each stack's layer loop
         for i, (graphdef, stacked) in enumerate(stacks):
-            x, stats = self.layers(graphdef, stacked, x, aux, self._kept_ends(i, len(stacks)))
+            quantized = hoisted[i] if hoisted is not None else self._quantized(graphdef, stacked)
+            x, stats = self.layers(graphdef, stacked, x, aux, self._kept_ends(i, len(stacks)), quantized)
         return x, stats
+
+    def _quantized(self, graphdef, stacked) -> dict | None:
+        """The fp8 weights of a layer stack quantised per layer where they lie (None: fp8 off)."""
+        return fp8.quantize_stack(nnx.merge(graphdef, stacked)) if self.cfg.fp8 != "off" else None
+
+    def quantize_fp8(self) -> tuple[dict, ...]:
+        """Each layer stack's fp8 weights quantised (``fp8.quantize_stack``): what a train step
+        computes once, before its microbatch loop (``fp8.stacks_quantized``)."""
+        return tuple(self._quantized(graphdef, stacked) for graphdef, stacked in self._stacks())
 
     def _kept_ends(self, stack: int, stacks: int) -> tuple[bool, bool]:
         """Whether stack ``stack`` of ``stacks`` runs its (first, last) layer outside fp8:
@@ -338,38 +350,49 @@ class Llama(nnx.Module):
         return self.layers(graphdef, stacked, x, aux)[0]
 
     def layers(
-        self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array], plain_ends: tuple[bool, bool] = (False, False)
+        self,
+        graphdef,
+        stacked,
+        x: jax.Array,
+        aux: dict[str, jax.Array],
+        plain_ends: tuple[bool, bool] = (False, False),
+        quantized: dict | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The layers of ``stacked`` (leading axis) applied in order, and their MoE
         statistics stacked. ``plain_ends``: run the (first, last) layer without fp8, as
         its own segment of the stack (``model.fp8_keep_ends``: one parameter stack, so
-        checkpoints do not depend on it)."""
+        checkpoints do not depend on it). ``quantized``: the stack's fp8 weights
+        (``fp8.quantize_stack``; None: each matmul quantises its own)."""
         segments = layer_segments(jax.tree.leaves(stacked)[0].shape[0], *plain_ends)
         if segments == [(0, segments[0][1], False)]:
-            return self._layer_segment(graphdef, stacked, x, aux)
+            return self._layer_segment(graphdef, (stacked, quantized), x, aux)
         per_segment = []
         for start, stop, plain in segments:
             with disabled() if plain else contextlib.nullcontext():
-                part = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], stacked)
+                part = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], (stacked, None if plain else quantized))
                 x, segment_stats = self._layer_segment(graphdef, part, x, aux)
             per_segment.append(segment_stats)
         return x, jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_segment) if per_segment[0] else {}
 
     def _layer_segment(self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The layers of ``stacked``: one scan, or with ``model.scan_layers=false`` a Python loop.
+        """The layers of ``stacked`` (parameters, quantised fp8 weights or None): one scan, or
+        with ``model.scan_layers=false`` a Python loop.
         The loop compiles each layer separately (compile time grows with depth) but saves
         the scan's stacked residual buffers: on XLA's CPU backend their zero-fills and
         dynamic-update-slices cost a quarter of a small model's step (experiments/README.md)."""
         positions = aux["positions"]
         segment_ids = aux.get("segment_ids")
 
-        def layer(h: jax.Array, params) -> tuple[jax.Array, dict[str, jax.Array]]:
-            return nnx.merge(graphdef, params)(name_layer_input(h), positions, segment_ids)
+        def layer(h: jax.Array, xs) -> tuple[jax.Array, dict[str, jax.Array]]:
+            params, quantized = xs
+            block = nnx.merge(graphdef, params)
+            with fp8.quantized_in(block, quantized):
+                return block(name_layer_input(h), positions, segment_ids)
 
         layer = rematted(layer, self.cfg.remat)
         if self.cfg.scan_layers:
             return jax.lax.scan(layer, x, stacked)
-        depth = jax.tree.leaves(stacked)[0].shape[0]
+        depth = jax.tree.leaves(stacked[0])[0].shape[0]
         per_layer = []
         for i in range(depth):
             x, layer_stats = layer(x, jax.tree.map(lambda p, i=i: p[i], stacked))
@@ -470,26 +493,3 @@ def _stacked_blocks(cfg: ModelConfig, dtype, attention: str, rngs: nnx.Rngs, dep
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
     return nnx.merge(graphdef, stacked)
-
-
-def count_params(cfg: ModelConfig, *, active: bool = False) -> int:
-    """Parameter count from the config alone (no JAX arrays); ``active``: an MoE layer
-    counts only the k routed experts a token uses (what its FLOPs follow)."""
-    d, h, kv, hd, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.resolved_mlp_dim, cfg.vocab_size
-    attention = d * hd * (h + 2 * kv) + h * hd * d + 2 * d
-    dense_layer = attention + 3 * d * f
-    moe_layers = cfg.n_layers - cfg.moe_first_dense if cfg.moe_experts else 0
-    routed = cfg.moe_top_k if active else cfg.moe_experts
-    moe_layer = attention + d * cfg.moe_experts + 3 * d * cfg.resolved_moe_mlp_dim * (routed + cfg.moe_shared_experts)
-    layers = (cfg.n_layers - moe_layers) * dense_layer + moe_layers * moe_layer
-    if cfg.moe_bias_rate > 0:
-        layers += moe_layers * cfg.moe_experts
-    return v * d * (1 if cfg.tie_embeddings else 2) + layers + d
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul params (an MoE layer's active experts only) +
-    causal attention (PaLM appendix B)."""
-    matmul_params = count_params(cfg, active=True) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    attention = 6 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len  # 12*L*H*Q*T, halved for causal
-    return 6 * matmul_params + attention

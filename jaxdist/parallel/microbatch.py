@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,10 @@ def accumulate(grad_fn: Callable, params: Any, microbatches: Any, zeros: Any = N
     gradients) summed over the leading axis of ``microbatches``, for ``grad_fn(params,
     microbatch) -> ((loss sum, weight, statistics), grads)``. ``zeros``: the gradient
     accumulator's start (default: zeros like ``params``; GSPMD callers pass one constrained
-    to the parameters' layout). fp8 amax observations (``models.fp8``) combine by max."""
+    to the parameters' layout). fp8 amax observations (``models.fp8``) combine by max. A
+    ``grad_fn.before_loop(params)`` context (``training.step.grad_fn``) is entered around the
+    loop: what it computes from ``params`` (fp8's quantised weights) is done once, not per
+    microbatch."""
 
     def add(carry, microbatch):
         (loss_sum, weight, stats), grads = grad_fn(params, microbatch)
@@ -51,5 +55,6 @@ def accumulate(grad_fn: Callable, params: Any, microbatches: Any, zeros: Any = N
     first = jax.tree.map(lambda x: x[0], microbatches)
     (_, _, stats_shape), _ = jax.eval_shape(grad_fn, params, first)
     stats = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats_shape)
-    sums, _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), stats, grads), microbatches)
+    with getattr(grad_fn, "before_loop", lambda params: contextlib.nullcontext())(params):
+        sums, _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), stats, grads), microbatches)
     return sums

@@ -83,7 +83,7 @@ def check_limits(args) -> None:
 
 
 def plan(args) -> dict:
-    from jaxdist.models.llama import count_params
+    from jaxdist.models.counts import count_params
     from jaxdist.plan.link_profile import load_link_profile, measured_elsewhere, with_links
     from jaxdist.plan.search import (
         CONTEXT_STRATEGIES,

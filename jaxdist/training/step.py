@@ -23,6 +23,7 @@ feature adds a branch to ``train_step``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -57,20 +58,23 @@ GradFn = Callable[[Any, Any], tuple[tuple[jax.Array, jax.Array, Any], Any]]  # (
 # -- gradients ------------------------------------------------------------------------------
 
 
-def grad_fn(loss: Callable, scale: jax.Array | None = None) -> GradFn:
-    """``(params, batch) -> ((loss sum, weight, stats), gradients of the loss sum x scale)``."""
+@dataclasses.dataclass(frozen=True)
+class grad_fn:  # noqa: N801 - used as the function it stands for
+    """``(params, batch) -> ((loss sum, weight, stats), gradients of the loss sum x scale)``;
+    ``before_loop(params)``: a context that a microbatch loop is traced in, holding what is
+    computed once per step outside it (``parallel.microbatch.accumulate``)."""
 
-    def objective(params, batch):
-        loss_sum, weight, stats = loss(params, batch)
-        return loss_sum if scale is None else loss_sum * scale, (loss_sum, weight, stats)
+    loss: Callable
+    scale: jax.Array | None = None
+    before_loop: Callable[[Any], contextlib.AbstractContextManager] = lambda params: contextlib.nullcontext()
 
-    scaled = jax.value_and_grad(objective, has_aux=True)
-
-    def unwrapped(params, batch):
-        (_, aux), grads = scaled(params, batch)
+    def __call__(self, params, batch):
+        (_, aux), grads = jax.value_and_grad(self._objective, has_aux=True)(params, batch)
         return aux, grads
 
-    return unwrapped
+    def _objective(self, params, batch):
+        loss_sum, weight, stats = self.loss(params, batch)
+        return loss_sum if self.scale is None else loss_sum * self.scale, (loss_sum, weight, stats)
 
 
 # -- reduction: (grad_fn, params, batch, residual, scale) -> (loss sum, weight, stats, grads, residual)
@@ -248,6 +252,14 @@ class Trainer:
     def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         return self.task.loss_fn(nnx.merge(self.graphdef, params), batch)
 
+    def _before_microbatches(self, params: Any) -> contextlib.AbstractContextManager:
+        """The microbatch loop traced with the fp8 weights quantised once, before it (not in
+        each microbatch)."""
+        model = nnx.merge(self.graphdef, params)
+        if self.config.model.fp8 == "off" or not hasattr(model, "quantize_fp8"):
+            return contextlib.nullcontext()
+        return fp8.stacks_quantized(model.quantize_fp8())
+
     def _scale(self, scale: jax.Array | None) -> jax.Array | None:
         """fp16: the objective is the mean loss x the loss scale (GradScaler's convention), whatever the batch."""
         return None if scale is None else scale / float(self.task.tokens_per_example * self.config.train.global_batch)
@@ -264,7 +276,7 @@ class Trainer:
         with installed(self.context(scale, vmapped=self.replicas.count > 0)):  # DiLoCo vmaps this step over its replicas
             batch = self._with_reference(state.reference, batch)
             loss_sum, weight, stats, grads, residual = self.reduction(
-                grad_fn(self._loss, scale), state.params, batch, state.residual, scale
+                grad_fn(self._loss, scale, self._before_microbatches), state.params, batch, state.residual, scale
             )
         return self.update(state, loss_sum, weight, stats, grads, residual, scale)
 
@@ -275,7 +287,8 @@ class Trainer:
         scale = self._scale(None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32))
         with installed(self.context(scale)):
             batch = self._with_reference(reference, batch)
-            loss_sum, weight, _, grads, _ = self.reduction(grad_fn(self._loss, scale), params, batch, self._extras().residual, scale)
+            gradients = grad_fn(self._loss, scale, self._before_microbatches)
+            loss_sum, weight, _, grads, _ = self.reduction(gradients, params, batch, self._extras().residual, scale)
         divisor = weight if scale is None else weight * scale
         return loss_sum / weight, fp8.map_gradients(lambda g: g / divisor.astype(g.dtype), grads)
 
