@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from jaxdist.config import load_config
 from jaxdist.inspect.collectives import CollectiveOp
 from jaxdist.layout.devices import cuda_plugin_installed
 from jaxdist.plan import __main__ as plan_cli
+from jaxdist.plan import compile_cache, search
 from jaxdist.plan.cost import collective_time, node_split, predict, ring_steps
 from jaxdist.plan.hardware import Link, load_hardware
 from jaxdist.plan.hlo_cost import ProgramCost, program_cost
@@ -190,6 +193,20 @@ def test_the_cli_ranks_compiled_layouts_and_reuses_its_cache(tmp_path, cpu_compi
     assert all(c["cached"] for c in again["candidates"]) and [c["step_time_s"] for c in again["candidates"]] == times
     assert plan_cli.main(argv[: -len(TINY) - 1] + TINY) == 0  # the table
     assert "tok/s/dev" in capsys.readouterr().out
+    monkeypatch.setattr(search, "program_source", lambda: "edited")  # another jaxdist: its own program
+    assert plan_cli.main(argv) == 0
+    assert not any(c["cached"] for c in json.loads(capsys.readouterr().out)["candidates"])
+
+
+def test_the_source_digest_follows_every_python_file(tmp_path):
+    """The compile cache's key holds a digest of jaxdist's source: an edit anywhere changes it."""
+    package = tmp_path / "pkg"
+    shutil.copytree(Path(search.__file__).resolve().parents[1], package, ignore=shutil.ignore_patterns("__pycache__"))
+    before = compile_cache.source_digest(package)
+    assert compile_cache.source_digest(package) == before and before == compile_cache.program_source()
+    target = package / "models" / "fp8.py"
+    target.write_text(target.read_text() + "\n# an edit\n")
+    assert compile_cache.source_digest(package) != before
 
 
 # With JAX's CUDA plugin a GPU profile's search adds offload_layer_inputs, which keeps least on the device
@@ -230,7 +247,6 @@ def test_bad_input_is_one_line(case, capsys):
 
 
 def test_a_layout_that_does_not_compile_is_reported_and_skipped(tmp_path, cpu_compiles, monkeypatch, capsys):
-    import jaxdist.plan.search as search
 
     monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
     real, calls = search.compile_summary, []
@@ -431,7 +447,7 @@ def test_the_screen_takes_a_context_axis_only_where_nothing_else_fits():
     first (Llama 3 8B at 32K tokens on 8 H100), and a context layout where none fits (at 256K);
     without load balancing the last context shard's causal share stretches the step. (The tiled
     strategies; all_to_all keeps the flash kernel on whole sequences: tests/test_ulysses.py.)"""
-    from jaxdist.models.llama import count_params
+    from jaxdist.models.counts import count_params
     from jaxdist.plan.search import estimated_time
 
     h100 = load_hardware("h100")

@@ -45,6 +45,7 @@ from jaxdist.layout.validate import check_config_on_mesh
 from jaxdist.models.experts import capacity_rows
 from jaxdist.parallel.expert import buffer_rows
 from jaxdist.parallel.pipeline_schedule import executed_over_ideal, pipeline_spec
+from jaxdist.plan.compile_cache import cache_dir, program_source
 from jaxdist.plan.context_cost import (  # noqa: F401 - CONTEXT_STRATEGIES, context_traffic: the planner's names for them
     CONTEXT_STRATEGIES,
     attention_memory,
@@ -354,11 +355,6 @@ def estimated_time(config: Config, candidate: Candidate, n_params: int, hardware
 # Compiling (cached)
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("JAXDIST_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "jaxdist") / "plan"
-
-
 @dataclasses.dataclass(frozen=True)
 class GpuTarget:
     """What a GPU plan compiles for: ``gpus`` compile-only devices of ``hardware``, ``gpus_per_node`` per host."""
@@ -374,7 +370,7 @@ class GpuTarget:
 
 
 def cache_key(config: Config, target: GpuTarget | None = None) -> str:
-    payload = {"config": config.to_dict(), "jax": jax.__version__, "format": 9}  # 9: notes
+    payload = {"config": config.to_dict(), "jax": jax.__version__, "source": program_source(), "format": 9}  # 9: notes
     if target is not None:
         payload["gpu"] = target.describe(config) | {"format": 2}  # 2: loops XLA:GPU left without a trip count
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
