@@ -152,6 +152,9 @@ NUMERIC_KEYS = {
     "train.muon_momentum": (True, False),
     "train.dpo_beta": (False, False),
     "train.dpo_label_smoothing": (True, False),
+    **dict.fromkeys(["train.harness_every", "train.harness_limit"], (True, False)),
+    "train.harness_num_fewshot": (True, True),  # >= -1
+    "train.harness_batch_size": (False, False),
     **dict.fromkeys(["data.workers", "data.prefetch", "data.synthetic_latency_ms"], (True, False)),
     "data.eval_fraction": (False, False),
     "data.cache_gb": (False, False),

@@ -165,6 +165,21 @@ metric_list:
     higher_is_better: true
 """
 
+ROLLING_TASK = """task: tiny_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
+"""
+
 QUESTIONS = [
     ("two and two", ["four", "five", "six"], 0),
     ("sky colour", ["blue", "green"], 1),
@@ -243,3 +258,42 @@ def test_the_command_line_writes_the_run_s_eval_file_and_refuses_bad_input(run_d
         errors = [line for line in err.splitlines() if line.startswith("jaxdist: error")]
         assert rc == 2 and len(errors) == 1 and message in errors[0], (argv, err)
         assert "Traceback" not in err and not out
+
+
+def test_tasks_run_during_training_on_the_live_weights_as_on_the_saved_checkpoint(tmp_path, capsys):
+    """``train.harness_tasks`` every ``train.harness_every`` steps on a data=2 mesh: RUN_DIR/eval/STEP.json
+    and ``TASK/METRIC`` lines in metrics.jsonl at steps 2 and 4, and step 4's score equals what
+    ``jaxdist eval --tasks`` gives from the checkpoint saved at step 4 (the weights reloaded, another
+    path); an unknown task is refused in one line before the first step."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    write_tasks(tasks)
+    (tasks / "rolling.jsonl").write_text("".join(json.dumps({"text": p * 3}) + "\n" for p in PROMPTS))
+    (tasks / "rolling.yaml").write_text(ROLLING_TASK.format(data=tasks / "rolling.jsonl"))
+    run = tmp_path / "run"
+    overrides = [o for o in TINY if not o.startswith("train.seq_len")]
+    harness_keys = ["train.harness_tasks=tiny_choice,tiny_rolling", f"train.harness_include_path={tasks}", "train.harness_batch_size=4"]
+    argv = ["--run-dir", str(run), "--steps", "4", "--mesh", "data=2", *overrides, f"train.seq_len={SEQ}", "train.lr=0.01"]
+    assert train_cli.main([*argv, *harness_keys, "train.harness_every=2", "checkpoint.every_steps=4"]) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    scores = {line["step"]: line for line in lines if "tiny_choice/acc" in line}
+    assert sorted(scores) == [2, 4]
+    for step, line in scores.items():
+        written = json.loads((run / "eval" / f"{step}.json").read_text())["tasks"]
+        assert written["tiny_choice"]["acc"] == line["tiny_choice/acc"]
+        assert written["tiny_rolling"]["bits_per_byte"] == line["tiny_rolling/bits_per_byte"] > 0
+    assert scores[2]["tiny_rolling/bits_per_byte"] != scores[4]["tiny_rolling/bits_per_byte"]  # each step's own weights
+    capsys.readouterr()
+    names = "tiny_choice,tiny_rolling"
+    rc, out, _ = _eval(capsys, "--checkpoint", str(run), "--tasks", names, "--include-path", str(tasks), "--json", "--mesh", "1")
+    assert rc == 0 and json.loads(out)["step"] == 4
+    reloaded = json.loads(out)["tasks"]
+    assert reloaded["tiny_choice"]["acc"] == pytest.approx(scores[4]["tiny_choice/acc"])
+    assert reloaded["tiny_rolling"]["bits_per_byte"] == pytest.approx(scores[4]["tiny_rolling/bits_per_byte"], rel=1e-5)
+
+    refused = tmp_path / "refused"
+    rc = train_cli.main(["--run-dir", str(refused), *argv[2:], "train.harness_tasks=tiny_choice,no_such_task", *harness_keys[1:]])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("jaxdist: error")]
+    assert rc == 2 and len(errors) == 1 and "unknown task(s) no_such_task" in errors[0], err
+    assert not (refused / "metrics.jsonl").exists()

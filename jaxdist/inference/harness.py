@@ -308,23 +308,12 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:300]}"
 
 
-def run_tasks(
-    lm: Any,
-    tasks: Sequence[str],
-    *,
-    include_path: str | None = None,
-    num_fewshot: int | None = None,
-    limit: int | None = None,
-    apply_chat_template: bool = False,
-) -> dict[str, dict[str, float]]:
-    """Run lm-eval ``tasks`` (names: lm-eval's registry's, or those of the YAML files under
-    ``include_path``) on ``lm`` (``adapter``): {task: {metric: value}}, a metric's filter after a
-    comma when it is not ``none`` (``exact_match,strict-match``), standard errors as
-    ``METRIC_stderr``. Nothing is downloaded: a task whose data are not local, an unknown
-    task or a missing ``include_path`` raise JaxdistError (one line)."""
+def task_manager(tasks: Sequence[str], include_path: str | None = None) -> Any:
+    """lm-eval's ``TaskManager`` that knows every one of ``tasks`` (names: lm-eval's registry's,
+    or those of the YAML files under ``include_path``), loading nothing but local data: an
+    unknown task, a missing ``include_path`` or lm-eval not installed raise JaxdistError (one line)."""
     go_offline()
     try:
-        from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise JaxdistError(NOT_INSTALLED) from None
@@ -353,6 +342,25 @@ def run_tasks(
             ) from None
 
     manager.load = load_offline
+    return manager
+
+
+def run_tasks(
+    lm: Any,
+    tasks: Sequence[str],
+    *,
+    include_path: str | None = None,
+    num_fewshot: int | None = None,
+    limit: int | None = None,
+    apply_chat_template: bool = False,
+    manager: Any = None,
+) -> dict[str, dict[str, float]]:
+    """Run lm-eval ``tasks`` on ``lm`` (``adapter``): {task: {metric: value}}, a metric's filter
+    after a comma when it is not ``none`` (``exact_match,strict-match``), standard errors as
+    ``METRIC_stderr``. Nothing is downloaded (``task_manager``; ``manager``: one made before)."""
+    manager = manager or task_manager(tasks, include_path)
+    from lm_eval import simple_evaluate
+
     out = simple_evaluate(
         model=lm,
         tasks=list(tasks),
@@ -383,7 +391,12 @@ def write_results(step_dir: Any, result: dict[str, Any]) -> Any:
     step_dir = Path(step_dir)
     if step_dir.parent.name not in ("checkpoints", "params") or not step_dir.name.isdigit():
         return None
-    path = step_dir.parent.parent / "eval" / f"{int(step_dir.name)}.json"
+    return write_step_results(step_dir.parent.parent, int(step_dir.name), result)
+
+
+def write_step_results(run_dir: Any, step: int, result: dict[str, Any]) -> Path:
+    """``run_dir/eval/STEP.json``, merged with what an earlier evaluation of that step wrote."""
+    path = Path(run_dir) / "eval" / f"{step}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text()) if path.exists() else {}
     tasks = {**old.get("tasks", {}), **result["tasks"]} if isinstance(old, dict) else result["tasks"]

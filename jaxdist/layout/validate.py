@@ -337,6 +337,10 @@ def unused_keys(config: Config, sizes: MeshSizes, used: Collection[str] = ()) ->
                 found.append((f"train.{key}", f"train.objective={t.objective} (it is DPO's)"))
     elif t.dpo_loss == "ipo" and changed("train", "dpo_label_smoothing"):
         found.append(("train.dpo_label_smoothing", "train.dpo_loss=ipo (label smoothing is the sigmoid loss's)"))
+    if not t.harness_tasks.strip():
+        for key in ("harness_every", "harness_include_path", "harness_limit", "harness_num_fewshot", "harness_batch_size"):
+            if changed("train", key):
+                found.append((f"train.{key}", "train.harness_tasks empty (no lm-eval task runs during training)"))
     if t.objective == "dpo" and changed("model", "loss_chunk"):
         found.append(("model.loss_chunk", "train.objective=dpo (its log-probabilities take the whole sequence's logits)"))
     if not config.log.wandb:

@@ -58,6 +58,7 @@ class LoopHooks:
     stragglers: Any = None  # jaxdist.training.stragglers.StragglerWatch (several processes)
     guard: Any = None  # jaxdist.training.recovery.StepGuard (--recovery in-process): each step inside live_devices
     membership_record: Callable[..., None] | None = None  # a line in RUN_DIR/elastic.jsonl (process 0): stragglers
+    harness: Any = None  # jaxdist.training.harness_eval.HarnessDuringTraining (train.harness_tasks)
 
 
 def train_loop(
@@ -156,10 +157,11 @@ def train_loop(
 
             last = step == end
             eval_now = hooks.eval_batches is not None and cfg.eval_every > 0 and step % cfg.eval_every == 0
+            harness_now = hooks.harness is not None and hooks.harness.due(step, last)
             preempt = hooks.preemption is not None and hooks.preemption.requested(step)
             save_now = checkpointer is not None and (last or preempt or checkpointer.due(step))
             params_now = checkpointer is not None and not save_now and checkpointer.params_due(step)  # weights only
-            sync_now = last or eval_now or save_now or params_now or preempt
+            sync_now = last or eval_now or harness_now or save_now or params_now or preempt
             # a guarded step (in-process recovery) is done already: nothing runs behind a deferred read
             log_point = step % cfg.log_every == 0
             if log_point and not sync_now and hooks.guard is None:
@@ -174,6 +176,10 @@ def train_loop(
                         result.eval_losses[step] = evaluate(trainer, state, hooks.eval_batches())
                     eval_metrics = {"eval_loss": result.eval_losses[step]}
                     logger.log(step, eval_metrics)
+                if harness_now:
+                    with tracer.phase("eval"), timed(logger, step, "eval"):
+                        scores = hooks.harness(trainer, step, trainer.synchronized_params(state))
+                    logger.log(step, scores)
                 if save_now or params_now:
                     with tracer.phase("checkpoint"), timed(logger, step, "checkpoint"):
                         fault_point("save", step)

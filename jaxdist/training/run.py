@@ -238,6 +238,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     from jaxdist.training.checkpoint_tiers import durable_steps, replicator_for
     from jaxdist.training.compile_cache import compile_cache_dir, enable_compile_cache
     from jaxdist.training.energy import IntervalEnergy, agree_on_meter, open_meter
+    from jaxdist.training.harness_eval import HarnessDuringTraining
     from jaxdist.training.loop import LoopHooks, LoopResult, timed, train_loop
     from jaxdist.training.metrics import MetricsLogger, fp8_peak_flops_per_device, peak_flops_per_device
     from jaxdist.training.preemption import PreemptionWatcher
@@ -253,6 +254,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     task, layout, mesh = trainer.task, trainer.layout, trainer.layout.mesh
     devices = list(mesh.devices.flat)
     batches = make_iterator(config, layout)  # opens the data: its errors come before anything is written
+    harness_eval = HarnessDuringTraining.from_config(config, run_dir, jax.process_index() == 0)  # unknown tasks: refused here
     if run_dir is not None and weights_dir is None:
         mode, _, _ = parse_resume(resume, run_dir / "checkpoints")
         if mode == "never" and (checkpoint_steps(run_dir / "checkpoints") or checkpoint_steps(params_directory(run_dir / "checkpoints"))):
@@ -360,6 +362,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                 energy=IntervalEnergy(meter),
                 stragglers=StragglerWatch(t.straggler_factor, t.straggler_window),
                 membership_record=(lambda **fields: elastic_record(run_dir, **fields)) if run_dir is not None else None,
+                harness=harness_eval,
             )
 
             def run_loop(trainer, state, batches, step_fn):
@@ -406,18 +409,11 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
                 checkpointer.wait()
             checkpointer.close()
         logger.close(error=stopped_by)
-        if run_dir is not None and is_main and trained and not accounted_outside():
+        if run_dir is not None and is_main and trained:
             from jaxdist.cluster import goodput
 
-            goodput.write(run_dir, started, time.time())
-
-
-def accounted_outside() -> bool:
-    """Whether a launcher or supervisor accounts for the whole run's goodput (over every process set)."""
-    from jaxdist.cluster.heartbeat import ENV_DIR
-    from jaxdist.cluster.supervise import SUPERVISED_ENV
-
-    return bool(os.environ.get(ENV_DIR) or os.environ.get(SUPERVISED_ENV))
+            if not goodput.accounted_outside():
+                goodput.write(run_dir, started, time.time())
 
 
 def _saves_abandoned(error: BaseException | None) -> bool:
