@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -160,11 +159,3 @@ def write(run_dir: Path, start: float, end: float) -> dict | None:
         return None
     log.info(summary_line(result))
     return result
-
-
-def accounted_outside() -> bool:
-    """Whether a launcher or supervisor accounts for the whole run's goodput (over every process set)."""
-    from jaxdist.cluster.heartbeat import ENV_DIR  # noqa: PLC0415 - the launcher's and supervisor's modules, only when asked
-    from jaxdist.cluster.supervise import SUPERVISED_ENV  # noqa: PLC0415
-
-    return bool(os.environ.get(ENV_DIR) or os.environ.get(SUPERVISED_ENV))

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxdist.cluster.heartbeat import ENV_DIR
 from jaxdist.cluster.lifetime import die_with_parent
 from jaxdist.errors import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED
 
@@ -27,7 +28,13 @@ SUPERVISED_ENV = "JAXDIST_SUPERVISED"  # set in the runs the supervisor starts, 
 FINAL_EXIT_CODES = {EXIT_OK, EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED}
 MAX_DELAY_S = 300.0
 
+
 log = logging.getLogger(__name__)
+
+
+def accounted_outside() -> bool:
+    """Whether a launcher or supervisor accounts for the whole run's goodput (over every process set)."""
+    return bool(os.environ.get(ENV_DIR) or os.environ.get(SUPERVISED_ENV))
 
 
 def child_argv(argv: list[str], run_dir: Path | str) -> list[str]:

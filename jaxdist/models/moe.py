@@ -83,8 +83,8 @@ class MoE(nnx.Module):
             width = cfg.moe_shared_experts * f
             self.shared_gate_up = param(rngs, fan_in_init(d), (d, 2, width), ("embed", None, "mlp"), pd)
             self.shared_down = param(rngs, fan_in_init(width), (width, d), ("mlp", "embed"), pd)
-            self.shared_gate_up_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history)
-            self.shared_down_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history)
+            self.shared_gate_up_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history, "shared_gate_up")
+            self.shared_down_dot = Fp8Einsum(cfg.fp8, cfg.fp8_history, "shared_down")
         if cfg.moe_bias_rate > 0:
             self.bias = RouterBias(jnp.zeros((e,), jnp.float32), axes=(None,), no_decay=True)
 

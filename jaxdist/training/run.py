@@ -411,8 +411,9 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
         logger.close(error=stopped_by)
         if run_dir is not None and is_main and trained:
             from jaxdist.cluster import goodput
+            from jaxdist.cluster.supervise import accounted_outside
 
-            if not goodput.accounted_outside():
+            if not accounted_outside():
                 goodput.write(run_dir, started, time.time())
 
 
