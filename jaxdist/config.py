@@ -162,6 +162,7 @@ class TrainConfig(_Freezable):
     harness_limit: int = knob(0, "harness_tasks: at most this many documents per task (lm-eval's --limit); 0: all", ">= 0")
     harness_num_fewshot: int = knob(-1, "harness_tasks: few-shot examples per request; -1: each task's own", ">= -1")
     harness_batch_size: int = knob(16, "harness_tasks: requests per batch (rounded up to the batch axes' shards)", "> 0")
+    harness_chat_template: bool = knob(False, "harness_tasks: render requests with the run's chat template (--apply-chat-template)")
     peak_flops: float = knob(0.0, "per-device peak FLOP/s for MFU; 0: look up (GPU) or measure (CPU)", ">= 0")
     nonfinite: Literal["halt", "skip"] = knob("halt", "a NaN/inf loss: halt (exit 3, last checkpoint intact) | skip (drop that update)")
     max_skips: int = knob(10, "with nonfinite=skip: halt (exit 3) after this many non-finite steps in a row", ">= 1")

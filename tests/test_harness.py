@@ -264,7 +264,8 @@ def test_tasks_run_during_training_on_the_live_weights_as_on_the_saved_checkpoin
     """``train.harness_tasks`` every ``train.harness_every`` steps on a data=2 mesh: RUN_DIR/eval/STEP.json
     and ``TASK/METRIC`` lines in metrics.jsonl at steps 2 and 4, and step 4's score equals what
     ``jaxdist eval --tasks`` gives from the checkpoint saved at step 4 (the weights reloaded, another
-    path); an unknown task is refused in one line before the first step."""
+    path); with ``train.harness_chat_template`` the last step's score is ``jaxdist eval
+    --apply-chat-template``'s on its checkpoint; an unknown task is refused in one line before the first step."""
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     write_tasks(tasks)
@@ -291,9 +292,62 @@ def test_tasks_run_during_training_on_the_live_weights_as_on_the_saved_checkpoin
     assert reloaded["tiny_choice"]["acc"] == pytest.approx(scores[4]["tiny_choice/acc"])
     assert reloaded["tiny_rolling"]["bits_per_byte"] == pytest.approx(scores[4]["tiny_rolling/bits_per_byte"], rel=1e-5)
 
+    # With the chat template: the last step's score is jaxdist eval --apply-chat-template's on its checkpoint
+    (tasks / "t.jinja").write_text(CHAT)
+    chat_run = tmp_path / "chat"
+    chat_keys = ["train.harness_tasks=tiny_choice", f"train.harness_include_path={tasks}", "train.harness_chat_template=true"]
+    assert train_cli.main(["--run-dir", str(chat_run), *argv[2:], *chat_keys, f"data.chat_template={tasks / 't.jinja'}"]) == 0
+    lines = [json.loads(line) for line in (chat_run / "metrics.jsonl").read_text().splitlines()]
+    chat_scores = {line["step"]: line["tiny_choice/acc"] for line in lines if "tiny_choice/acc" in line}
+    assert sorted(chat_scores) == [4]  # harness_every=0: the last step only
+    capsys.readouterr()
+    flags = ("--tasks", "tiny_choice", "--include-path", str(tasks), "--apply-chat-template", "--json", "--mesh", "1")
+    rc, out, _ = _eval(capsys, "--checkpoint", str(chat_run), *flags)
+    assert rc == 0 and json.loads(out)["tasks"]["tiny_choice"]["acc"] == pytest.approx(chat_scores[4])
+
     refused = tmp_path / "refused"
     rc = train_cli.main(["--run-dir", str(refused), *argv[2:], "train.harness_tasks=tiny_choice,no_such_task", *harness_keys[1:]])
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("jaxdist: error")]
     assert rc == 2 and len(errors) == 1 and "unknown task(s) no_such_task" in errors[0], err
     assert not (refused / "metrics.jsonl").exists()
+
+
+CHAT = "{% for m in messages %}<{{ m.role }}>{{ m.content }}|{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+
+
+def test_the_chat_template_renders_each_request_and_scores_it_as_the_plain_model(model, scorers, tmp_path):
+    """--apply-chat-template: every log-likelihood request's context is the conversation rendered
+    by the template (checked against jinja2 on the task's own question), and the accuracy is what
+    the plain model's log-likelihoods of those rendered requests predict."""
+    import jinja2
+
+    from jaxdist.data.chat_template import find_chat_template
+
+    write_tasks(tmp_path)
+    (tmp_path / "t.jinja").write_text(CHAT)
+    text = harness.HarnessText(ByteTokenizer(), find_chat_template(str(tmp_path / "t.jinja"), ""), name="byte")
+    chat_lm = harness.adapter(scorers["1"], text, max_gen_toks=8)
+    seen: list[tuple[str, str]] = []
+    answer = chat_lm.loglikelihood
+
+    def spy(requests, **kwargs):
+        seen.extend(tuple(r.args) for r in requests)
+        return answer(requests, **kwargs)
+
+    chat_lm.loglikelihood = spy
+    got = harness.run_tasks(chat_lm, ["tiny_choice"], include_path=str(tmp_path), apply_chat_template=True)
+    rendered = [
+        jinja2.Template(CHAT).render(messages=[{"role": "user", "content": f"Q: {q}\nA:"}], add_generation_prompt=True)
+        for q, _, _ in QUESTIONS
+    ]
+    assert sorted({context for context, _ in seen}) == sorted(rendered)
+    right = []
+    for (_, choices, truth), context in zip(QUESTIONS, rendered, strict=True):
+        continuations = [cont for ctx, cont in seen if ctx == context]
+        assert [c.strip() for c in continuations] == choices
+        scores = [reference(model, ids(context), ids(cont))[0] for cont in continuations]
+        right.append(int(np.argmax(scores)) == truth)
+    assert got["tiny_choice"]["acc"] == pytest.approx(np.mean(right))
+    with pytest.raises(harness.JaxdistError, match="the run has no chat template"):
+        harness.run_tasks(lm(scorers["1"]), ["tiny_choice"], include_path=str(tmp_path), apply_chat_template=True)

@@ -119,6 +119,7 @@ UNUSED = {
     "train.dpo_loss=ipo": "train.objective=lm",
     "train.harness_every=2": "train.harness_tasks empty",
     "train.harness_limit=5": "train.harness_tasks empty",
+    "train.harness_chat_template=true": "train.harness_tasks empty",
 }
 
 

@@ -329,7 +329,8 @@ def unused_keys(config: Config, sizes: MeshSizes, used: Collection[str] = ()) ->
                 found.append((f"train.{key}", f"train.optimizer={t.optimizer} (it is Muon's)"))
     if config.data.source != "chat":
         for key in ("chat_template", "loss_on", "chat_overflow"):
-            if changed("data", key) and not (key == "chat_template" and config.data.source == "preference"):
+            templated = config.data.source == "preference" or (t.harness_chat_template and t.harness_tasks.strip())
+            if changed("data", key) and not (key == "chat_template" and templated):
                 found.append((f"data.{key}", f"data.source={config.data.source} (it is for chat data)"))
     if t.objective != "dpo":
         for key in ("dpo_beta", "dpo_label_smoothing", "dpo_loss"):
@@ -338,7 +339,8 @@ def unused_keys(config: Config, sizes: MeshSizes, used: Collection[str] = ()) ->
     elif t.dpo_loss == "ipo" and changed("train", "dpo_label_smoothing"):
         found.append(("train.dpo_label_smoothing", "train.dpo_loss=ipo (label smoothing is the sigmoid loss's)"))
     if not t.harness_tasks.strip():
-        for key in ("harness_every", "harness_include_path", "harness_limit", "harness_num_fewshot", "harness_batch_size"):
+        keys = ("harness_every", "harness_include_path", "harness_limit", "harness_num_fewshot", "harness_batch_size")
+        for key in (*keys, "harness_chat_template"):
             if changed("train", key):
                 found.append((f"train.{key}", "train.harness_tasks empty (no lm-eval task runs during training)"))
     if t.objective == "dpo" and changed("model", "loss_chunk"):

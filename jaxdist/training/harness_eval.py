@@ -9,7 +9,8 @@ file ``jaxdist eval --tasks`` writes for a checkpoint. The loop logs each metric
 ``TASK/METRIC`` (metrics.jsonl, TensorBoard, W&B) and its time as goodput's ``eval``.
 
 Tasks are checked before the first step (lm-eval installed, every task known, nothing to
-download): a run that would fail at its first evaluation is refused in one line instead.
+download; with ``train.harness_chat_template`` the template found): a run that would fail at
+its first evaluation is refused in one line instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxdist.config import Config
+from jaxdist.data.chat_template import find_chat_template
 from jaxdist.data.tokenizers import load_tokenizer
 from jaxdist.inference import harness
 
@@ -34,7 +36,9 @@ class HarnessDuringTraining:
         self.run_dir, self.is_main = run_dir, is_main
         self.manager = harness.task_manager(self.tasks, t.harness_include_path or None)
         tokenizer = load_tokenizer(config.data.tokenizer or None)
-        self.text = harness.HarnessText(tokenizer, name=tokenizer.name)
+        self.chat = t.harness_chat_template
+        template = find_chat_template(config.data.chat_template, config.data.tokenizer) if self.chat else None
+        self.text = harness.HarnessText(tokenizer, template, name=tokenizer.name)
         self._scorer: harness.Scorer | None = None
 
     @classmethod
@@ -52,7 +56,12 @@ class HarnessDuringTraining:
         self._scorer.params = params
         start = time.perf_counter()
         results = harness.run_tasks(
-            harness.adapter(self._scorer, self.text), self.tasks, num_fewshot=self.num_fewshot, limit=self.limit, manager=self.manager
+            harness.adapter(self._scorer, self.text),
+            self.tasks,
+            num_fewshot=self.num_fewshot,
+            limit=self.limit,
+            apply_chat_template=self.chat,
+            manager=self.manager,
         )
         if self.is_main and self.run_dir is not None:
             record = {"tasks": results, "step": step, "seconds": round(time.perf_counter() - start, 3), "during_training": True}
