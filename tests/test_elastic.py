@@ -146,6 +146,31 @@ def test_survivors_that_die_before_a_step_past_their_recovery_restart_without_lo
     assert elastic._recovers_in_process(Set, aborted, 4) and Set.lost == {2, 3} and elastic.capacity == 2
 
 
+def test_rank_0_dying_with_a_survivor_s_exit_seen_in_the_same_poll_says_why_once(tmp_path, capsys):
+    """--recovery in-process: rank 0 killed in a step takes the coordination service, and a survivor
+    may exit (78) before the launcher's next poll: either way the run restarts, with one line
+    saying rank 0's death is why (the exit alone said nothing)."""
+    from jaxdist.cluster.heartbeat import beat_path
+
+    class Set:
+        lost: set[int] = set()
+        replaced: set[int] = set()
+        beats, first_id, nproc = tmp_path, 0, 3
+
+    for rank in range(3):
+        beat_path(tmp_path, rank).write_text("6")
+    flags = ["--nproc", "3", "--min-nproc", "2", "--devices-per-proc", "1", "--recovery", "in-process"]
+    argv = [*flags, "--", "--mesh", "data=-1", *OVERRIDES, "--run-dir", str(tmp_path / "run")]
+    elastic = elastic_launch.Elastic(launch.elastic_plan(launch.parse_args(argv)))
+    both = launcher.Ended("failure", 78, rank=1, raw_code=78, failed=[(1, 78), (0, -signal.SIGKILL)])
+    assert not elastic._recovers_in_process(Set, both, 3)
+    line = "rank 0 was killed by SIGKILL: it holds the coordination service, so the run restarts from its last checkpoint"
+    assert capsys.readouterr().err.count(line) == 1
+    alone = launcher.Ended("failure", 137, rank=0, raw_code=-signal.SIGKILL, failed=[(0, -signal.SIGKILL)])
+    assert not elastic._recovers_in_process(Set, alone, 3)
+    assert capsys.readouterr().err.count(line) == 1
+
+
 def test_a_death_while_a_replacement_rejoins_restarts_at_once(tmp_path, capsys):
     """--recovery in-process: rank 1's replacement is still rejoining (started, no step of its
     own yet) when it, or a live process, dies. The live processes wait for it at the grow's

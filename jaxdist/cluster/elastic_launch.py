@@ -251,10 +251,16 @@ class Elastic:
             log.info(f"the in-process recovery did not get under way (rank {ended.rank} {describe_exit(ended.raw_code)}): restarting")
             return False
         dead = [rank for rank, code in ended.failed if code not in FINAL_CODES and code != EXIT_RECOVERY]
-        if len(dead) != len(ended.failed):  # a survivor gave up (EXIT_RECOVERY says why) or a final error
-            return False
         live_ranks = [r for r in range(gen.first_id, gen.first_id + gen.nproc) if r not in gen.lost and r not in dead]
         rejoining = sorted(r for r in gen.replaced if beat_step(gen.beats, r) is None)
+        if len(dead) != len(ended.failed):  # a survivor gave up (EXIT_RECOVERY says why) or a final error
+            if 0 in dead and not rejoining and all(beat_step(gen.beats, r) is not None for r in live_ranks):
+                # rank 0's death in a step took the coordination service: the survivors' own exits, seen in the
+                # same poll, follow from it (which the launcher sees first depends on the load)
+                log.info(
+                    f"rank 0 {describe_exit(dict(ended.failed)[0])}: it holds the coordination service, so the run restarts from its last checkpoint"
+                )
+            return False
         if rejoining:  # the live processes wait for it in the grow, which no death interrupts
             log.info(
                 f"rank {', '.join(map(str, dead))} {describe_exit(ended.raw_code)} while rank {', '.join(map(str, rejoining))}'s "
@@ -269,7 +275,7 @@ class Elastic:
             return False
         if 0 in dead:
             log.info(
-                f"rank 0 {describe_exit(ended.raw_code)}: it holds the coordination service, so the run restarts from its last checkpoint"
+                f"rank 0 {describe_exit(dict(ended.failed)[0])}: it holds the coordination service, so the run restarts from its last checkpoint"
             )
             return False
         live = n - len(gen.lost) - len(dead)
