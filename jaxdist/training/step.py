@@ -255,10 +255,10 @@ class Trainer:
     def _before_microbatches(self, params: Any) -> contextlib.AbstractContextManager:
         """The microbatch loop traced with the fp8 weights quantised once, before it (not in
         each microbatch)."""
-        model = nnx.merge(self.graphdef, params)
-        if self.config.model.fp8 == "off" or not hasattr(model, "quantize_fp8"):
+        if self.config.model.fp8 == "off":
             return contextlib.nullcontext()
-        return fp8.stacks_quantized(model.quantize_fp8())
+        model = nnx.merge(self.graphdef, params)
+        return fp8.stacks_quantized(model.quantize_fp8()) if hasattr(model, "quantize_fp8") else contextlib.nullcontext()
 
     def _scale(self, scale: jax.Array | None) -> jax.Array | None:
         """fp16: the objective is the mean loss x the loss scale (GradScaler's convention), whatever the batch."""
