@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import shutil
+import tempfile
 from pathlib import Path
 
 import jax
@@ -512,3 +513,30 @@ def test_build_notes_are_said_once_and_cpu_backend_notes_not_for_a_gpu_plan(tmp_
     cpu_notes = [n for n in cached if CPU_BACKEND_NOTE.search(n)]
     assert len(cpu_notes) == 2  # the build said it (ragged_dot's dense expansion) for each compile; the plan did not
     assert plan_notes([*cached, *cached], shared_host=True) == list(dict.fromkeys(cached))  # a CPU plan: each once
+
+
+def test_a_compiler_that_aborts_on_one_layout_costs_that_layout_not_the_search(tmp_path, cpu_compiles, monkeypatch, capsys):
+    """XLA ends its process on a failed internal check: the search compiles each layout in a child
+    process, so a layout whose compile aborts (the fault hook does as XLA's CHECK does: a check
+    line, then SIGABRT) is reported in one line with that check line, and the layouts after it
+    compile in a fresh child. Nothing is left running and the child's stderr file is removed."""
+    import psutil
+
+    from jaxdist.plan.compile_worker import ENV_ABORT
+
+    monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(ENV_ABORT, "mb=1")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the child's stderr file goes
+    assert plan_cli.main(["--gpus", "2", "--hardware", "h100", "--max-compiles", "3", "--json", *TINY]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    failed = result["failed_to_compile"]
+    assert failed and all(f["layout"].split()[1] == "mb=1" for f in failed), failed
+    reason = f"the compiler process died (SIGABRT): Check failed: fault injection ({ENV_ABORT}=mb=1)"
+    assert all(f["error"] == reason for f in failed), failed
+    for f in failed:  # one line each, and no traceback
+        assert f"jaxdist: warning: {f['layout']} does not compile ({reason}); left out of the ranking" in captured.err.splitlines()
+    assert "Traceback" not in captured.err
+    assert len(result["candidates"]) == 3 - len(failed) >= 1 and all(c["microbatches"] != 1 for c in result["candidates"])
+    assert psutil.Process().children(recursive=True) == []
+    assert list(tmp_path.glob("jaxdist-plan-compiler-*")) == []

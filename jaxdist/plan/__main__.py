@@ -13,7 +13,8 @@ layouts whose estimated memory is within ``search.PREFILTER_MARGIN`` of what JAX
 and XLA:GPU's peak memory decides what fits. For ``cpu-local`` they are compiled against N fake
 CPU devices, after a screen that must fit with 10% headroom. Each compiled step is priced by
 ``jaxdist.plan.cost`` on the hardware profile (``--links PATH``: its links as ``python -m jaxdist.commbench --out PATH`` measured
-them, ``jaxdist.plan.link_profile``). Compiles are cached, so a rerun is fast. ``--json`` prints
+them, ``jaxdist.plan.link_profile``). Compiles are cached, so a rerun is fast. Each runs in a child
+process (``plan.compile_worker``): a layout whose compile aborts XLA is left out in one line. ``--json`` prints
 ``{"candidates": [...]}`` best first, each with ``mesh``, ``microbatches``, ``remat``, ``optimizer_offload``, ``context_strategy``,
 ``step_time_s``, ``tokens_per_sec_per_device``, ``mfu``, ``memory_per_device_bytes`` and
 ``bound``.
@@ -42,6 +43,7 @@ from jaxdist.config import load_config
 from jaxdist.errors import EXIT_OK, JaxdistError, OneLineArgumentParser
 from jaxdist.layout import devices
 from jaxdist.plan import hardware as hardware_profiles
+from jaxdist.plan.compile_worker import CompileWorker
 from jaxdist.plan.gpu_target import TARGETS, allowed_memory, prepare_target
 
 GIB = 2**30
@@ -188,68 +190,75 @@ def _price(config, fitting, hardware, args, target=None) -> dict:
     # a layout whose estimate times that exceeds the memory (5% slack) is left uncompiled
     ratios: dict[str, float] = {}
     tried = left_out = past = 0
-    bar = tqdm(total=min(args.max_compiles, len(fitting)), desc="compiling layouts", unit="layout", file=sys.stderr)
-    bar.disable = not sys.stderr.isatty()
+    bar = tqdm(
+        total=min(args.max_compiles, len(fitting)),
+        desc="compiling layouts",
+        unit="layout",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+    )
     queue = collections.deque(fitting)
-    while queue:
-        candidate, estimate = queue.popleft()
-        if tried >= args.max_compiles:
-            past += 1
-            continue
-        if time.monotonic() - start > args.time_budget:
-            skipped += 1
-            continue
-        memory_kind = (candidate.remat, candidate.optimizer_offload)
-        if memory_kind in ratios and estimate * ratios[memory_kind] > 1.05 * usable:
-            left_out += 1
-            continue
-        tried += 1
-        bar.update(1)
-        bar.set_postfix_str(candidate.label())
-        try:
-            summary, cached = compile_summary(configured(config, candidate), target=target)
-        except Exception as e:  # noqa: BLE001 - a layout XLA cannot compile is reported, and the search goes on
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            log.warning(f"{candidate.label()} does not compile ({reason}); left out of the ranking")
-            failed.append({"layout": candidate.label(), "error": reason})
-            continue
-        if target is not None and estimate > 0:
-            ratios[memory_kind] = min(ratios.get(memory_kind, math.inf), summary["memory"]["peak"] / estimate)
-        program = ProgramCost.from_dict(summary["program"])
-        p = predict_summary(program, hardware, summary)
-        layout_notes = plan_notes(summary.get("notes", []), hardware.shared_host)
-        notes += layout_notes
-        states = summary["memory"]["arguments"]
-        if target is not None:
-            memory, source = summary["memory"]["peak"], "XLA:GPU peak"
-        elif hardware.fused_attention:  # XLA:CPU's temp holds unfused attention scores: states + activation estimate
-            memory, source = (
-                states + max(estimate - states_bytes(candidate, summary["params"], routed_expert_params(config)), 0.0),
-                "states compiled + activations estimated",
+    # each layout compiles in a child process: XLA aborts its process on a failed internal check
+    with CompileWorker(cpu_only=target is None) as worker:
+        while queue:
+            candidate, estimate = queue.popleft()
+            if tried >= args.max_compiles:
+                past += 1
+                continue
+            if time.monotonic() - start > args.time_budget:
+                skipped += 1
+                continue
+            memory_kind = (candidate.remat, candidate.optimizer_offload)
+            if memory_kind in ratios and estimate * ratios[memory_kind] > 1.05 * usable:
+                left_out += 1
+                continue
+            tried += 1
+            bar.update(1)
+            bar.set_postfix_str(candidate.label())
+            try:
+                summary, cached = compile_summary(configured(config, candidate), target=target, compiler=worker.compile)
+            except Exception as e:  # noqa: BLE001 - a layout XLA cannot compile is reported, and the search goes on
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                log.warning(f"{candidate.label()} does not compile ({reason}); left out of the ranking")
+                failed.append({"layout": candidate.label(), "error": reason})
+                continue
+            if target is not None and estimate > 0:
+                ratios[memory_kind] = min(ratios.get(memory_kind, math.inf), summary["memory"]["peak"] / estimate)
+            program = ProgramCost.from_dict(summary["program"])
+            p = predict_summary(program, hardware, summary)
+            layout_notes = plan_notes(summary.get("notes", []), hardware.shared_host)
+            notes += layout_notes
+            states = summary["memory"]["arguments"]
+            if target is not None:
+                memory, source = summary["memory"]["peak"], "XLA:GPU peak"
+            elif hardware.fused_attention:  # XLA:CPU's temp holds unfused attention scores: states + activation estimate
+                memory, source = (
+                    states + max(estimate - states_bytes(candidate, summary["params"], routed_expert_params(config)), 0.0),
+                    "states compiled + activations estimated",
+                )
+            else:
+                memory, source = summary["memory"]["total"], "compiled"
+            priced.append(
+                {
+                    "mesh": candidate.mesh_spec,
+                    "microbatches": candidate.microbatches,
+                    "remat": candidate.remat,
+                    "optimizer_offload": candidate.optimizer_offload,
+                    "context_strategy": candidate.context_strategy or None,
+                    **p.to_dict(),
+                    "memory_per_device_bytes": int(memory),
+                    "memory_source": source,
+                    "fits": memory <= usable,
+                    "cached": cached,
+                    "notes": layout_notes,
+                }
             )
-        else:
-            memory, source = summary["memory"]["total"], "compiled"
-        priced.append(
-            {
-                "mesh": candidate.mesh_spec,
-                "microbatches": candidate.microbatches,
-                "remat": candidate.remat,
-                "optimizer_offload": candidate.optimizer_offload,
-                "context_strategy": candidate.context_strategy or None,
-                **p.to_dict(),
-                "memory_per_device_bytes": int(memory),
-                "memory_source": source,
-                "fits": memory <= usable,
-                "cached": cached,
-                "notes": layout_notes,
-            }
-        )
-        if memory > usable:  # the same layout with its optimizer state on host is the next to try, if offered
-            twin = dataclasses.replace(candidate, optimizer_offload=True)
-            offered = [item for item in queue if item[0] == twin]
-            if offered and not candidate.optimizer_offload:
-                queue.remove(offered[0])
-                queue.appendleft(offered[0])
+            if memory > usable:  # the same layout with its optimizer state on host is the next to try, if offered
+                twin = dataclasses.replace(candidate, optimizer_offload=True)
+                offered = [item for item in queue if item[0] == twin]
+                if offered and not candidate.optimizer_offload:
+                    queue.remove(offered[0])
+                    queue.appendleft(offered[0])
     bar.close()
     for note in plan_notes(notes, hardware.shared_host):  # each once, however many layouts compiled it
         say_note(note)

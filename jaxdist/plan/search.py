@@ -31,6 +31,7 @@ import os
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -376,10 +377,14 @@ def cache_key(config: Config, target: GpuTarget | None = None) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def compile_summary(config: Config, *, cache: Path | None = None, target: GpuTarget | None = None) -> tuple[dict[str, Any], bool]:
+def compile_summary(
+    config: Config, *, cache: Path | None = None, target: GpuTarget | None = None, compiler: Callable | None = None
+) -> tuple[dict[str, Any], bool]:
     """(what the cost model needs from ``config``'s compiled train step, whether it came
     from the cache). ``target``: compiled by XLA:GPU for it (``plan.gpu_target``); without
-    one, against as many fake CPU devices as the config's mesh (JAX must have them)."""
+    one, against as many fake CPU devices as the config's mesh (JAX must have them).
+    ``compiler(config, target)``: where a cache miss compiles (``compile_program`` in this
+    process by default; the planner's search uses ``plan.compile_worker``'s child)."""
     cache = cache_dir() if cache is None else cache
     path = cache / f"{cache_key(config, target)}.json"
     if path.is_file():
@@ -387,7 +392,7 @@ def compile_summary(config: Config, *, cache: Path | None = None, target: GpuTar
             return json.loads(path.read_text()), True
         except (OSError, ValueError):
             pass  # a damaged entry is compiled again
-    summary = _compile(config) if target is None else _compile_target(config, target)
+    summary = (compiler or compile_program)(config, target)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -396,6 +401,11 @@ def compile_summary(config: Config, *, cache: Path | None = None, target: GpuTar
     except OSError:
         pass  # no cache is slower, not wrong
     return summary, False
+
+
+def compile_program(config: Config, target: GpuTarget | None = None) -> dict[str, Any]:
+    """``compile_summary``'s summary of ``config``'s train step, compiled in this process."""
+    return _compile(config) if target is None else _compile_target(config, target)
 
 
 def _built_quietly(build):
