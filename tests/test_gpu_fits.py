@@ -149,10 +149,10 @@ def test_the_overlap_check_bites_without_the_latency_hiding_scheduler_on_an_a100
     assert without["collectives"]["reduce-scatter"]["overlapped_fraction"] < 0.8
 
 
-# Megatron-LM's 1.7B GPT (experiments/plan_validation.py's row) with 4 of its 24 layers: the
-# scanned layer pair's schedule, not the depth, decides what the gradient all-reduces overlap
+# Megatron-LM's 1.7B GPT (experiments/plan_validation.py's row) with 8 of its 24 layers: the
+# scanned layers' schedule, not the depth, decides what the gradient all-reduces overlap
 MEGATRON_1P7B_DP = (
-    "model.vocab_size=131072", "model.d_model=2048", "model.n_layers=4", "model.n_heads=16", "model.n_kv_heads=16",
+    "model.vocab_size=131072", "model.d_model=2048", "model.n_layers=8", "model.n_heads=16", "model.n_kv_heads=16",
     "model.mlp_dim=5464", "train.seq_len=4096", "train.global_batch=192", "parallel.strategy=dp", "model.remat=save_matmuls",
 )  # fmt: skip
 OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
@@ -169,16 +169,55 @@ def most_in_flight(hlo: str) -> int:
     return most
 
 
-def test_data_parallel_gradients_of_a_layer_pair_reduce_together_across_hosts():
-    """Data parallelism over 48 H100s (6 hosts): with jaxdist's flags the backward's scanned layer
-    pair holds both its gradient all-reduces open across the pair's compute, and XLA:GPU's
-    schedule, priced by the planner, exposes less of them than with XLA's default of one
-    collective in flight (where the second starts one GEMM before the pair ends)."""
+DOUBLE_BUFFERING = "xla_gpu_enable_while_loop_double_buffering"
+
+
+def test_data_parallel_gradients_of_a_layer_reduce_together_behind_the_next_layer_across_hosts():
+    """Data parallelism over 48 H100s (6 hosts): with jaxdist's flags the backward loop holds both
+    of a layer's gradient all-reduces open across the layer's compute, and XLA:GPU's schedule,
+    priced by the planner, exposes less of them than with XLA's default of one collective in
+    flight (the second starts one GEMM before the layer ends), and less than with the layer scan
+    double-buffered (two layers an iteration: the second layer's all-reduces have one GEMM left
+    in the iteration), which jaxdist keeps for layouts that gather weights in the loop."""
     with_flags = compile_target(None, "data=48", 48, MEGATRON_1P7B_DP)
     one_at_a_time = compile_target(None, "data=48", 48, MEGATRON_1P7B_DP, extra={OVERLAP_LIMIT: 1})
+    paired = compile_target(None, "data=48", 48, MEGATRON_1P7B_DP, extra={DOUBLE_BUFFERING: True})
     assert with_flags[1]["xla_flags"][OVERLAP_LIMIT] == "2" and one_at_a_time[1]["xla_flags"][OVERLAP_LIMIT] == "1"
+    assert with_flags[1]["xla_flags"][DOUBLE_BUFFERING] == "false" and paired[1]["xla_flags"][DOUBLE_BUFFERING] == "true"
     assert most_in_flight(with_flags[2]) >= 2 and most_in_flight(one_at_a_time[2]) == 1
-    assert with_flags[1]["collectives"]["all-reduce"]["exposed_s"] < 0.95 * one_at_a_time[1]["collectives"]["all-reduce"]["exposed_s"]
+    exposed = {
+        name: run[1]["collectives"]["all-reduce"]["exposed_s"]
+        for name, run in (("flags", with_flags), ("one", one_at_a_time), ("paired", paired))
+    }
+    assert exposed["flags"] < 0.95 * exposed["one"] and exposed["flags"] < 0.95 * exposed["paired"], exposed
+    assert with_flags[1]["step_s"] < paired[1]["step_s"], (with_flags[1]["step_s"], paired[1]["step_s"])
+
+
+@pytest.mark.parametrize(
+    "mesh, strategy, double_buffered",
+    [
+        ("data=8", "dp", False),
+        ("data=48,tensor=2", "dp", False),
+        ("data=-1", "zero1", False),
+        ("8x4", "auto", False),
+        ("fsdp=8", "auto", True),
+        ("data=2,fsdp=4", "auto", True),
+        ("data=4,pipe=2", "dp", True),
+        ("data=4,context=2", "dp", True),
+        ("tensor=8", "dp", True),
+        ("auto", "auto", True),
+    ],
+)
+def test_the_layer_scan_is_double_buffered_where_it_gathers_weights(mesh, strategy, double_buffered):
+    """The flag a run gets (and a compile for a target, ``compiler_options``): off only for data
+    parallelism without weight-sharding or pipeline axes, where the test above shows it exposes more."""
+    from jaxdist.layout.xla_flags import gpu_flags
+    from jaxdist.plan.gpu_target import compiler_options
+
+    config = load_config(None, [f"parallel.mesh={mesh}", f"parallel.strategy={strategy}"])
+    want = "true" if double_buffered else "false"
+    assert gpu_flags(config)[DOUBLE_BUFFERING] == want and gpu_flags(None)[DOUBLE_BUFFERING] == "true"
+    assert compiler_options(config)[DOUBLE_BUFFERING] is double_buffered
 
 
 def host_crossing(hlo: str, mesh_shape: dict[str, int], hosts: np.ndarray) -> list[tuple[str, tuple[str, ...], bool]]:
