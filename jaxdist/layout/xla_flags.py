@@ -73,8 +73,9 @@ def gpu_flags(config=None) -> dict[str, str]:
         # Double buffering pays for pipelined weight gathers. With the weights whole on every
         # device, the unrolled pair's second gradient all-reduce starts one GEMM before the pair
         # ends and must finish there; one layer per iteration leaves it the next layer's compute
-        # (Megatron-LM's 1.7B row on 48 H100: 0.610 s predicted instead of 0.628, 7.1B on 96:
-        # 1.629 s instead of 1.686; experiments/README.md, "Data-parallel gradients behind the backward")
+        # (Megatron-LM's 1.7B row on 48 H100: 0.527 s predicted instead of 0.623, 0.103 s of
+        # all-reduce exposed instead of 0.200; experiments/README.md, "Data-parallel gradients
+        # behind the backward")
         flags["xla_gpu_enable_while_loop_double_buffering"] = "false"
     return flags
 
