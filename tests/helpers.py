@@ -200,3 +200,67 @@ def checked_goodput(run_dir: Path, steps: int, idle_share: float = 0.02) -> dict
     logged = [json.loads(x)["step"] for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert result["steps"] == {"productive": steps, "retrained": len(logged) - len(set(logged))}, (result, logged)
     return result
+
+
+# lm-evaluation-harness tasks defined in the tests (YAML over a local JSON Lines file: nothing is
+# downloaded); ``.format(data=PATH)``
+MC_TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Q: {{{{question}}}}\\nA:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+GEN_TASK = """task: tiny_generate
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["e"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+ROLLING_TASK = """task: tiny_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
+"""
+
+
+# their questions (multiple choice: question, choices, the right one) and generation prompts
+QUESTIONS = [
+    ("two and two", ["four", "five", "six"], 0),
+    ("sky colour", ["blue", "green"], 1),
+    ("a cat says", ["meow", "woof", "moo", "hiss"], 2),
+    ("first letter", ["a", "zz"], 0),
+    ("opposite of up", ["down", "left", "right"], 1),
+]
+PROMPTS = ["The quick brown", "Once upon a time", "def f(x):", "1, 2, 3,"]

@@ -85,13 +85,11 @@ def _numpy_logps(model, batch, rows: np.ndarray) -> np.ndarray:
 
 
 def _numpy_dpo(policy, reference, counts, beta, smoothing, loss):
-    if loss == "ipo":
-        policy, reference = policy / counts, reference / counts
     pc, pr, rc, rr = policy[0::2], policy[1::2], reference[0::2], reference[1::2]
     delta = (pc - rc) - (pr - rr)
     log_sigmoid = lambda x: -np.logaddexp(0.0, -x)  # noqa: E731
-    if loss == "ipo":
-        losses = (delta - 1 / (2 * beta)) ** 2
+    if loss == "ipo":  # each answer's log-ratio per token; the rewards stay the sums' (TRL)
+        losses = ((pc - rc) / counts[0::2] - (pr - rr) / counts[1::2] - 1 / (2 * beta)) ** 2
     else:
         losses = -(1 - smoothing) * log_sigmoid(beta * delta) - smoothing * log_sigmoid(-beta * delta)
     chosen, rejected = beta * (pc - rc), beta * (pr - rr)
@@ -137,8 +135,11 @@ def test_pair_terms_match_the_formulas_at_known_margins():
     assert float(losses[0]) == pytest.approx(np.log1p(np.exp(-1.0)), rel=1e-6)
     smoothed, _ = pair_terms(policy, reference, beta=0.5, label_smoothing=0.25, loss="sigmoid")
     assert float(smoothed[0]) == pytest.approx(0.75 * np.log1p(np.exp(-1.0)) + 0.25 * np.log1p(np.exp(1.0)), rel=1e-6)
-    ipo, _ = pair_terms(policy, reference, beta=0.5, label_smoothing=0.0, loss="ipo")
+    ipo, ipo_sums = pair_terms(policy, reference, beta=0.5, label_smoothing=0.0, loss="ipo")
     assert float(ipo[0]) == pytest.approx(1.0)
+    per_token, per_token_sums = pair_terms(policy, reference, beta=0.5, label_smoothing=0.0, loss="ipo", counts=np.array([2.0, 4.0]))
+    assert float(per_token[0]) == pytest.approx((0.5 + 0.25 - 1.0) ** 2)  # log-ratios 1/2 and -1/4 per token
+    assert {k: float(v) for k, v in per_token_sums.items()} == {k: float(v) for k, v in ipo_sums.items()}  # rewards: the sums
     assert {k: float(v) for k, v in sums.items()} == pytest.approx(
         {"rewards/chosen": 0.5, "rewards/rejected": -0.5, "rewards/accuracies": 1.0, "rewards/margins": 1.0}
     )

@@ -19,7 +19,7 @@ from jaxdist.data.tokenizers import ByteTokenizer
 from jaxdist.inference import harness
 from jaxdist.inference.loading import checkpoint_arg_parser, load, load_config
 
-from helpers import TINY, load_model
+from helpers import GEN_TASK, MC_TASK, PROMPTS, QUESTIONS, ROLLING_TASK, TINY, load_model
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'jaxdist[eval]')")
 
@@ -128,66 +128,6 @@ def test_loglikelihood_rolling_sums_the_whole_text_in_windows(model, scorers):
         lp = logprobs(model, seq[lo:end])
         total += sum(lp[j - lo, seq[j + 1]] for j in range(start, end))
     assert got[1] == pytest.approx(total, abs=1e-4)
-
-
-MC_TASK = """task: tiny_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "Q: {{{{question}}}}\\nA:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
-
-GEN_TASK = """task: tiny_generate
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs:
-  until: ["e"]
-  max_gen_toks: 8
-  do_sample: false
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-"""
-
-ROLLING_TASK = """task: tiny_rolling
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: bits_per_byte
-    aggregation: bits_per_byte
-    higher_is_better: false
-"""
-
-QUESTIONS = [
-    ("two and two", ["four", "five", "six"], 0),
-    ("sky colour", ["blue", "green"], 1),
-    ("a cat says", ["meow", "woof", "moo", "hiss"], 2),
-    ("first letter", ["a", "zz"], 0),
-    ("opposite of up", ["down", "left", "right"], 1),
-]
-PROMPTS = ["The quick brown", "Once upon a time", "def f(x):", "1, 2, 3,"]
 
 
 def write_tasks(root, model=None) -> None:

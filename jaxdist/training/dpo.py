@@ -2,16 +2,17 @@
 
 The batch holds pairs as adjacent rows (2i chosen, 2i+1 rejected; ``data.preference``), the loss
 mask on the answers' tokens. Each row's log-probability ``log pi(answer | prompt)`` is the sum of
-its answer tokens' log-probabilities (the per-token mean for ``train.dpo_loss=ipo``, as TRL does),
-for the policy and for the frozen reference model; with the margin
-``delta = (pi_c - ref_c) - (pi_r - ref_r)``:
+its answer tokens' log-probabilities, for the policy and for the frozen reference model; with
+the margin ``delta = (pi_c - ref_c) - (pi_r - ref_r)``:
 
 - sigmoid: ``-(1 - ls) log sigmoid(beta delta) - ls log sigmoid(-beta delta)`` (``ls``:
-  ``train.dpo_label_smoothing``);
-- ipo: ``(delta - 1 / (2 beta))^2``.
+  ``train.dpo_label_smoothing``: cDPO's conservative form; TRL 1.16's ``sigmoid`` has none);
+- ipo: ``(delta' - 1 / (2 beta))^2``, where ``delta'`` divides each answer's log-ratio by its
+  token count (as TRL does).
 
 The loss is summed over pairs with their count as its weight, so the step's mean is per pair.
-The metrics are TRL's: ``rewards/chosen`` and ``rewards/rejected`` (beta x (pi - ref), means),
+The metrics are TRL's: ``rewards/chosen`` and ``rewards/rejected`` (beta x (pi - ref) of the
+summed log-probabilities, whatever the loss; means),
 ``rewards/accuracies`` (the share of pairs whose chosen reward is the higher) and
 ``rewards/margins``; they travel as sums through the step's statistics (``Task.metrics_from``).
 
@@ -42,25 +43,27 @@ REFERENCE = "reference_logps"  # the batch key: each row's reference log-probabi
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
-def row_logps(model: nnx.Module, batch: Batch, average: bool) -> jax.Array:
-    """Each row's answer log-probability [rows]: the sum over the loss mask (``average``: the mean)."""
-    mask = batch["loss_mask"]
-    total = jnp.sum(model.target_logps(batch) * mask, axis=-1)
-    return total / jnp.maximum(jnp.sum(mask, axis=-1), 1.0) if average else total
+def row_logps(model: nnx.Module, batch: Batch) -> jax.Array:
+    """Each row's answer log-probability [rows]: the sum over the loss mask."""
+    return jnp.sum(model.target_logps(batch) * batch["loss_mask"], axis=-1)
 
 
-def with_reference(model: nnx.Module, batch: Batch, *, average: bool) -> Batch:
+def with_reference(model: nnx.Module, batch: Batch) -> Batch:
     """``batch`` with the reference model's row log-probabilities, outside the gradient."""
-    return {**batch, REFERENCE: jax.lax.stop_gradient(row_logps(model, batch, average))}
+    return {**batch, REFERENCE: jax.lax.stop_gradient(row_logps(model, batch))}
 
 
-def pair_terms(policy: jax.Array, reference: jax.Array, *, beta: float, label_smoothing: float, loss: str) -> tuple[jax.Array, Stats]:
-    """(per-pair losses, the reward metrics' sums over pairs) from row log-probabilities [2 x pairs]."""
+def pair_terms(
+    policy: jax.Array, reference: jax.Array, *, beta: float, label_smoothing: float, loss: str, counts: jax.Array | None = None
+) -> tuple[jax.Array, Stats]:
+    """(per-pair losses, the reward metrics' sums over pairs) from row log-probabilities [2 x pairs]
+    (``counts``: each row's answer tokens, which IPO divides its log-ratio by; None: 1)."""
     policy, reference = policy.reshape(-1, 2), reference.reshape(-1, 2)
     chosen, rejected = beta * (policy[:, 0] - reference[:, 0]), beta * (policy[:, 1] - reference[:, 1])
     delta = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
     if loss == "ipo":
-        losses = (delta - 1.0 / (2.0 * beta)) ** 2
+        ratios = (policy - reference) / (1.0 if counts is None else jnp.maximum(counts.reshape(-1, 2), 1.0))
+        losses = (ratios[:, 0] - ratios[:, 1] - 1.0 / (2.0 * beta)) ** 2
     else:
         losses = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(beta * delta) - label_smoothing * jax.nn.log_sigmoid(-beta * delta)
     sums = {
@@ -74,8 +77,10 @@ def pair_terms(policy: jax.Array, reference: jax.Array, *, beta: float, label_sm
 
 def dpo_loss(model: nnx.Module, batch: Batch, *, beta: float, label_smoothing: float, loss: str) -> tuple[jax.Array, jax.Array, Stats]:
     """(the pairs' summed loss, their count, the reward metrics' sums): a ``Task.loss_fn``."""
-    policy = row_logps(model, batch, average=loss == "ipo")
-    losses, sums = pair_terms(policy, batch[REFERENCE], beta=beta, label_smoothing=label_smoothing, loss=loss)
+    counts = jnp.sum(batch["loss_mask"], axis=-1)
+    losses, sums = pair_terms(
+        row_logps(model, batch), batch[REFERENCE], beta=beta, label_smoothing=label_smoothing, loss=loss, counts=counts
+    )
     return jnp.sum(losses), jnp.asarray(losses.shape[0], jnp.float32), sums
 
 
@@ -89,11 +94,10 @@ def preference_task(task: Task, config: Config) -> Task:
     t = config.train
     if t.objective != "dpo":
         return task
-    average = t.dpo_loss == "ipo"
     return dataclasses.replace(
         task,
         loss_fn=functools.partial(dpo_loss, beta=t.dpo_beta, label_smoothing=t.dpo_label_smoothing, loss=t.dpo_loss),
         metrics_from=reward_metrics,
-        with_reference=functools.partial(with_reference, average=average),
+        with_reference=with_reference,
         flops_per_example=task.flops_per_example * 4 / 3,  # the reference's forward: a third of a training step's FLOPs
     )
