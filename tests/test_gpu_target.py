@@ -25,7 +25,7 @@ from jaxdist.plan.cost import predict  # noqa: E402
 from jaxdist.plan.gpu_cost import gpu_program_cost  # noqa: E402
 from jaxdist.plan.gpu_target import compile_for_target, target_hardware, target_report  # noqa: E402
 
-from helpers import TINY, subprocess_env  # noqa: E402
+from helpers import TINY, subprocess_env, without_session_cache  # noqa: E402
 
 
 def test_the_jax_internals_the_cudnn_capability_guard_replaces_exist():
@@ -212,3 +212,47 @@ def test_a_program_that_does_not_fit_says_so_in_one_line_when_run_as_a_module(tm
     lines = [line for line in proc.stderr.splitlines() if "does not fit" in line]
     assert len(lines) == 1 and "does not fit H100" in lines[0] and "GiB" in lines[0], proc.stderr[-2000:]
     assert json.loads(proc.stdout)["fits"] is False
+
+
+_CACHED_COMPILE = """
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+from jaxdist.plan.gpu_target import compile_for_target, prepare_target, target_hardware
+prepare_target()
+from jaxdist.config import load_config
+from jaxdist.data.sources import resolve_vocab
+from jaxdist.inspect.gpu_program import kernel_counts
+from jaxdist.layout.mesh import parse_mesh
+from jaxdist.training.compile_cache import enable_compile_cache
+config = load_config(None, sys.argv[2:] + ["train.compile_cache=" + sys.argv[1]])
+resolve_vocab(config)
+enable_compile_cache(config, None)
+_, compiled, _ = compile_for_target(config, parse_mesh("fsdp=2"), target_hardware("h100"), 2, 8)
+print(kernel_counts(compiled.as_text()).get("attention_cudnn_fwd", 0))
+"""
+
+
+@pytest.mark.heavy
+def test_a_second_process_finds_the_gpu_step_with_cudnn_attention_in_the_compile_cache(tmp_path):
+    """cuDNN attention is a JAX ``custom_partitioning`` op whose program text holds a Python
+    object's address (jax-ml/jax#21159): each process keyed the same step differently, so a
+    restarted run or a replacement process compiled it again. With jaxdist's compile cache a
+    second process compiling the same H100 step adds no entry (it was a hit); a different
+    model configuration gets a folder of its own."""
+    cache = tmp_path / "cache"
+    env = without_session_cache(subprocess_env())
+
+    def compile_once(*overrides: str) -> int:
+        argv = [sys.executable, "-c", _CACHED_COMPILE, str(cache), *TINY, "model.dtype=bfloat16", *overrides]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return int(proc.stdout.split()[-1])
+
+    assert compile_once() > 0  # the program has cuDNN attention: the op that made keys differ
+    (family,) = cache.iterdir()
+    entries = sorted(p.name for p in family.iterdir() if p.name.startswith("jit__train_step"))
+    assert len(entries) == 1, entries
+    assert compile_once() > 0
+    assert sorted(p.name for p in family.iterdir() if p.name.startswith("jit__train_step")) == entries
+    compile_once("model.n_layers=3")
+    assert len(list(cache.iterdir())) == 2

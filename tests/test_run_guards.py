@@ -69,9 +69,13 @@ def test_enabled_cache_directory_is_created_private(tmp_path):
     env = without_session_cache(os.environ)  # the run's own cache
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    from jaxdist.training.compile_cache import program_family
+
     path = tmp_path / "run" / "xla_cache"
-    assert proc.stdout.strip() == str(path)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert proc.stdout.strip() == str(path / program_family(load_config(None, [])))  # the model's folder of it
+    assert (
+        stat.S_IMODE(path.stat().st_mode) == 0o700 and stat.S_IMODE((path / program_family(load_config(None, []))).stat().st_mode) == 0o700
+    )
 
 
 @pytest.mark.parametrize("name", ["../../x", "a/b", "..", "", "my run", "x\ny"])

@@ -249,13 +249,15 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.heavy
 def test_compilation_cache_is_reused_by_the_next_start(tmp_path):
     """A restarted run finds its programs in the persistent cache: ``auto`` keeps it in the
-    run directory, and a second start pointed at it adds no entry (every program was a hit)."""
+    run directory (a folder per model configuration), and a second start pointed at it adds
+    no entry (every program was a hit)."""
     _cli("--run-dir", str(tmp_path / "a"))
     cache = tmp_path / "a" / "xla_cache"
-    entries = sorted(p.name for p in cache.iterdir())
+    (family,) = cache.iterdir()
+    entries = sorted(p.name for p in family.iterdir())
     assert entries
     _cli("--run-dir", str(tmp_path / "b"), f"train.compile_cache={cache}")
-    assert sorted(p.name for p in cache.iterdir()) == entries
+    assert list(cache.iterdir()) == [family] and sorted(p.name for p in family.iterdir()) == entries
 
 
 def test_compilation_cache_off_and_without_a_run_dir(tmp_path):

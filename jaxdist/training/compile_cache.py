@@ -1,9 +1,21 @@
 """XLA's persistent compilation cache for a run (``train.compile_cache``): a restarted
 run finds its compiled programs instead of compiling again. XLA loads and runs the
-native code it finds there, so only a private directory is accepted."""
+native code it finds there, so only a private directory is accepted.
+
+On GPUs the step's cuDNN attention is one of JAX's ``custom_partitioning`` ops, whose program
+text holds the address of a Python object (jax-ml/jax#21159): every process computed another
+key, and a restart or a replacement process compiled again whatever the cache held. The
+programs are keyed without that address (``jax_remove_custom_partitioning_ptr_from_cache_key``)
+in a folder of the cache per model configuration: the address stood for the attention's static
+arguments (scale, mask, window), which the ``model.*`` keys fix, so two programs that differ only
+there never share a folder (the mesh is left out: a process that compiles ahead for the mesh a
+recovery will land on fills the folder its replacement reads).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -52,8 +64,8 @@ def _check_private(path: Path) -> None:
 
 def enable_compile_cache(config: Config, run_dir: Path | None) -> Path | None:
     """Turn on XLA's persistent compilation cache, so a restarted run does not compile
-    again (see ``compile_cache_dir``). The cache is per process: the first run that sets
-    it wins."""
+    again (see ``compile_cache_dir``), in ``program_family``'s folder of it, which is returned.
+    The cache is per process: the first run that sets it wins."""
     import jax
 
     path = compile_cache_dir(config, run_dir)
@@ -66,6 +78,19 @@ def enable_compile_cache(config: Config, run_dir: Path | None) -> Path | None:
     except OSError as e:
         raise JaxdistError(f"train.compile_cache {path}: cannot create it ({e.strerror})") from None
     _check_private(path)
-    jax.config.update("jax_compilation_cache_dir", str(path))
+    programs = path / program_family(config)
+    try:
+        programs.mkdir(mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise JaxdistError(f"train.compile_cache {programs}: cannot create it ({e.strerror})") from None
+    _check_private(programs)
+    jax.config.update("jax_compilation_cache_dir", str(programs))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    return path
+    jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
+    return programs
+
+
+def program_family(config: Config) -> str:
+    """The cache's folder for ``config``'s programs: a digest of its ``model.*`` keys."""
+    model = json.dumps(config.to_dict()["model"], sort_keys=True, default=str)
+    return "programs-" + hashlib.sha256(model.encode()).hexdigest()[:16]
