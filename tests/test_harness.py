@@ -112,6 +112,24 @@ def test_loglikelihoods_equal_the_plain_model_on_one_device_and_on_data_2(model,
     assert got[0][1] and got[0][0] == pytest.approx(reference(model, context, [first])[0], abs=1e-4)
 
 
+def test_short_requests_are_packed_into_rows_and_score_as_alone(model, scorers):
+    """One long request and seven short ones: packed, two documents a row at the model's 64
+    tokens (the packed attention's budget), they fill one batch of 4 rows where one request a
+    row took two; each scores as it does alone in a batch of its own, and as the plain model."""
+    rng = np.random.default_rng(1)
+    text = [bytes(rng.integers(32, 127, n, dtype=np.uint8)).decode() for n in (48, 4, 6, 7, 9, 10, 12, 5)]
+    requests = [(ids(t), ids(" " + t[:3])) for t in text]
+    for mesh, scorer in scorers.items():
+        before = scorer.rows_scored
+        packed = scorer.loglikelihood(requests)
+        assert scorer.rows_scored - before == 4, mesh  # one batch of 4 rows (two batches of 4 one request a row)
+        alone = [scorer.loglikelihood([request])[0] for request in requests]
+        np.testing.assert_allclose([p[0] for p in packed], [a[0] for a in alone], atol=1e-5, err_msg=mesh)
+        assert [p[1] for p in packed] == [a[1] for a in alone], mesh
+    expected = [reference(model, c, k)[0] for c, k in requests]
+    np.testing.assert_allclose([p[0] for p in packed], expected, atol=1e-4)
+
+
 def test_loglikelihood_rolling_sums_the_whole_text_in_windows(model, scorers):
     short = "a short text"
     long = "".join(chr(97 + (i * 7) % 26) for i in range(150))  # three windows of 64 predictions

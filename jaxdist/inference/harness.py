@@ -12,7 +12,10 @@ Requests run in batches of fixed shapes: ``batch_size`` rows (a multiple of the 
 shards; the last batch filled with empty rows) of a bucketed length (the next power of two
 from 16, at most the model's context ``train.seq_len``), right-padded, so a handful of programs
 serve every request. The batch is split over the batch axes (``data``, ``fsdp``) like a
-training batch. Greedy generation recomputes the whole padded sequence for each new token
+training batch. Log-likelihood requests are packed: several short ones share a row as
+documents of their own (positions from 0, segment ids that keep attention inside each), up to
+the packed attention's documents per row (``models.attention.default_max_segments``), so an
+evaluation of short multiple-choice requests runs a fraction of the rows. Greedy generation recomputes the whole padded sequence for each new token
 (rows of different lengths in one batch need no cache alignment), ``GEN_CHUNK`` tokens per
 call, and stops once every row has produced the end-of-text id or one of its stop strings.
 
@@ -38,6 +41,7 @@ from flax import nnx
 
 from jaxdist.errors import JaxdistError
 from jaxdist.layout.step_context import installed
+from jaxdist.models.attention import default_max_segments
 
 log = logging.getLogger(__name__)
 
@@ -66,25 +70,26 @@ class Scorer:
         rows, per_row = trainer.layout.batch_sharding(2), trainer.layout.batch_sharding(1)
         replicated = trainer.layout.replicated()
         self._rows, self._per_row = rows, per_row
-        self._score = jax.jit(self._score_fn, in_shardings=(trainer.param_shardings, rows, rows, rows), out_shardings=replicated)
+        self._score = jax.jit(self._score_fn, in_shardings=(trainer.param_shardings, *[rows] * 5), out_shardings=replicated)
+        self.rows_scored = 0  # rows of log-likelihood batches run, filler rows included
         self._extend = jax.jit(
             self._extend_fn, in_shardings=(trainer.param_shardings, rows, per_row), out_shardings=(replicated, replicated)
         )
 
     # -- the compiled programs ------------------------------------------------------------
 
-    def _logits(self, params, inputs):
+    def _logits(self, params, inputs, positions=None, segment_ids=None):
         with installed(self.trainer.context()):
-            return nnx.merge(self.trainer.graphdef, params)(inputs).astype(jnp.float32)
+            return nnx.merge(self.trainer.graphdef, params)(inputs, positions, segment_ids).astype(jnp.float32)
 
-    def _score_fn(self, params, inputs, targets, mask):
-        """Each row's summed log-probability of its masked targets, and whether each masked
-        target is the argmax."""
-        logits = self._logits(params, inputs)
+    def _score_fn(self, params, inputs, targets, mask, positions, segment_ids):
+        """Each masked target's log-probability (0 elsewhere), and whether each target is the
+        argmax or unmasked: per token, for the requests packed in a row to be summed apart."""
+        logits = self._logits(params, inputs, positions, segment_ids)
         logp = jax.nn.log_softmax(logits, axis=-1)
         picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
         greedy = jnp.argmax(logits, axis=-1) == targets
-        return jnp.sum(jnp.where(mask, picked, 0.0), axis=-1), jnp.all(greedy | ~mask, axis=-1)
+        return jnp.where(mask, picked, 0.0), greedy | ~mask
 
     def _extend_fn(self, params, tokens, lengths):
         """GEN_CHUNK greedy tokens appended after each row's ``lengths`` tokens (a full row stays as it is)."""
@@ -127,20 +132,47 @@ class Scorer:
             whole = [*context, *continuation][-(self.max_length + 1) :]
             rows.append((whole, len(continuation)))
         out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
-        for batch in self._batches([len(r[0]) - 1 for r in rows]):
-            width = bucket(len(rows[batch[0]][0]) - 1, self.max_length)
-            inputs = np.zeros((self.batch_size, width), np.int32)
-            targets = np.zeros((self.batch_size, width), np.int32)
-            mask = np.zeros((self.batch_size, width), bool)
-            for r, i in enumerate(batch):
-                whole, n = rows[i]
-                inputs[r, : len(whole) - 1] = whole[:-1]
-                targets[r, : len(whole) - 1] = whole[1:]
-                mask[r, len(whole) - 1 - n : len(whole) - 1] = True
-            sums, greedy = jax.device_get(self._score(self.params, self._put(inputs), self._put(targets), self._put(mask)))
-            for r, i in enumerate(batch):
-                out[i] = (float(sums[r]), bool(greedy[r]))
+        for width, packed in self._packed_batches([len(whole) - 1 for whole, _ in rows]):
+            arrays = {k: np.zeros((self.batch_size, width), t) for k, t in (("inputs", np.int32), ("targets", np.int32), ("mask", bool))}
+            positions = np.zeros((self.batch_size, width), np.int32)
+            segments = np.ones((self.batch_size, width), np.int32)
+            spans = []
+            for r, members in enumerate(packed):
+                start = 0
+                for segment, i in enumerate(members, start=1):
+                    whole, n = rows[i]
+                    end = start + len(whole) - 1
+                    arrays["inputs"][r, start:end], arrays["targets"][r, start:end] = whole[:-1], whole[1:]
+                    arrays["mask"][r, end - n : end] = True
+                    positions[r, start:end], segments[r, start:end] = np.arange(end - start), segment
+                    spans.append((i, r, end - n, end))
+                    start = end
+                segments[r, start:] = len(members) + 1  # the padding: a document of its own, ids non-decreasing
+            picked, greedy = jax.device_get(self._score(self.params, *(self._put(a) for a in (*arrays.values(), positions, segments))))
+            self.rows_scored += self.batch_size
+            for i, r, a, b in spans:
+                out[i] = (float(np.sum(picked[r, a:b])), bool(np.all(greedy[r, a:b])))
         return out
+
+    def _packed_batches(self, lengths: Sequence[int]) -> list[tuple[int, list[list[int]]]]:
+        """Requests of ``lengths`` tokens packed into batches: (row width, each row's request
+        indices). Longest first; a batch's width is its first request's bucket, and each later
+        request goes in the first row with room for it (tokens, and documents per row for the
+        packed attention), else in a new row while the batch has one."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        batches: list[tuple[int, list[list[int]]]] = []
+        for i in order:
+            if batches:
+                width, packed = batches[-1]
+                room = [r for r in packed if sum(lengths[j] for j in r) + lengths[i] <= width and len(r) < default_max_segments(width)]
+                if room:
+                    room[0].append(i)
+                    continue
+                if len(packed) < self.batch_size:
+                    packed.append([i])
+                    continue
+            batches.append((bucket(lengths[i], self.max_length), [[i]]))
+        return batches
 
     def greedy(
         self, contexts: Sequence[Sequence[int]], max_new: int, stop_ids: Sequence[int], done: Callable[[int, list[int]], bool]
