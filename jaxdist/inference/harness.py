@@ -161,17 +161,22 @@ class Scorer:
         packed attention), else in a new row while the batch has one."""
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         batches: list[tuple[int, list[list[int]]]] = []
+        used: list[int] = []  # tokens in each row of the last batch
         for i in order:
             if batches:
                 width, packed = batches[-1]
-                room = [r for r in packed if sum(lengths[j] for j in r) + lengths[i] <= width and len(r) < default_max_segments(width)]
-                if room:
-                    room[0].append(i)
-                    continue
-                if len(packed) < self.batch_size:
-                    packed.append([i])
+                fits = (r for r, row in enumerate(packed) if used[r] + lengths[i] <= width and len(row) < default_max_segments(width))
+                r = next(fits, None)
+                if r is None and len(packed) < self.batch_size:
+                    r = len(packed)
+                    packed.append([])
+                    used.append(0)
+                if r is not None:
+                    packed[r].append(i)
+                    used[r] += lengths[i]
                     continue
             batches.append((bucket(lengths[i], self.max_length), [[i]]))
+            used = [lengths[i]]
         return batches
 
     def greedy(
