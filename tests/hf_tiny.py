@@ -71,3 +71,12 @@ def offline_datasets(cache):
         for key, value in {**harness.OFFLINE, "WANDB_MODE": "disabled"}.items():
             mp.setenv(key, value)
         yield
+
+
+def build_converted(root, max_length: int):
+    """``build_llama`` in ``root/hf``, imported with ``convert from-hf`` into ``root/jaxdist``: (both paths)."""
+    from jaxdist import convert
+
+    build_llama(root / "hf", max_length)
+    assert convert.main(["from-hf", str(root / "hf"), str(root / "jaxdist")]) == 0
+    return root / "hf", root / "jaxdist"

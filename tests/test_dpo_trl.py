@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 trl = pytest.importorskip("trl", reason="TRL is not installed (pip install trl)")
 datasets = pytest.importorskip("datasets")
 
-from hf_tiny import build_llama, offline_datasets  # noqa: E402
+from hf_tiny import build_converted, offline_datasets  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from jaxdist import convert  # noqa: E402
@@ -60,8 +60,7 @@ def offline(tmp_path_factory):
 def setup(tmp_path_factory):
     """(root: hf/, jaxdist/ (converted), pairs.jsonl)."""
     root = tmp_path_factory.mktemp("dpo_trl")
-    build_llama(root / "hf", SEQ)
-    assert convert.main(["from-hf", str(root / "hf"), str(root / "jaxdist")]) == 0
+    build_converted(root, SEQ)
     (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
     return root
 

@@ -17,11 +17,10 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'jaxdist[hf]')")
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'jaxdist[eval]')")
 
-from hf_tiny import build_llama, offline_datasets  # noqa: E402
+from hf_tiny import build_converted, offline_datasets  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
-from jaxdist import convert  # noqa: E402
 from jaxdist.data.tokenizers import load_tokenizer  # noqa: E402
 from jaxdist.inference import harness  # noqa: E402
 from jaxdist.inference.loading import checkpoint_arg_parser, load, load_config  # noqa: E402
@@ -40,10 +39,7 @@ def offline(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
     """(the HF model directory, the converted jaxdist folder)."""
-    root = tmp_path_factory.mktemp("harness_hf")
-    build_llama(root / "hf", SEQ)
-    assert convert.main(["from-hf", str(root / "hf"), str(root / "jaxdist")]) == 0
-    return root / "hf", root / "jaxdist"
+    return build_converted(tmp_path_factory.mktemp("harness_hf"), SEQ)
 
 
 @pytest.fixture(scope="module")

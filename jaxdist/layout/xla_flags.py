@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 
+from jaxdist.errors import MeshError
 from jaxdist.layout.mesh import parse_mesh
 from jaxdist.layout.strategy import zero_stage
 
@@ -85,7 +86,7 @@ def _replicated_weights(config) -> bool:
     axis, without fsdp, context, expert or pipe axes (what was measured)."""
     try:
         sizes = parse_mesh(config.parallel.mesh)
-    except Exception:  # noqa: BLE001 - a bad mesh is refused where the mesh is built, with its own line
+    except MeshError:  # refused where the mesh is built, with its own line
         return False
     if not sizes:  # "auto": decided later
         return False
