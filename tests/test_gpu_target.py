@@ -9,6 +9,7 @@ needs a GPU or a driver.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -48,6 +49,47 @@ def _compile(overrides=(), mesh="data=8", gpus=8, target="h100"):
 @pytest.fixture(scope="module")
 def tiny_h100():
     return _compile(("model.n_layers=3",))
+
+
+@pytest.mark.heavy
+def test_cheap_code_generation_leaves_the_program_a_target_compile_reads_as_it_was(tiny_h100):
+    """A target compile turns ptxas and LLVM's expensive passes down (``DEVICELESS_CODEGEN``):
+    the same step compiled with XLA's defaults has the same scheduled HLO and the same buffers.
+    A flag the user set in XLA_FLAGS is left to them."""
+    import jax
+
+    from jaxdist.inspect.step_report import device_peak
+    from jaxdist.plan import gpu_target
+
+    config = load_config(None, [*TINY, "model.dtype=bfloat16", "model.n_layers=3"])
+    resolve_vocab(config)
+    hardware = target_hardware("h100")
+    with gpu_target.target_capability(hardware.device["compute_capability"]):
+        trainer = gpu_target.build_trainer(config, parse_mesh("data=8"), gpu_target.target_devices(hardware, 8, 8))
+        lowered = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch(config.train.global_batch))
+    defaults = lowered.compile(gpu_target.compiler_options(config))
+    program = _instructions(defaults.as_text())
+    assert len(program) > 500 and program == _instructions(tiny_h100[1])
+    assert device_peak(defaults) == tiny_h100[0]["memory_per_device_bytes"]["peak"]
+    assert jax.default_backend() == "cpu"  # nothing here ran on a GPU
+
+
+def _instructions(hlo: str) -> list[str]:
+    """The program's computations and instructions, without source locations (which differ by call site)."""
+    kept, in_table = [], False
+    for line in hlo.splitlines():
+        in_table = line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames") or (in_table and line != "")
+        if not in_table:
+            kept.append(re.sub(r", metadata=\{[^}]*\}", "", line))
+    return kept
+
+
+def test_a_codegen_flag_the_user_sets_is_theirs(monkeypatch):
+    from jaxdist.plan.gpu_target import DEVICELESS_CODEGEN, deviceless_codegen_options
+
+    assert deviceless_codegen_options() == DEVICELESS_CODEGEN
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_gpu_disable_gpuasm_optimizations=false")
+    assert deviceless_codegen_options() == {"xla_llvm_disable_expensive_passes": True}
 
 
 @pytest.mark.heavy

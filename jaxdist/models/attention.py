@@ -182,18 +182,22 @@ def packed_offsets(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array
     (``jax._src.cudnn.fused_attention_stablehlo`` shifts the valid entries of all rows together
     into cuDNN's flat [total documents] form.) Documents past the M-th are left out.
 
-    Built row by row (a sort along the sequence, no scatter), so that the sharding partitioner
-    splits them over the batch axes as it splits the segment ids: JAX's cuDNN call takes their
-    sharding as it finds it, and the scatter-built offsets were left whole on every device, each
-    device's call then reading every row's documents against its own rows (the per-device
-    program's seqlen operands had the global batch; ``tests/test_context_gpu.py`` checks them).
+    Built row by row with no sort and no scatter: document j starts where the tokens of the
+    documents before it end, so its offset is the count of the row's tokens whose document index
+    (a cumulative sum of the starts) is below j, and a count of the whole row (t) means "no such
+    document". A comparison and a sum along the sequence are one reduction kernel on a GPU (a
+    sort of the row was the largest kernel of the step and most of its compile), and the sharding
+    partitioner splits them over the batch axes as it splits the segment ids: JAX's cuDNN call
+    takes their sharding as it finds it (a scatter-built form was left whole on every device, each
+    device's call then reading every row's documents against its own rows;
+    ``tests/test_context_gpu.py`` checks the per-device operands).
     """
     b, t = segment_ids.shape
     starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    # each row's document starts in order, then t (no such document) up to M+1 columns
-    first = jnp.sort(jnp.where(starts, jnp.arange(t, dtype=jnp.int32), t), axis=1)
-    width = max_segments + 1
-    first = first[:, :width] if t >= width else jnp.pad(first, ((0, 0), (0, width - t)), constant_values=t)
+    document = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1  # each token's document index in its row
+    documents = jnp.arange(max_segments + 1, dtype=jnp.int32)
+    # first[b, j]: where row b's j-th document starts, t where it has fewer than j + 1
+    first = jnp.sum(document[:, None, :] < documents[None, :, None], axis=2, dtype=jnp.int32)
     valid = first[:, :-1] < t
     lengths = jnp.where(valid, first[:, 1:] - first[:, :-1], -1)
     offsets = jnp.concatenate([jnp.where(valid, first[:, :-1], -1), jnp.full((b, 1), -1, jnp.int32)], axis=1)

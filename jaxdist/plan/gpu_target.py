@@ -189,7 +189,19 @@ def compile_for_target(
         mesh_context = jax.set_mesh(trainer.layout.mesh) if needs_mesh_context(trainer.state_shardings) else contextlib.nullcontext()
         with mesh_context:
             lowered = trainer.train_step.lower(trainer.abstract_state(), batch)
-    return trainer, lowered.compile(options), options
+    return trainer, lowered.compile(options | deviceless_codegen_options()), options
+
+
+# A program compiled for a target is read (its schedule, buffers and kernels, all fixed before
+# code generation) and never run: ptxas at -O0 and LLVM without its expensive passes spend a
+# third less CPU on the same HLO (tests/test_gpu_target.py compares the two programs).
+DEVICELESS_CODEGEN = {"xla_gpu_disable_gpuasm_optimizations": True, "xla_llvm_disable_expensive_passes": True}
+
+
+def deviceless_codegen_options() -> dict[str, Any]:
+    """``DEVICELESS_CODEGEN`` less any flag the user set in ``XLA_FLAGS``."""
+    user = {token.split("=", 1)[0].lstrip("-") for token in os.environ.get("XLA_FLAGS", "").split()}
+    return {name: value for name, value in DEVICELESS_CODEGEN.items() if name not in user}
 
 
 def memory_fraction() -> float:
