@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 import sysconfig
 import threading
 from pathlib import Path
@@ -191,8 +192,11 @@ class Corpus:
 def stdlib_files() -> tuple[Path, ...]:
     """The running interpreter's own standard-library sources: present on every machine
     (listed once per process: the walk takes seconds)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return tuple(sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts))
+    found = []
+    for folder, subfolders, names in os.walk(sysconfig.get_paths()["stdlib"], followlinks=True):
+        subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages")]  # installed packages: not walked
+        found += [Path(folder, name) for name in names if name.endswith(".py")]
+    return tuple(sorted(found))
 
 
 def _encode_documents(documents, tokenizer) -> np.ndarray:
