@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -32,7 +33,6 @@ _FLAGS_ENV = "JAXDIST_TEST_XLA_FLAGS"  # the accepted ones, found by the first p
 
 def _accepted(flags: tuple[str, ...]) -> str:
     import subprocess
-    import sys
 
     def ok(tried: str) -> bool:
         env = {**os.environ, "XLA_FLAGS": tried, "JAX_PLATFORMS": "cpu"}
@@ -53,6 +53,13 @@ os.environ["XLA_FLAGS"] = " ".join(
     ]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Packages the suite's processes run without (tests/hidden says why): first on the path of this
+# process and of every process it starts (xdist's workers, launchers, trainers, CLIs).
+HIDDEN = str(Path(__file__).with_name("hidden") / "everywhere")
+if HIDDEN not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HIDDEN, os.environ.get("PYTHONPATH")]))
+if HIDDEN not in sys.path:  # an xdist worker starts with the variable but not the path
+    sys.path.insert(0, HIDDEN)
 # XLA:CPU sizes its execution thread pool max(NPROC or the core count, devices): on 2 cores,
 # exactly one thread per fake device. A host callback that runs a computation of its own
 # (Pallas' interpreter inside a shard_map, tests/test_moe_gpu.py) then waits for a thread that

@@ -25,6 +25,7 @@ from conftest import TEST_XLA_FLAGS
 
 # Real text, but the 5 files of the stdlib's json package (~50 KB) rather than the whole
 # standard library: every process a test starts tokenizes its corpus (~4 s of CPU for 31M tokens).
+HIDDEN_FROM_PROCESSES = Path(__file__).with_name("hidden") / "processes"
 SMALL_TEXT = ("data.source=text", f"data.path={Path(sysconfig.get_paths()['stdlib']) / 'json' / '*.py'}")
 
 # A tiny decoder whose heads split 4 ways (tensor=4) and whose batch splits 8 ways.
@@ -97,6 +98,8 @@ def subprocess_env(devices: int | None = None) -> dict[str, str]:
     if devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     env["XLA_FLAGS"] = " ".join(flags)
+    # packages those processes run without (tests/hidden/processes says why)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HIDDEN_FROM_PROCESSES), env.get("PYTHONPATH")]))
     return env
 
 
