@@ -126,17 +126,22 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-def long_runs(*runs: tuple[str, tuple[str, ...], int]) -> list[dict]:
+def long_runs(*runs: tuple[str, tuple[str, ...], int], optimized: bool = True) -> list[dict]:
     """TINY runs of hundreds of steps, (mesh, overrides, steps) each, in one fresh process
     compiled with XLA's full optimisation (the session's -O0 would triple their step
-    time): [{"losses": [...], "eval_losses": {step: loss}}] in order."""
+    time; ``optimized=False`` for runs short enough that the optimised compiles cost more):
+    [{"losses": [...], "eval_losses": {step: loss}}] in order."""
     import json
     import subprocess
     import sys
 
     args = [(mesh, [*TINY, f"train.steps={steps}", *overrides]) for mesh, overrides, steps in runs]
     proc = subprocess.run(
-        [sys.executable, "-c", _RUNS_SCRIPT, json.dumps(args)], env=optimized_env(8), capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", _RUNS_SCRIPT, json.dumps(args)],
+        env=optimized_env(8) if optimized else subprocess_env(8),
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS ")]
