@@ -199,9 +199,7 @@ class DataConfig(_Freezable):
     bad_records: Literal["stop", "skip"] = knob(
         "stop", "text, chat, preference: a bad record (no such field, not UTF-8, a truncated file) stops the read | is skipped and counted"
     )
-    cache_dir: str = knob(
-        "", 'tokens in object storage: a local folder keeping the blocks read, across runs and processes ("": memory only)'
-    )
+    cache_dir: str = knob("", 'tokens in object storage: a local folder keeping the blocks read across runs and processes ("": memory)')
     cache_gb: float = knob(10.0, "the size limit of data.cache_dir (least recently used blocks removed first)", "> 0")
     workers: int = knob(0, "Grain worker processes (0: read in the training process)", ">= 0")
     prefetch: int = knob(2, "global batches read ahead onto the devices", ">= 0")
@@ -215,6 +213,7 @@ class DataConfig(_Freezable):
     chat_overflow: Literal["truncate", "drop"] = knob(
         "truncate", "chat: a conversation longer than train.seq_len is cut to it | left out (both counted in the log)"
     )
+    reference_logps: str = knob("", 'preference: "": the reference model runs in each DPO step | an .npz of its log-probs (made if absent)')
     synthetic_latency_ms: float = knob(0.0, "benchmarking: every synthetic example first waits this long (slow storage)", ">= 0")
 
 

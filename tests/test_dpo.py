@@ -4,6 +4,8 @@ The loss and TRL's four reward metrics against numpy, from log-probabilities of 
 model's logits on each row alone; the same losses and metrics on sharded meshes as on one
 device; an interrupted run resumed equals the uninterrupted one exactly; a run learns a rule the
 rejected answers break, from an SFT checkpoint, until greedy answers follow it; the pairs' layout; bad input in one line.
+Reference log-probabilities stored once (``data.reference_logps``) train as the reference model
+kept in the state does; a stale, foreign or hostile file is refused in one line.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from flax import nnx
 from jaxdist import train as train_cli
 from jaxdist.config import ParallelConfig, load_config
 from jaxdist.data.preference import preference_pairs
+from jaxdist.data.reference_logps import KEY
 from jaxdist.data.sources import resolve_vocab
 from jaxdist.data.tokenizers import load_tokenizer
+from jaxdist.errors import JaxdistError
 from jaxdist.inference.generation import generate_ids
 from jaxdist.inference.loading import load
 from jaxdist.layout.mesh import mesh_device_count, parse_mesh
@@ -334,3 +338,69 @@ def test_dpo_keys_that_do_not_apply_say_so_in_one_line_each():
     ]
     config = load_config(None, [*dpo_overrides("p.jsonl"), "data.chat_template=t.jinja", "train.dpo_beta=0.3"])
     assert not [x for x in check_config_on_mesh(config, parse_mesh("data=2")) if "has no effect" in x]
+
+
+# ---------------------------------------------------------------------------------------------
+# data.reference_logps: the reference's log-probabilities computed once, stored beside the data
+
+
+@pytest.fixture(scope="module")
+def stored(pairs_file, tmp_path_factory):
+    """(the file a fresh run wrote, that run's metrics)."""
+    path = tmp_path_factory.mktemp("reference") / "pairs.reference.npz"
+    return path, _run(pairs_file, "data=1", tmp_path_factory.mktemp("writer") / "run", f"data.reference_logps={path}")
+
+
+def _same(got: list[dict], want: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+    for key in ("loss", *REWARD_METRICS):
+        first = 1 if key == "rewards/accuracies" else 0  # at step 1 every margin is 0 up to rounding
+        np.testing.assert_allclose([r[key] for r in got[first:]], [r[key] for r in want[first:]], rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+def test_a_fresh_run_writes_the_file_and_trains_as_the_reference_model_does(pairs_file, one_device, stored):
+    path, metrics = stored
+    assert path.exists()
+    _same(metrics, one_device)
+    assert one_device[-1]["rewards/margins"] != 0.0  # the policy moved away from its reference
+    config = load_config(None, dpo_overrides(pairs_file, f"data.reference_logps={path}"))
+    resolve_vocab(config)
+    rows = preference_pairs(config)
+    assert rows.reference.shape == (192,) and np.all(rows.reference < 0)  # log-probabilities of 96 pairs' answers
+    np.testing.assert_array_equal(rows[3][KEY], rows.reference[6:8])  # pair 3: rows 6 and 7
+    trainer = build_trainer(config, parse_mesh("data=1"))
+    assert trainer.state_layout.abstract.reference is None and trainer.task.with_reference is None
+
+
+def test_another_run_reads_the_file_on_a_mesh_and_trains_the_same(pairs_file, one_device, stored, tmp_path, capsys):
+    path, _ = stored
+    written = path.stat().st_mtime_ns
+    _same(_run(pairs_file, "fsdp=2,tensor=2", tmp_path / "run", f"data.reference_logps={path}"), one_device)
+    assert path.stat().st_mtime_ns == written  # read, not computed again
+    assert f"data.reference_logps: 192 rows' reference log-probabilities from {path}" in capsys.readouterr().err
+
+
+def test_a_file_for_other_pairs_or_another_reference_is_refused_in_one_line(pairs_file, stored, tmp_path):
+    path, _ = stored
+    other = write_jsonl(tmp_path / "other.jsonl", rule_pairs(40, seed=4))
+    with pytest.raises(JaxdistError, match=r"was computed for other pairs \(the data, tokenizer") as error:
+        _run(other, "data=1", tmp_path / "a", f"data.reference_logps={path}")
+    assert "\n" not in str(error.value)
+    with pytest.raises(JaxdistError, match=r"holds the log-probabilities of another reference \(seed 0 .*\), not this run's \(seed 5"):
+        _run(pairs_file, "data=1", tmp_path / "b", f"data.reference_logps={path}", "train.seed=5")
+    assert not (tmp_path / "a" / "checkpoints").exists() and not (tmp_path / "b" / "checkpoints").exists()  # nothing trained
+
+
+def test_a_file_holding_python_objects_is_refused_unread(pairs_file, tmp_path):
+    hostile = tmp_path / "hostile.npz"
+    np.savez(hostile, logps=np.array([object()] * 192, dtype=object), meta=np.array("{}"))
+    with pytest.raises(JaxdistError, match=r"is not a reference log-probabilities file \(Object arrays cannot be loaded"):
+        _run(pairs_file, "data=1", tmp_path / "run", f"data.reference_logps={hostile}")
+
+
+def test_a_resumed_run_without_its_file_is_refused(pairs_file, tmp_path):
+    path, run_dir = tmp_path / "ref.npz", tmp_path / "run"
+    _run(pairs_file, "data=1", run_dir, f"data.reference_logps={path}", "train.stop_after_step=1")
+    path.unlink()
+    with pytest.raises(JaxdistError, match="no such file, and a resumed run no longer has the initial weights it was computed from"):
+        _run(pairs_file, "data=1", run_dir, f"data.reference_logps={path}")

@@ -121,6 +121,7 @@ UNUSED = {
     "train.dpo_beta=0.5": "train.objective=lm",
     "train.dpo_label_smoothing=0.1": "train.objective=lm",
     "train.dpo_loss=ipo": "train.objective=lm",
+    "data.reference_logps=ref.npz": "train.objective=lm",
     "train.harness_every=2": "train.harness_tasks empty",
     "train.harness_limit=5": "train.harness_tasks empty",
     "train.harness_chat_template=true": "train.harness_tasks empty",

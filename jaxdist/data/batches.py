@@ -325,6 +325,7 @@ class PaddedExamples:
 
     def __init__(self, source: Any, length: int):
         self.source, self.length = source, length
+        self.rows_per_example = getattr(source, "rows_per_example", 1)  # preference pairs: two rows, kept together
 
     def __len__(self) -> int:
         return self.length

@@ -14,7 +14,9 @@ local paths, globs, folders or URLs as every corpus takes them) holds ``prompt``
 A pair is two rows, chosen then rejected, each ``prompt + answer`` from position 0 with the loss
 mask on the answer's tokens only, the rest of the row padding (a segment of its own, no loss).
 The pair is one example of the Grain source (``rows_per_example``), so shuffling, process
-slicing and batching never part it: global batch rows 2i and 2i+1 are pair i.
+slicing and batching never part it: global batch rows 2i and 2i+1 are pair i. With
+``data.reference_logps`` each row also carries its stored reference log-probability
+(``data.reference_logps``'s file).
 
 An answer longer than the row leaves is cut (counted in the log line). A record without one of
 the fields, a field of the wrong type, an empty side, or a prompt that leaves no room for an
@@ -33,6 +35,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from jaxdist.config import Config
+from jaxdist.data import reference_logps
 from jaxdist.data.chat_template import ChatTemplate, check_messages, find_chat_template
 from jaxdist.data.records import JSONL_SUFFIXES, PARQUET_SUFFIXES, RecordReading, jsonl_lines
 from jaxdist.data.text import expand_inputs
@@ -170,10 +173,17 @@ class PreferencePairs:
 
     rows_per_example = 2  # batches_dataset batches pairs and flattens them to rows
 
-    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, prompt_lengths: np.ndarray, seq_len: int, document_mask: bool):
+    def __init__(self, tokens, offsets, prompt_lengths, seq_len: int, document_mask: bool, reference: np.ndarray | None = None):
         # sequence 2i (chosen) and 2i+1 (rejected) of pair i: tokens[offsets[j]:offsets[j+1]], prompt_lengths[j] of them the prompt
         self.tokens, self.offsets, self.prompt_lengths = tokens, offsets, prompt_lengths
         self.seq_len, self.document_mask = seq_len, document_mask
+        self.reference = reference  # each row's stored reference log-probability (data.reference_logps), or None
+
+    def digest(self) -> str:
+        return reference_logps.pairs_digest(self.tokens, self.offsets, self.prompt_lengths, self.seq_len)
+
+    def with_reference(self, logps: np.ndarray) -> PreferencePairs:
+        return PreferencePairs(self.tokens, self.offsets, self.prompt_lengths, self.seq_len, self.document_mask, logps)
 
     def __len__(self) -> int:
         return (len(self.offsets) - 1) // 2
@@ -192,11 +202,14 @@ class PreferencePairs:
         example = {"inputs": inputs, "targets": targets, "loss_mask": loss_mask}
         if self.document_mask:
             example |= {"segment_ids": segment_ids, "positions": positions}
+        if self.reference is not None:
+            example[reference_logps.KEY] = self.reference[2 * int(index) : 2 * int(index) + 2]
         return example
 
 
-def preference_pairs(config: Config) -> PreferencePairs:
-    """The training pairs of ``data.source=preference``."""
+def preference_pairs(config: Config, *, with_reference: bool = True) -> PreferencePairs:
+    """The training pairs of ``data.source=preference``; with ``data.reference_logps`` (and
+    ``with_reference``) each row with its stored reference log-probability."""
     d, t = config.data, config.train
     if not d.path:
         raise JaxdistError(
@@ -213,6 +226,12 @@ def preference_pairs(config: Config) -> PreferencePairs:
     m = config.model
     if max_id >= (m.valid_vocab or m.vocab_size):
         raise JaxdistError(f"token id {max_id} in preference:{d.path} >= the model's vocab ({m.valid_vocab or m.vocab_size})")
+    if with_reference and d.reference_logps and config.train.objective == "dpo":
+        try:
+            logps, _ = reference_logps.read(d.reference_logps, pairs.digest(), 2 * len(pairs))
+        except FileNotFoundError:
+            raise JaxdistError(f"data.reference_logps {d.reference_logps}: no such file") from None
+        return pairs.with_reference(logps)
     return pairs
 
 

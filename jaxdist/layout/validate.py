@@ -336,6 +336,8 @@ def unused_keys(config: Config, sizes: MeshSizes, used: Collection[str] = ()) ->
         for key in ("dpo_beta", "dpo_label_smoothing", "dpo_loss"):
             if changed("train", key):
                 found.append((f"train.{key}", f"train.objective={t.objective} (it is DPO's)"))
+        if changed("data", "reference_logps"):
+            found.append(("data.reference_logps", f"train.objective={t.objective} (it is DPO's)"))
     elif t.dpo_loss == "ipo" and changed("train", "dpo_label_smoothing"):
         found.append(("train.dpo_label_smoothing", "train.dpo_loss=ipo (label smoothing is the sigmoid loss's)"))
     if not t.harness_tasks.strip():

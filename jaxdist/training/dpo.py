@@ -24,7 +24,9 @@ against the data or the tokenizer, and because it is checkpointed with the rest 
 resume is exact without ``--init-from`` being given again (or its checkpoint still existing).
 Its price is a second forward pass per step (no backward) and one more copy of the weights in
 device memory and in each full checkpoint. Its log-probabilities are computed in the same step,
-under ``stop_gradient`` (``step.Trainer._with_reference``).
+under ``stop_gradient`` (``step.Trainer._with_reference``). ``data.reference_logps`` trades
+those for a file computed once from the same initial weights (``training.reference_pass``):
+the batch then carries each row's reference log-probability and the state no reference.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.config import Config
+from jaxdist.data import reference_logps
 from jaxdist.models import Batch, Stats, Task
 
-REFERENCE = "reference_logps"  # the batch key: each row's reference log-probability
+REFERENCE = reference_logps.KEY  # the batch key: each row's reference log-probability
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
@@ -94,9 +97,14 @@ def preference_task(task: Task, config: Config) -> Task:
     t = config.train
     if t.objective != "dpo":
         return task
+    loss_fn = functools.partial(dpo_loss, beta=t.dpo_beta, label_smoothing=t.dpo_label_smoothing, loss=t.dpo_loss)
+    if config.data.reference_logps:  # read from the batch (data.reference_logps): no reference model, no second forward
+        spec = task.batch_spec
+        stored = lambda b: {**spec(b), REFERENCE: jax.ShapeDtypeStruct((b,), jnp.float32)}  # noqa: E731
+        return dataclasses.replace(task, loss_fn=loss_fn, metrics_from=reward_metrics, batch_spec=stored)
     return dataclasses.replace(
         task,
-        loss_fn=functools.partial(dpo_loss, beta=t.dpo_beta, label_smoothing=t.dpo_label_smoothing, loss=t.dpo_loss),
+        loss_fn=loss_fn,
         metrics_from=reward_metrics,
         with_reference=with_reference,
         flops_per_example=task.flops_per_example * 4 / 3,  # the reference's forward: a third of a training step's FLOPs

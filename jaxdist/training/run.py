@@ -243,6 +243,7 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     from jaxdist.training.metrics import MetricsLogger, fp8_peak_flops_per_device, peak_flops_per_device
     from jaxdist.training.preemption import PreemptionWatcher
     from jaxdist.training.recovery import join_running, train_recovering
+    from jaxdist.training.reference_pass import ensure_reference_logps
     from jaxdist.training.resume import continue_data, initial_weights, restore_checkpoint, schedule_change
     from jaxdist.training.stragglers import StragglerWatch
     from jaxdist.training.wandb_log import check_wandb, open_wandb_run
@@ -253,6 +254,8 @@ def run_resolved(plan: RunPlan, *, devices=None, progress: bool = True, print_li
     trainer = build_trainer(config, plan.mesh_sizes, devices)
     task, layout, mesh = trainer.task, trainer.layout, trainer.layout.mesh
     devices = list(mesh.devices.flat)
+    if config.data.reference_logps and config.train.objective == "dpo":  # checked, or computed from the initial weights
+        ensure_reference_logps(trainer, config, plan)
     batches = make_iterator(config, layout)  # opens the data: its errors come before anything is written
     harness_eval = HarnessDuringTraining.from_config(config, run_dir, jax.process_index() == 0)  # unknown tasks: refused here
     if run_dir is not None and weights_dir is None:
