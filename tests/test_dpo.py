@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +35,7 @@ from jaxdist.training.dpo import REWARD_METRICS, pair_terms
 from jaxdist.training.run import build_trainer, run
 from jaxdist.training.weights import checkpoint_config
 
-from helpers import TINY, first_batch
+from helpers import TINY, first_batch, subprocess_env
 
 LETTERS = "abcdefgh"
 BYTE_TEMPLATE = "{% for m in messages %}{{ m.role[0] }}:{{ m.content }};{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
@@ -404,3 +406,16 @@ def test_a_resumed_run_without_its_file_is_refused(pairs_file, tmp_path):
     path.unlink()
     with pytest.raises(JaxdistError, match="no such file, and a resumed run no longer has the initial weights it was computed from"):
         _run(pairs_file, "data=1", run_dir, f"data.reference_logps={path}")
+
+
+@pytest.mark.heavy
+def test_two_processes_write_the_file_once_and_train_as_one_device(pairs_file, one_device, tmp_path):
+    """Each process computes its share of every batch; process 0 writes the file, the other waits for it."""
+    path, run_dir = tmp_path / "ref.npz", tmp_path / "run"
+    overrides = dpo_overrides(pairs_file, "train.steps=3", "train.lr=1e-2", "train.warmup_steps=0", f"data.reference_logps={path}")
+    cmd = [sys.executable, "-m", "jaxdist.launch", "--nproc", "2", "--devices-per-proc", "1", "--"]
+    cmd += ["--mesh", "data=2", "--run-dir", str(run_dir), *overrides]
+    done = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert path.exists() and not list(tmp_path.glob(".ref.npz.partial-*"))
+    _same(metrics(run_dir), one_device)
