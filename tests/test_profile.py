@@ -419,6 +419,12 @@ def test_training_on_slow_storage_is_data_bound(tmp_path: Path) -> None:
     assert summary["bound"] == "data", summary["fractions"]
     assert abs(sum(summary["fractions"].values()) - 1) < 0.02
     assert any(a["key"] == "data.workers" for a in summary["advice"])
+    # the trace holds the steps' annotations and no event of JAX's Python tracer (its hooks are off)
+    from jax.profiler import ProfileData
+
+    (trace,) = (tmp_path / "profile" / "process_0").glob("plugins/profile/*/*.xplane.pb")
+    names = [ev.name for line in ProfileData.from_file(str(trace)).find_plane_with_name("/host:CPU").lines for ev in line.events]
+    assert names.count("train_step") == 2 and not [n for n in names if n.startswith("$")], sorted(set(names))[:20]
 
 
 @pytest.mark.heavy
