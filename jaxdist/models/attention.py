@@ -186,7 +186,7 @@ def packed_offsets(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array
     documents before it end, so its offset is the count of the row's tokens whose document index
     (a cumulative sum of the starts) is below j, and a count of the whole row (t) means "no such
     document". A comparison and a sum along the sequence are one reduction kernel on a GPU (a
-    sort of the row was the largest kernel of the step and most of its compile), and the sharding
+    sort of the row was the largest kernel of the step and a fifth of its compile), and the sharding
     partitioner splits them over the batch axes as it splits the segment ids: JAX's cuDNN call
     takes their sharding as it finds it (a scatter-built form was left whole on every device, each
     device's call then reading every row's documents against its own rows;

@@ -193,8 +193,8 @@ def compile_for_target(
 
 
 # A program compiled for a target is read (its schedule, buffers and kernels, all fixed before
-# code generation) and never run: ptxas at -O0 and LLVM without its expensive passes spend a
-# third less CPU on the same HLO (tests/test_gpu_target.py compares the two programs).
+# code generation) and never run: ptxas at -O0 (run once per kernel) takes a third less CPU on
+# the same kernels, LLVM skips its expensive passes (tests/test_gpu_target.py compares the programs).
 DEVICELESS_CODEGEN = {"xla_gpu_disable_gpuasm_optimizations": True, "xla_llvm_disable_expensive_passes": True}
 
 
