@@ -107,16 +107,28 @@ def _numpy_dpo(policy, reference, counts, beta, smoothing, loss):
     }
 
 
-@pytest.mark.parametrize(("loss", "smoothing"), [("sigmoid", 0.2), ("ipo", 0.0)])
-def test_loss_and_reward_metrics_equal_numpy(pairs_file, loss, smoothing):
+CIRCULAR = ("model.n_layers=4", "parallel.schedule=circular", "parallel.virtual_stages=2")
+
+
+@pytest.mark.parametrize(
+    ("loss", "smoothing", "mesh", "more"),
+    [("sigmoid", 0.2, "data=1", ()), ("ipo", 0.0, "data=1", ()), ("sigmoid", 0.2, "data=2,pipe=2", ()), ("ipo", 0.0, "pipe=2", CIRCULAR)],
+    ids=["sigmoid", "ipo", "gpipe", "circular"],
+)
+def test_loss_and_reward_metrics_equal_numpy(pairs_file, loss, smoothing, mesh, more):
     """Step 2 (the policy moved by step 1, the reference still the initial weights): the step's
-    loss and metrics against numpy from each row's log-probabilities computed apart."""
+    loss and metrics against numpy from each row's log-probabilities computed apart. On a pipe
+    axis the rows' log-probabilities (the policy's and the reference's) come through GPipe's
+    schedule: its activations move between stages by collective-permutes."""
     overrides = dpo_overrides(pairs_file, f"train.dpo_loss={loss}", "train.dpo_beta=0.5", "train.lr=1e-2", "train.warmup_steps=0")
-    config = load_config(None, [*overrides, *([f"train.dpo_label_smoothing={smoothing}"] if smoothing else [])])
+    config = load_config(None, [*overrides, *more, *([f"train.dpo_label_smoothing={smoothing}"] if smoothing else [])])
     resolve_vocab(config)
-    trainer = build_trainer(config, parse_mesh("data=1"), jax.devices()[:1])
+    sizes = parse_mesh(mesh)
+    trainer = build_trainer(config, sizes, jax.devices()[: mesh_device_count(sizes)])
     state = trainer.init_state(0)
     batch = jax.device_get(first_batch(config, trainer.layout))
+    permutes = trainer.train_step.lower(state, batch).as_text().count("collective_permute")
+    assert (permutes > 0) == (sizes.get("pipe", 1) > 1)
     state, first = trainer.train_step(state, batch)
     at_zero = np.log(2.0) if loss == "sigmoid" else (1 / (2 * 0.5)) ** 2
     assert float(first["loss"]) == pytest.approx(at_zero, abs=1e-6)  # policy == reference: margin 0
@@ -202,7 +214,7 @@ def one_device(pairs_file, tmp_path_factory):
     return _run(pairs_file, "data=1", tmp_path_factory.mktemp("one") / "run")
 
 
-@pytest.mark.parametrize("mesh", ["data=2", "fsdp=2,tensor=2"])
+@pytest.mark.parametrize("mesh", ["data=2", "fsdp=2,tensor=2", "data=2,pipe=2"])
 def test_sharded_runs_equal_one_device(pairs_file, one_device, mesh, tmp_path):
     """The rewards are differences of summed log-probabilities (tens of nats): float32 rounding of
     those sums in another reduction order is ~1e-6 in a reward, hence the absolute tolerance. At
@@ -292,7 +304,7 @@ GOOD = {"prompt": "ab=", "chosen": "ab", "rejected": "cd"}
         ([GOOD, {**GOOD, "prompt": "x" * 40}], (), "record 2: the prompt's 40 tokens leave no room for an answer in train.seq_len=32"),
         ([GOOD, "{not json"], (), "record 2: not JSON"),
         ([GOOD], ("train.objective=lm",), "train.objective=dpo trains on data.source=preference"),
-        ([GOOD], ("--mesh", "data=2,pipe=2"), "train.objective=dpo does not support a pipe axis yet"),
+        ([GOOD], ("--mesh", "data=2,pipe=2", "parallel.schedule=1f1b"), "a pipe axis runs parallel.schedule=gpipe or circular, not 1f1b"),
         ([GOOD], ("train.microbatches=2",), "train.objective=dpo does not support train.microbatches=2 yet"),
         ([GOOD], ("--mesh", "data=2", "train.global_batch=6"), "gives 3 rows per device, which would split a chosen/rejected pair"),
         ([GOOD], ("train.eval_every=5",), "train.objective=dpo has no held-out evaluation yet"),
@@ -304,7 +316,7 @@ GOOD = {"prompt": "ab=", "chosen": "ab", "rejected": "cd"}
         "prompt too long",
         "not JSON",
         "lm objective",
-        "pipe",
+        "pipe 1f1b",
         "microbatches",
         "odd rows",
         "eval",
@@ -380,6 +392,14 @@ def test_another_run_reads_the_file_on_a_mesh_and_trains_the_same(pairs_file, on
     _same(_run(pairs_file, "fsdp=2,tensor=2", tmp_path / "run", f"data.reference_logps={path}"), one_device)
     assert path.stat().st_mtime_ns == written  # read, not computed again
     assert f"data.reference_logps: 192 rows' reference log-probabilities from {path}" in capsys.readouterr().err
+
+
+def test_a_pipelined_run_computes_the_same_file_and_trains_the_same(pairs_file, one_device, stored, tmp_path):
+    """The reference pass on data=2,pipe=2 (rows through GPipe's forward) writes what one device wrote."""
+    path = tmp_path / "pipe.reference.npz"
+    _same(_run(pairs_file, "data=2,pipe=2", tmp_path / "run", f"data.reference_logps={path}"), one_device)
+    with np.load(stored[0], allow_pickle=False) as one, np.load(path, allow_pickle=False) as piped:
+        np.testing.assert_allclose(piped["logps"], one["logps"], rtol=1e-5, atol=1e-5)
 
 
 def test_a_file_for_other_pairs_or_another_reference_is_refused_in_one_line(pairs_file, stored, tmp_path):

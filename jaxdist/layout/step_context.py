@@ -9,6 +9,8 @@ The model knows nothing of the mesh; what depends on it reaches it here:
   ``parallel.context``), called instead of the model's own attention;
 - ``expert_kernel``: where an MoE layer's routed tokens go (expert parallelism's all-to-all,
   ``parallel.expert``), instead of the experts on one device;
+- ``row_logps_kernel``: each row's answer log-probability (DPO's) through the pipeline
+  schedule on a pipe axis, instead of the model's own forward;
 - ``loss_cotangent``: the scale the loss's gradient is taken with (fp16 loss scaling), which
   1F1B needs inside the forward pass, where it runs the backward;
 - ``vmapped``: the model runs under ``jax.vmap`` (DiLoCo's replicas), where a kernel whose JAX
@@ -34,6 +36,7 @@ class StepContext:
     layout: Any = None  # layout.sharding.Layout
     sequence_kernel: Callable | None = None  # (q, k, v, segment_ids, positions) -> attention output
     expert_kernel: Callable | None = None  # (x, ids, gates, w_gate_up, w_down, capacity factor) -> (y, dropped)
+    row_logps_kernel: Callable | None = None  # (model, batch) -> each row's answer log-probability: a pipeline's forward
     loss_cotangent: Any = None  # jax.Array scalar: the loss sum's gradient is taken of loss sum x this (None: 1)
     vmapped: bool = False
     fp8_off: bool = False

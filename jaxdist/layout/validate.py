@@ -78,7 +78,13 @@ def _check_batch(config: Config, sizes: MeshSizes) -> None:
 
 def _check_preference(config: Config, sizes: MeshSizes) -> None:
     """DPO's pairs (rows 2i, 2i+1) stay whole on one device; the axes it does not run on yet."""
-    for axis, why in (("pipe", "the pipeline schedule is the lm loss"), ("context", "a pair's rows would be split"),
+    schedule = config.parallel.schedule
+    if sizes.get("pipe", 1) > 1 and schedule not in ("gpipe", "circular"):
+        raise MeshError(
+            f"train.objective=dpo on a pipe axis runs parallel.schedule=gpipe or circular, not {schedule} "
+            "(its backward runs inside the forward, per microbatch, where DPO's loss needs each row's whole log-probability)"
+        )
+    for axis, why in (("context", "a pair's rows would be split"),
                       ("replica", "DiLoCo's replicas carry no reference model"), ("expert", "it needs an MoE model")):  # fmt: skip
         if sizes.get(axis, 1) > 1:
             raise MeshError(f"train.objective=dpo does not support a {axis} axis yet ({why})")

@@ -48,6 +48,7 @@ class Task:
     # set from outside by parallel.parallelize, installed in each step's context (layout.step_context)
     sequence_kernel: Callable | None = None  # context parallelism's attention
     expert_kernel: Callable | None = None  # expert parallelism's dispatch
+    row_logps_kernel: Callable | None = None  # a pipe axis's forward of each row's log-probability (train.objective=dpo)
 
 
 def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array, Stats]:

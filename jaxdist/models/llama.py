@@ -269,7 +269,11 @@ class Llama(nnx.Module):
     def target_logps(self, batch: dict[str, jax.Array]) -> jax.Array:
         """The log-probability of each target, [batch, seq] float32, unmasked (preference objectives sum them)."""
         y, _ = self._all_layers(*self.embed_tokens(batch))
-        return -optax.softmax_cross_entropy_with_integer_labels(self._logits(self.head_params(), y), batch["targets"])
+        return self.head_target_logps(self.head_params(), y, batch["targets"])
+
+    def head_target_logps(self, head: dict[str, jax.Array], y: jax.Array, targets: jax.Array) -> jax.Array:
+        """The log-probability of each of ``targets`` [batch, seq] under the head on the final activations ``y``."""
+        return -optax.softmax_cross_entropy_with_integer_labels(self._logits(head, y), targets)
 
     def _all_layers(self, x: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Every layer (the dense leading stack first), and the MoE layers' statistics stacked [moe layers, ...]."""

@@ -25,6 +25,8 @@ def parallelize(task, config: Config, mesh):
     spec = pipeline_spec(config.parallel, sizes.get("pipe", 1))
     if spec is None:
         return task
-    from jaxdist.parallel.pipeline import pipelined_loss
+    from jaxdist.parallel.pipeline import pipelined_loss, pipelined_row_logps
 
+    if config.train.objective == "dpo":  # the task's own loss, on rows whose log-probabilities come through the pipeline
+        return dataclasses.replace(task, row_logps_kernel=pipelined_row_logps(spec))
     return dataclasses.replace(task, loss_fn=pipelined_loss(spec))

@@ -62,11 +62,33 @@ def pipeline_loss(
     mesh: Mesh,
 ) -> jax.Array:
     """The loss sum of x [B, T, D] through all L layers and the head (GPipe or circular)."""
+
+    def head(params, y, targets):
+        return jax.lax.psum(head_loss_fn(params, y, targets), ("pipe", "data"))
+
+    y_mb = _forward_schedule(stage_fn, layer_params, x, aux, spec, mesh)
+    return _on_pieces(head, head_params, y_mb, targets, spec, mesh, PartitionSpec())
+
+
+def pipeline_row_sums(
+    stage_fn: StageFn, row_fn: HeadLossFn, layer_params: Any, head_params: Any, x: jax.Array, aux: dict, targets: dict, spec, mesh
+) -> jax.Array:
+    """Per row of x [B, T, D], the sum over its sequence of ``row_fn``'s [rows, T] values (GPipe or circular):
+    each stage sums its piece of the sequence, and the pieces are summed over pipe."""
+
+    def head(params, y, targets):
+        return jax.lax.psum(jnp.sum(row_fn(params, y, targets), axis=-1), "pipe")
+
+    y_mb = _forward_schedule(stage_fn, layer_params, x, aux, spec, mesh)
+    return _on_pieces(head, head_params, y_mb, targets, spec, mesh, PartitionSpec("data"))
+
+
+def _forward_schedule(stage_fn: StageFn, layer_params: Any, x: jax.Array, aux: dict, spec: PipelineSpec, mesh: Mesh) -> jax.Array:
+    """The last stage's outputs of every microbatch, stage s holding 1/S of every sequence: [M, b, T/S, D] per stage."""
     S, M, V = spec.stages, spec.microbatches, spec.virtual
     staged = stage_major(layer_params, spec)
     x_mb = split_microbatches(x, M)
     aux_mb = {k: split_microbatches(v, M) for k, v in aux.items()}
-    targets_mb = {k: split_microbatches(v, M) for k, v in targets.items()}
     acc = sum_dtype(x.dtype, mesh)  # what the sums over pipe run in (pipeline_parts: bf16 on CPU)
 
     def per_stage(params, x_in, aux_mb):
@@ -104,22 +126,25 @@ def pipeline_loss(
         axis_names={"pipe"},
         check_vma=False,
     )
-    y_mb = run(staged, promote(x_mb, mesh), aux_mb)  # replicated over pipe: autodiff sums its gradient over pipe
+    return run(staged, promote(x_mb, mesh), aux_mb)  # replicated over pipe: autodiff sums its gradient over pipe
 
-    # The head on each stage's piece of the sequences, not all of it everywhere. Manual over
-    # 'data' too: with it left to the partitioner inside a pipe-manual region, XLA's SPMD
-    # partitioner (jaxlib 0.10) fails a check on the loss's gather once tensor is partitioned.
-    def head(head_in, y_mb, targets_mb):
+
+def _on_pieces(head: Callable, head_params: Any, y_mb: jax.Array, targets: dict, spec: PipelineSpec, mesh: Mesh, out_spec) -> Any:
+    """``head(head params, y, targets)`` on each stage's piece of the sequences, not all of it everywhere.
+    Manual over 'data' too: with it left to the partitioner inside a pipe-manual region, XLA's SPMD
+    partitioner (jaxlib 0.10) fails a check on the loss's gather once tensor is partitioned."""
+    targets_mb = {k: split_microbatches(v, spec.microbatches) for k, v in targets.items()}
+
+    def on_piece(head_in, y_mb, targets_mb):
         params = restore(head_in, head_params)
-        loss = head_loss_fn(params, merge_microbatches(y_mb), {k: merge_microbatches(v) for k, v in targets_mb.items()})
-        return jax.lax.psum(loss, ("pipe", "data"))
+        return head(params, merge_microbatches(y_mb), {k: merge_microbatches(v) for k, v in targets_mb.items()})
 
     rows_pieces = PartitionSpec(None, "data", "pipe")
     run_head = jax.shard_map(
-        head,
+        on_piece,
         mesh=mesh,
         in_specs=(PartitionSpec(), rows_pieces, rows_pieces),
-        out_specs=PartitionSpec(),
+        out_specs=out_spec,
         axis_names={"pipe", "data"},
         check_vma=False,
     )
@@ -141,6 +166,8 @@ class StagedModel(Protocol):
     def head_params(self) -> Any: ...
 
     def head_loss(self, head: Any, y: jax.Array, targets: dict[str, jax.Array]) -> jax.Array: ...  # summed loss, per token
+
+    def head_target_logps(self, head: Any, y: jax.Array, targets: jax.Array) -> jax.Array: ...  # [rows, T] (DPO's)
 
     def loss_targets(self, batch: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array]: ...  # (targets, weight)
 
@@ -165,3 +192,23 @@ def pipelined_loss(spec: PipelineSpec) -> Callable[[StagedModel, dict[str, jax.A
         return pipeline_loss(stage, model.head_loss, stacked, model.head_params(), x, aux, targets, spec, mesh), weight, {}
 
     return loss
+
+
+def pipelined_row_logps(spec: PipelineSpec) -> Callable[[StagedModel, dict[str, jax.Array]], jax.Array]:
+    """``(model, batch) -> [rows]``: each row's log-probability of its targets under the loss mask
+    (DPO's, ``training.dpo.row_logps``), the layers through ``spec``'s forward schedule (GPipe or
+    circular: autodiff takes its backward, so DPO's loss of whole rows can follow it)."""
+
+    def row_logps(model: StagedModel, batch: dict[str, jax.Array]) -> jax.Array:
+        x, aux = model.embed_tokens(batch)
+        graphdef, stacked = model.layer_stack()
+        stage = functools.partial(model.run_layers, graphdef)
+        targets, _ = model.loss_targets(batch)
+
+        def masked_logps(head, y, targets):
+            return model.head_target_logps(head, y, targets["targets"]) * targets["loss_mask"]
+
+        mesh = active_layout().mesh
+        return pipeline_row_sums(stage, masked_logps, stacked, model.head_params(), x, aux, targets, spec, mesh)
+
+    return row_logps

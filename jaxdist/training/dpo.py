@@ -40,6 +40,7 @@ from flax import nnx
 
 from jaxdist.config import Config
 from jaxdist.data import reference_logps
+from jaxdist.layout import step_context
 from jaxdist.models import Batch, Stats, Task
 
 REFERENCE = reference_logps.KEY  # the batch key: each row's reference log-probability
@@ -47,7 +48,11 @@ REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "r
 
 
 def row_logps(model: nnx.Module, batch: Batch) -> jax.Array:
-    """Each row's answer log-probability [rows]: the sum over the loss mask."""
+    """Each row's answer log-probability [rows]: the sum over the loss mask (on a pipe axis, through
+    the pipeline's forward: ``parallel.pipeline.pipelined_row_logps``)."""
+    kernel = step_context.current().row_logps_kernel
+    if kernel is not None:
+        return kernel(model, batch)
     return jnp.sum(model.target_logps(batch) * batch["loss_mask"], axis=-1)
 
 

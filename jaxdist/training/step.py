@@ -245,7 +245,10 @@ class Trainer:
 
     def context(self, loss_cotangent: jax.Array | None = None, vmapped: bool = False) -> StepContext:
         """What the step installs while it is traced (``layout.step_context``)."""
-        return StepContext(self.layout, self.task.sequence_kernel, self.task.expert_kernel, loss_cotangent, vmapped=vmapped)
+        task = self.task
+        return StepContext(
+            self.layout, task.sequence_kernel, task.expert_kernel, task.row_logps_kernel, loss_cotangent=loss_cotangent, vmapped=vmapped
+        )
 
     # -- the step: loss -> gradients -> reduction -> update -------------------------------
 
