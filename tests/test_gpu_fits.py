@@ -260,3 +260,16 @@ def test_on_two_nodes_only_the_collectives_over_data_cross_hosts(two_nodes):
     # the check sees a crossing when there is one: were the hosts interleaved, fsdp would cross them
     interleaved = host_crossing(hlo, report["mesh"], np.arange(16) % 2)
     assert any(crosses and axes == ("fsdp",) for _, axes, crosses in interleaved)
+
+
+def test_on_two_nodes_each_gradient_crosses_hosts_once_as_its_fsdp_shard(two_nodes):
+    """Across hosts (over data) each fp32 gradient is all-reduced once, as the eighth of it its host's
+    fsdp shard holds: the embedding table's too. Its lookup's gradient is a scatter, whose partial
+    sums the partitioner all-reduced whole over data and fsdp (2.1 GB crossing hosts, on top of the
+    shards); it is reduce-scattered within the host first (``layout.sharding.summed_into_layout``)."""
+    trainer, report, _ = two_nodes
+    by_axes = report["collectives_by_axes"]
+    assert by_axes["data,fsdp"]["bytes"] < 1e6, by_axes["data,fsdp"]  # the step's scalars only
+    shards = 4 * trainer.task.n_params / 8
+    assert by_axes["data"]["kinds"].keys() == {"all-reduce"}
+    assert by_axes["data"]["bytes"] == pytest.approx(shards, rel=0.01), (by_axes["data"], shards)

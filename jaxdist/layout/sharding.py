@@ -234,3 +234,55 @@ def manual_over_the_rest(fn, arg_axes: Sequence[Sequence[str | None] | None], ou
         return jax.shard_map(fn, mesh=traced, in_specs=specs, out_specs=out_spec, axis_names=set(rest), check_vma=False)(*args)
 
     return wrapped
+
+
+def summed_into_layout(local_sum, operands: Sequence[jax.Array], operand_axes: Sequence[Sequence[str | None]], out_axes, out_shape):
+    """A parameter-shaped sum over ``operands`` (logical ``operand_axes``), laid out as a parameter
+    of logical ``out_axes``, each device summing its own part: ``local_sum(*parts, blocks)`` gives
+    the partial sum of the block ``blocks`` ((start, size) per dimension) that this device keeps
+    of the mesh axes that do not split the operands (``tensor``'s piece of a vocabulary); the
+    partial sums are then reduce-scattered over the axes that split both the operands and the
+    parameter (FSDP's) and all-reduced over the other axes that split the operands. Left to the
+    partitioner, a partial sum formed by a scatter is all-reduced whole first. None outside a
+    plain step (no layout, a vmapped or partly manual trace), where the operands lie whole on
+    every device, or where one dimension is split both ways."""
+    context = step_context.current()
+    layout = context.layout
+    traced = jax.sharding.get_abstract_mesh()
+    if layout is None or context.vmapped or (not traced.empty and traced.manual_axes):
+        return None
+    mesh, rules = layout.mesh, layout.param_rules
+    in_specs = [logical_to_spec(axes, x.shape, rules, mesh) for x, axes in zip(operands, operand_axes, strict=True)]
+    summing = {a for spec in in_specs for entry in spec for a in _axes_of(entry)}
+    out_spec = logical_to_spec(out_axes, out_shape, rules, mesh)
+    per_dim = [_axes_of(entry) for entry in out_spec]
+    if not summing or any(set(axes) & summing and set(axes) - summing for axes in per_dim):
+        return None
+    scattered = [axes if set(axes) <= summing else () for axes in per_dim]
+    summed_only = tuple(a for a in mesh.axis_names if a in summing and not any(a in axes for axes in scattered))
+
+    def per_device(*parts):
+        blocks = []
+        for dim, axes in zip(out_shape, per_dim, strict=True):
+            owned = () if set(axes) <= summing else axes
+            size = dim // _prod(mesh.shape[a] for a in owned)
+            blocks.append((_linear_index(owned) * size, size))
+        total = local_sum(*parts, tuple(blocks))
+        for dim, axes in enumerate(scattered):
+            if axes:
+                total = jax.lax.psum_scatter(total, axes, scatter_dimension=dim, tiled=True)
+        return jax.lax.psum(total, summed_only) if summed_only else total
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_spec, check_vma=False)(*operands)
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def _linear_index(axes: Sequence[str]):
+    """This device's index over ``axes`` taken together, the first the major (a PartitionSpec's order)."""
+    index = 0
+    for a in axes:
+        index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+    return index

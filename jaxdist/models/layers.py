@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist.layout.sharding import constrain
+from jaxdist.layout.sharding import constrain, summed_into_layout
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype=None) -> jax.Array:
@@ -197,6 +197,18 @@ def _embed_fwd(table, tokens, dtype):
 def _embed_bwd(dtype, residuals, g):
     table, tokens = residuals
     abstract = jax.ShapeDtypeStruct(table.shape, table.dtype)
+
+    def scattered(tokens, g, blocks):  # the lookup's transpose, into this device's rows of the table
+        (start, rows), _ = blocks
+        local = jnp.where((tokens >= start) & (tokens < start + rows), tokens - start, rows)  # rows: dropped
+        return jnp.zeros((rows, table.shape[1]), table.dtype).at[local].add(g.astype(table.dtype), mode="drop")
+
+    # Each device's scatter is a partial sum over its tokens: reduce-scattered into the table's
+    # shards (FSDP's) and all-reduced over the other batch axes, rather than all-reduced whole
+    # (a vocab-sized fp32 table) over every batch axis, as the partitioner does with a scatter.
+    summed = summed_into_layout(scattered, (tokens, g), (("batch", "seq"), ("batch", "seq", "act_embed")), ("vocab", "embed"), table.shape)
+    if summed is not None:
+        return summed, None
     (d_table,) = jax.linear_transpose(lambda t: _lookup(t, tokens), abstract)(g.astype(table.dtype))
     return d_table, None
 
