@@ -525,18 +525,33 @@ def test_a_compiler_that_aborts_on_one_layout_costs_that_layout_not_the_search(t
     from jaxdist.plan.compile_worker import ENV_ABORT
 
     monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv(ENV_ABORT, "mb=1")
+    monkeypatch.setenv(ENV_ABORT, "remat=none")  # the rough time's first layout keeps every activation
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the child's stderr file goes
     assert plan_cli.main(["--gpus", "2", "--hardware", "h100", "--max-compiles", "3", "--json", *TINY]) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out)
     failed = result["failed_to_compile"]
-    assert failed and all(f["layout"].split()[1] == "mb=1" for f in failed), failed
-    reason = f"the compiler process died (SIGABRT): Check failed: fault injection ({ENV_ABORT}=mb=1)"
+    assert failed and all(f["layout"].split()[2] == "remat=none" for f in failed), failed
+    reason = f"the compiler process died (SIGABRT): Check failed: fault injection ({ENV_ABORT}=remat=none)"
     assert all(f["error"] == reason for f in failed), failed
     for f in failed:  # one line each, and no traceback
         assert f"jaxdist: warning: {f['layout']} does not compile ({reason}); left out of the ranking" in captured.err.splitlines()
     assert "Traceback" not in captured.err
-    assert len(result["candidates"]) == 3 - len(failed) >= 1 and all(c["microbatches"] != 1 for c in result["candidates"])
+    assert len(result["candidates"]) == 3 - len(failed) >= 1 and all(c["remat"] != "none" for c in result["candidates"])
     assert psutil.Process().children(recursive=True) == []
     assert list(tmp_path.glob("jaxdist-plan-compiler-*")) == []
+
+
+def test_each_memory_kinds_best_layout_is_compiled_before_the_rest():
+    """The rough time's order, with the best of each remat policy and optimizer placement moved to the front."""
+    from jaxdist.plan.__main__ import compile_order
+    from jaxdist.plan.search import Candidate
+
+    def layout(fsdp: int, remat: str, offload: bool = False) -> tuple[Candidate, float]:
+        return Candidate((("fsdp", fsdp),), 1, remat, optimizer_offload=offload), 0.0
+
+    ranked = [layout(8, "none"), layout(4, "none"), layout(2, "none"), layout(8, "save_matmuls"), layout(4, "full"),
+              layout(2, "save_matmuls"), layout(8, "full", True), layout(1, "none")]  # fmt: skip
+    order = compile_order(ranked)
+    assert order == [ranked[i] for i in (0, 3, 4, 6, 1, 2, 5, 7)]
+    assert sorted(map(id, order)) == sorted(map(id, ranked))
