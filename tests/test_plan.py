@@ -555,3 +555,40 @@ def test_each_memory_kinds_best_layout_is_compiled_before_the_rest():
     order = compile_order(ranked)
     assert order == [ranked[i] for i in (0, 3, 4, 6, 1, 2, 5, 7)]
     assert sorted(map(id, order)) == sorted(map(id, ranked))
+
+
+def test_a_compiled_layout_that_does_not_fit_hands_its_place_to_the_next_of_its_kind(monkeypatch):
+    """Each memory kind's best layout is compiled first; one whose XLA:GPU peak is over the memory
+    is followed by the next of its kind whose estimate, scaled by the peaks seen, may fit (here the
+    peak is the estimate): the search compiles a fitting layout of every kind before the rest."""
+    import types
+
+    from jaxdist.plan import cost as plan_cost
+    from jaxdist.plan.search import Candidate
+
+    gib = 2**30
+    hardware = load_hardware("h100")
+
+    def layout(mesh: str, remat: str, estimate_gib: float) -> tuple[Candidate, float]:
+        return Candidate(tuple((a, int(n)) for a, n in (part.split("=") for part in mesh.split(","))), 1, remat), estimate_gib * gib
+
+    ranked = [layout("data=4", "none", 70), layout("data=4", "save_matmuls", 70), layout("data=2,fsdp=2", "none", 60),
+              layout("fsdp=4", "none", 40), layout("fsdp=4", "save_matmuls", 30), layout("tensor=4", "none", 20)]  # fmt: skip
+    estimates, compiled = {c: e for c, e in ranked}, []
+
+    def fake_compile(config, target, compiler):
+        candidate = next(c for c in estimates if c.mesh_spec == config.parallel.mesh and c.remat == config.model.remat)
+        compiled.append(candidate)
+        peak = estimates[candidate]
+        return {"memory": {"peak": peak, "arguments": 0, "total": peak}, "program": {}, "notes": [], "params": 1}, False
+
+    monkeypatch.setattr(search, "compile_summary", fake_compile)
+    monkeypatch.setattr(ProgramCost, "from_dict", staticmethod(lambda data: None))
+    monkeypatch.setattr(plan_cost, "predict_summary", lambda *a: types.SimpleNamespace(to_dict=lambda: {"step_time_s": 1.0}))
+    args = types.SimpleNamespace(max_compiles=4, time_budget=1e9, gpus=4)
+    config = load_config(None, ["model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4"])
+    result = plan_cli._price(config, plan_cli.compile_order(ranked), hardware, args, target=object())
+    assert [(c.mesh_spec, c.remat) for c in compiled] == [
+        ("data=4", "none"), ("fsdp=4", "none"), ("data=4", "save_matmuls"), ("fsdp=4", "save_matmuls")
+    ]  # fmt: skip
+    assert {(c["mesh"], c["remat"]) for c in result["candidates"]} == {("fsdp=4", "none"), ("fsdp=4", "save_matmuls")}

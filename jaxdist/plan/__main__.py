@@ -160,7 +160,8 @@ def plan(args) -> dict:
 def compile_order(ranked: list[tuple]) -> list[tuple]:
     """``ranked`` ((candidate, estimate) in rough time order) with the best of each remat policy and optimizer placement
     first: the rough time favours keeping every activation, and its first dozen were all ``none``
-    (llama3-8b's ``fsdp=8`` with ``save_matmuls``, faster in XLA:GPU's program, went uncompiled)."""
+    (llama3-8b's ``fsdp=8`` with ``save_matmuls``, faster in XLA:GPU's program, went uncompiled).
+    A compiled layout that does not fit hands its place to the next of its kind (``_price``)."""
     firsts: dict[tuple[str, bool], int] = {}
     for i, (candidate, _) in enumerate(ranked):
         firsts.setdefault((candidate.remat, candidate.optimizer_offload), i)
@@ -267,7 +268,10 @@ def _price(config, fitting, hardware, args, target=None) -> dict:
             if memory > usable:  # the same layout with its optimizer state on host is the next to try, if offered
                 twin = dataclasses.replace(candidate, optimizer_offload=True)
                 offered = [item for item in queue if item[0] == twin]
-                if offered and not candidate.optimizer_offload:
+                if not offered or candidate.optimizer_offload:  # else the next of its memory kind the peaks say may fit
+                    bound = 1.05 * usable / ratios.get(memory_kind, 1.0)
+                    offered = [item for item in queue if (item[0].remat, item[0].optimizer_offload) == memory_kind and item[1] <= bound][:1]
+                if offered:
                     queue.remove(offered[0])
                     queue.appendleft(offered[0])
     bar.close()
