@@ -175,7 +175,9 @@ def _cpu_quota_group(share: float) -> Path | None:
 def test_the_meter_counts_a_cpu_quota_that_throttles_a_process():
     """Two processes each wanting 30% of a core, one held to 15% by a cgroup's quota: the
     throttled one's stalled share (the kernel's throttled time, or the meter's late wakes) is far
-    over the free one's."""
+    over the free one's. The free one's is not zero on a loaded machine: its meter wakes late when
+    the suite's other processes hold both cores (0.11 in one fresh-clone run), so the comparison is
+    a ratio, not a bound on the free share."""
     group = _cpu_quota_group(0.15)
     if group is None:
         pytest.skip("no cgroup with a cpu controller can be made here (needs root or a delegated cgroup)")
@@ -198,7 +200,7 @@ def test_the_meter_counts_a_cpu_quota_that_throttles_a_process():
                 child.communicate()
         with contextlib.suppress(OSError):
             group.rmdir()
-    assert throttled > 0.3 and free < 0.1, (throttled, free)
+    assert throttled > 0.3 and throttled > 3 * free, (throttled, free)
 
 
 def _launch(run_dir, steps: int, window: int, env: dict | None = None) -> subprocess.Popen:
