@@ -181,3 +181,18 @@ def test_two_processes_train_like_one(tmp_path):
     assert "simulated replica link: 1 collectives" in proc.stdout + proc.stderr
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     np.testing.assert_allclose([x["loss"] for x in lines if "loss" in x], whole.losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mesh, diloco, said",
+    [("replica=2,fsdp=2", 4, True), ("replica=2,data=2", 4, False), ("data=2,fsdp=2", 0, False)],
+)
+def test_the_embedding_gradients_whole_reduction_under_diloco_is_said_in_one_line(mesh, diloco, said):
+    """Under DiLoCo's vmap the lookup's gradient takes the partitioner's path (the whole table
+    all-reduced, then sharded), not the per-device reduce-scatter; where the table is sharded that
+    is the weaker path, said once. Replicated tables (data only) and runs without DiLoCo say nothing."""
+    from jaxdist.layout.validate import check_config_on_mesh
+
+    config = load_config(None, [*TINY, f"parallel.diloco_inner_steps={diloco}", "train.global_batch=8"])
+    lines = [w for w in check_config_on_mesh(config, parse_mesh(mesh)) if "embedding table's gradient" in w]
+    assert len(lines) == int(said), lines

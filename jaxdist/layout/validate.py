@@ -32,6 +32,11 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes, used: Collection[str]
     else:
         _check_resnet(config, sizes)
     _check_diloco(config, sizes)
+    if config.parallel.diloco_inner_steps and config.model.kind == "llama" and sizes.get("fsdp", 1) > 1:
+        warnings.append(
+            "DiLoCo with an fsdp axis: the embedding table's gradient is all-reduced whole over each replica's batch "
+            "axes, then sharded (its per-device reduce-scatter, layout.sharding.summed_into_layout, does not run under DiLoCo's vmap)"
+        )
     _check_fp8(config, sizes)
     if config.train.objective == "dpo":
         _check_preference(config, sizes)
