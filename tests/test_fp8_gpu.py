@@ -21,8 +21,8 @@ from jaxdist import analyze  # noqa: E402
 from jaxdist.config import load_config  # noqa: E402
 from jaxdist.data.sources import resolve_vocab  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
-from jaxdist.inspect.gpu_program import kernel_counts  # noqa: E402
-from jaxdist.inspect.hlo import computation_multipliers, parse_hlo  # noqa: E402
+from jaxdist.inspect.gpu_program import control_computations, kernel_counts, kernel_kind  # noqa: E402
+from jaxdist.inspect.hlo import CALLS_RE, computation_multipliers, parse_hlo  # noqa: E402
 from jaxdist.layout.mesh import parse_mesh  # noqa: E402
 from jaxdist.models import build_task, fp8  # noqa: E402
 from jaxdist.models.llama import Llama  # noqa: E402
@@ -146,6 +146,34 @@ def test_current_scalings_synchronous_amax_all_reduces_are_said_in_one_line(prog
         assert note.startswith(f"model.fp8=current: {synchronous} of {all_reduce['count']} all-reduces per step run synchronously")
     else:
         assert note is None
+
+
+def _kernel_results(module) -> list[tuple[str, int, set[str]]]:
+    """(element type, element count, opcodes fused) of every array a memory-bound kernel of the step writes."""
+    results = []
+    for name in control_computations(module):
+        for i in module.computations[name]:
+            if kernel_kind(i, module) not in ("other_fusion", "copy", "other"):  # not a GEMM, attention or collective
+                continue
+            fused = {f.opcode for callee in CALLS_RE.findall(i.attributes) for f in module.computations.get(callee, [])}
+            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", i.shape.split("{")[0] if "(" not in i.shape else i.shape):
+                results.append((dtype, math.prod(int(d) for d in dims.split(",") if d), fused | {i.opcode}))
+    return results
+
+
+@pytest.mark.heavy
+def test_the_mlp_and_loss_gradients_are_each_one_pass_in_the_compute_dtype(program):
+    """The fp8 MLP's SwiGLU gradient is written once, joined, in bf16 (``layers.swiglu_joined``):
+    the program before wrote its sigmoid as an fp32 [tokens, mlp] tensor and then joined the gate's
+    and the up part's gradients by a copy; the loss's gradient is one elementwise pass
+    (``layers.cross_entropy_sum``), not a scatter of the targets into a [tokens, vocab] fp32 tensor."""
+    config, module = program
+    tokens = config.train.global_batch * config.train.seq_len // GPUS  # per device (the batch split over fsdp)
+    mlp, vocab = config.model.resolved_mlp_dim, config.model.vocab_size
+    results = _kernel_results(module)
+    assert any(dtype == "bf16" and n == 2 * tokens * mlp for dtype, n, _ in results)  # the joined gradient
+    assert not [r for r in results if r[0] == "f32" and r[1] in (tokens * mlp, 2 * tokens * mlp)], "an fp32 [tokens, mlp] pass"
+    assert not [r for r in results if r[1] == tokens * vocab and "scatter" in r[2]], "a vocabulary-wide scatter"
 
 
 def _weight_quantizations_per_step(module) -> dict[str, int]:

@@ -8,11 +8,12 @@ crosses devices)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from jaxdist.config import ModelConfig
-from jaxdist.models.layers import embed_lookup, project, rms_norm, swiglu
+from jaxdist.models.layers import cross_entropy_sum, embed_lookup, project, rms_norm, swiglu, swiglu_joined
 from jaxdist.models.llama import Llama
 
 
@@ -65,6 +66,45 @@ def test_swiglu_value_and_gradients_equal_autodiff(dtype):
     for g, w in zip(got, want, strict=True):
         assert g.dtype == dtype
         np.testing.assert_allclose(g.astype(jnp.float32), w.astype(jnp.float32), rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_joined_swiglu_value_and_gradient_equal_autodiff_on_the_two_halves(dtype):
+    gate_up = (_probe((4, 7, 2, 24), 6) * 2).astype(dtype)  # the fp8 MLP's joined product, [b, t, 2, f]
+    probe = _probe((4, 7, 24), 7)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+
+    def objective(f):
+        return lambda gate_up: jnp.sum(f(gate_up).astype(jnp.float32) * probe)
+
+    plain = lambda gate_up: plain_swiglu(gate_up[:, :, 0], gate_up[:, :, 1])  # noqa: E731
+    np.testing.assert_allclose(swiglu_joined(gate_up, 2).astype(jnp.float32), plain(gate_up).astype(jnp.float32), rtol=tol, atol=tol)
+    got = jax.grad(objective(lambda x: swiglu_joined(x, 2)))(gate_up)
+    want = jax.grad(objective(plain))(gate_up)
+    assert got.dtype == dtype and got.shape == gate_up.shape
+    assert float(jnp.max(jnp.abs(want[:, :, 1].astype(jnp.float32)))) > 1e-2  # both halves carry a gradient
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cross_entropy_sum_and_its_gradient_equal_optax_on_fp32_logits(dtype):
+    logits = (_probe((3, 6, 11), 8) * 4).astype(dtype)
+    logits = logits.at[..., 9:].set(-jnp.inf)  # an imported vocabulary's padding rows (never targets)
+    targets = jnp.asarray(np.random.default_rng(9).integers(0, 9, (3, 6)), jnp.int32)
+    mask = jnp.asarray(np.random.default_rng(10).integers(0, 2, (3, 6)), jnp.float32)
+
+    def reference(logits):  # what the model computed before: optax on the logits cast to fp32
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets) * mask)
+
+    ours = lambda logits: cross_entropy_sum(logits, targets, mask)  # noqa: E731
+    np.testing.assert_allclose(ours(logits), reference(logits), rtol=1e-6)
+    got, want = jax.grad(ours)(logits), jax.grad(reference)(logits)
+    assert got.dtype == dtype
+    assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 1e-2
+    assert not np.any(np.asarray(got[..., 9:], np.float32))  # no gradient into the padding
+    assert not np.any(np.asarray(got, np.float32)[np.asarray(mask) == 0])  # nor into masked tokens
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), rtol=tol, atol=tol)
 
 
 # -- projections and the embedding: fp32 weight gradients ------------------------------------

@@ -76,6 +76,66 @@ def _swiglu_bwd(residuals, g):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def swiglu_joined(gate_up: jax.Array, axis: int) -> jax.Array:
+    """``swiglu`` of a joined projection's output: index 0 of ``axis`` is the gate, 1 the up
+    part (that axis is dropped). Its backward is one elementwise expression over the joined
+    shape, so XLA:GPU writes the joined gradient in one fusion (with its fp8 amax where the
+    projection quantises it); ``swiglu``'s two gradients shared the sigmoid, which XLA kept
+    as an fp32 tensor of its own, and were then joined by a copy."""
+    gate, up = (jax.lax.index_in_dim(gate_up, i, axis, keepdims=False) for i in (0, 1))
+    return swiglu(gate, up)
+
+
+def _swiglu_joined_fwd(gate_up, axis):
+    return swiglu_joined(gate_up, axis), gate_up
+
+
+def _swiglu_joined_bwd(axis, gate_up, g):
+    x32 = gate_up.astype(jnp.float32)
+    gate, up = (jnp.broadcast_to(jax.lax.index_in_dim(x32, i, axis), x32.shape) for i in (0, 1))
+    g32 = jnp.broadcast_to(jnp.expand_dims(g, axis).astype(jnp.float32), x32.shape)
+    sig = jax.nn.sigmoid(gate)
+    is_gate = jax.lax.broadcasted_iota(jnp.int32, x32.shape, axis) == 0
+    # d/d gate: g up s (1 + z (1 - s)) (d silu(z) / dz = s (1 + z (1 - s))); d/d up: g silu(gate)
+    d_gate_up = (g32 * sig * jnp.where(is_gate, up * (1 + gate * (1 - sig)), gate)).astype(gate_up.dtype)
+    # written in the compute dtype: without the barrier XLA:GPU joins the fp8 amax that
+    # follows into this fusion and hands the quantisation the fp32 values (twice the bytes)
+    return (jax.lax.optimization_barrier(d_gate_up),)
+
+
+swiglu_joined.defvjp(_swiglu_joined_fwd, _swiglu_joined_bwd)
+
+
+@jax.custom_vjp
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    """Sum over tokens of ``mask`` x (logsumexp(logits) - logits[target]), in fp32 from the
+    logits in their own dtype (the head's bf16 output: the values an fp32 cast would hold).
+    Backward, mask x (softmax - onehot(target)) in one elementwise pass written in the logits'
+    dtype; autodiff's kept the fp32 log-softmax, scattered the targets' gradient into a
+    vocabulary-wide zero tensor and added them: each a [tokens, vocab] fp32 pass of its own
+    (the largest memory-bound kernels of a 128k-vocabulary step on a GPU)."""
+    return _cross_entropy_fwd(logits, targets, mask)[0]
+
+
+def _cross_entropy_fwd(logits, targets, mask):
+    x = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(x, axis=-1)
+    picked = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum((lse - picked) * mask), (logits, targets, mask, lse)
+
+
+def _cross_entropy_bwd(residuals, g):
+    logits, targets, mask, lse = residuals
+    x = logits.astype(jnp.float32)
+    target = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == targets[..., None]
+    d_logits = (jnp.exp(x - lse[..., None]) - target) * (g * mask)[..., None]
+    return d_logits.astype(logits.dtype), None, None
+
+
+cross_entropy_sum.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def split_parts(x: jax.Array, axis: int, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
     """``x`` cut along ``axis`` into consecutive parts of ``sizes``. Its backward pass joins

@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxdist.config import ModelConfig
 from jaxdist.layout.sharding import constrain
-from jaxdist.models import fp8
+from jaxdist.models import fp8, layers
 from jaxdist.models.attention import model_attention
 from jaxdist.models.fp8 import Fp8Einsum, disabled
 from jaxdist.models.layers import embed_lookup, matmul, project, project_split, rms_norm, split_parts, swiglu
@@ -177,17 +177,20 @@ class MLP(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.fused:
-            weight = self.w_gate_up[...].astype(self.dtype)
-            if self.gate_up_dot.plain():
-                parts = project_split("btd,dcf->btcf", x, weight, 2, 1, (1, 1))
-            else:
-                parts = split_parts(constrain(self.gate_up_dot("btd,dcf->btcf", x, weight), ("batch", "seq", None, "act_mlp")), 2, (1, 1))
-            gate, up = (constrain(part[:, :, 0], ("batch", "seq", "act_mlp")) for part in parts)
-        else:
+        if not self.fused:
             gate = matmul(self.gate_dot, "btd,df->btf", x, self.w_gate[...].astype(self.dtype))
             up = matmul(self.up_dot, "btd,df->btf", x, self.w_up[...].astype(self.dtype))
-        hidden = constrain(swiglu(gate, up), ("batch", "seq", "act_mlp"))
+            return self._down(swiglu(gate, up))
+        weight = self.w_gate_up[...].astype(self.dtype)
+        if not self.gate_up_dot.plain():  # fp8: the joined product's gradient is written (and quantised) whole
+            gate_up = constrain(self.gate_up_dot("btd,dcf->btcf", x, weight), ("batch", "seq", None, "act_mlp"))
+            return self._down(layers.swiglu_joined(gate_up, 2))
+        parts = project_split("btd,dcf->btcf", x, weight, 2, 1, (1, 1))
+        gate, up = (constrain(part[:, :, 0], ("batch", "seq", "act_mlp")) for part in parts)
+        return self._down(swiglu(gate, up))
+
+    def _down(self, hidden: jax.Array) -> jax.Array:
+        hidden = constrain(hidden, ("batch", "seq", "act_mlp"))
         return matmul(self.down_dot, "btf,fd->btd", hidden, self.w_down[...].astype(self.dtype))
 
 
@@ -417,7 +420,7 @@ class Llama(nnx.Module):
         """
 
         def chunk_loss(head: dict[str, jax.Array], y: jax.Array, targets: dict[str, jax.Array]) -> jax.Array:
-            return _cross_entropy_sum(self._logits(head, y), targets)
+            return layers.cross_entropy_sum(self._logits(head, y, self.dtype), targets["targets"], targets["loss_mask"])
 
         chunk, seq = self.cfg.loss_chunk, y.shape[1]
         if chunk <= 0 or chunk >= seq:
@@ -443,9 +446,9 @@ class Llama(nnx.Module):
         mask = batch.get("loss_mask", jnp.ones(batch["targets"].shape, jnp.float32))
         return {"targets": batch["targets"], "loss_mask": mask}, jnp.sum(mask).astype(jnp.float32)
 
-    def _logits(self, head: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    def _logits(self, head: dict[str, jax.Array], x: jax.Array, dtype=jnp.float32) -> jax.Array:
         x = rms_norm(x, head["norm"], self.cfg.norm_eps, self.dtype)
-        logits = project("btd,dv->btv", x, head["head"]).astype(jnp.float32)  # its gradient: fp32 throughout
+        logits = project("btd,dv->btv", x, head["head"]).astype(dtype)
         valid = self.cfg.valid_vocab
         if valid and valid < logits.shape[-1]:  # padding rows of an imported vocab: never predicted, never sampled
             logits = jnp.where(jnp.arange(logits.shape[-1]) < valid, logits, -jnp.inf)
@@ -475,11 +478,6 @@ def nnx_split_cast(blocks: nnx.Module, dtype):
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
     return graphdef, stacked
-
-
-def _cross_entropy_sum(logits: jax.Array, targets: dict[str, jax.Array]) -> jax.Array:
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets["targets"])
-    return jnp.sum(losses * targets["loss_mask"])
 
 
 def _stacked_blocks(cfg: ModelConfig, dtype, attention: str, rngs: nnx.Rngs, depth: int, moe: bool) -> Block:
