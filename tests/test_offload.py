@@ -103,7 +103,10 @@ def test_the_h100_program_keeps_each_layers_input_on_host_with_async_copies_and_
     """Full remat against offload_layer_inputs, 4 layers, [1, 1024, 256] bf16 activations per
     device: XLA:GPU's program writes each layer's input to pinned host memory and reads it back
     (one async transfer each way per layer), partly hidden by the kernels scheduled in their
-    windows, and its peak (XLA's memory analysis) is lower by at least nine tenths of what it moved."""
+    windows, and its peak (XLA's memory analysis) is lower by at least half of what it moved (at this
+    size the offload program's peak is the optimizer update's, so the full-remat program's backward
+    peak above it bounds the difference: 0.72 of the stack since the one-pass loss gradient lowered
+    that peak, 1.1 before)."""
     pytest.importorskip("jax_plugins.xla_cuda12", reason="JAX's CUDA plugin is not installed (pip install -e '.[dev]')")
     from jaxdist.config import load_config
     from jaxdist.data.sources import resolve_vocab
@@ -128,7 +131,7 @@ def test_the_h100_program_keeps_each_layers_input_on_host_with_async_copies_and_
     assert offload["to_host"] == {"count": layers, "async": layers, "bytes": stack}
     assert offload["from_host"] == {"count": layers, "async": layers, "bytes": stack}
     peaks = {policy: r["memory_per_device_bytes"]["peak"] for policy, r in reports.items()}
-    assert peaks["offload_layer_inputs"] <= peaks["full"] - 0.9 * stack, peaks
+    assert peaks["offload_layer_inputs"] <= peaks["full"] - 0.5 * stack, peaks
     link = target_hardware("h100").host_link  # the kernels scheduled inside the copies' windows hide part of them
     assert 0.0 <= offload["exposed_s"] < 2 * layers * (link.latency + stack / layers / (link.bandwidth * link.efficiency))
 
