@@ -353,13 +353,22 @@ def plans() -> str:
     return "\n".join(lines)
 
 
-def kept_section(heading: str, following: str) -> str | None:
-    """The README block's section from ``heading`` up to ``following`` (its last run), if it has one."""
+CPU_HEADING = "#### This host: the scaling sweep's CPU points"
+GPU_HEADING = "#### Published GPU runs, rebuilt as jaxdist configs"
+PLANS_HEADING = "#### The planner's choices (H100)"
+HEADINGS = (CPU_HEADING, GPU_HEADING, PLANS_HEADING)  # the README block's sections, in order
+
+
+def kept_section(heading: str) -> str | None:
+    """The README block's section under ``heading`` as it stands (up to the next section), if it has one."""
     readme = (HERE / "README.md").read_text()
     block = readme.split(BEGIN, 1)[1].split(END, 1)[0] if BEGIN in readme else ""
     if heading not in block:
         return None
-    return heading + block.split(heading, 1)[1].split(following, 1)[0].rstrip("\n") + "\n"
+    section = block.split(heading, 1)[1]
+    for following in HEADINGS[HEADINGS.index(heading) + 1 :]:
+        section = section.split(following, 1)[0]
+    return heading + section.rstrip("\n") + "\n"
 
 
 def main() -> int:
@@ -372,20 +381,20 @@ def main() -> int:
     args = parser.parse_args()
     if not (args.cpu or args.gpu or args.plans):
         args.cpu = args.gpu = args.plans = True
-    sections = []
-    cpu_heading = "#### This host: the scaling sweep's CPU points"
     if args.cpu and not (args.results / "results.jsonl").is_file():
         print(f"no scaling sweep at {args.results} (python experiments/scaling.py makes it): the CPU table is kept as it was")
         args.cpu = False
-        kept = kept_section(cpu_heading, "#### Published GPU runs") if args.write_readme else None
-        sections += [kept] if kept else []
-    if args.cpu:
-        points, profile = validate_cpu(args.results)
-        sections += [cpu_heading, "", cpu_table(points, profile), ""]
-    if args.gpu:
-        sections += ["#### Published GPU runs, rebuilt as jaxdist configs", "", gpu_table(validate_gpu()), ""]
-    if args.plans:
-        sections += ["#### The planner's choices (H100)", "", plans()]
+    sections = []
+    for heading, wanted in ((CPU_HEADING, args.cpu), (GPU_HEADING, args.gpu), (PLANS_HEADING, args.plans)):
+        if wanted:
+            if heading == CPU_HEADING:
+                points, profile = validate_cpu(args.results)
+                body = cpu_table(points, profile)
+            else:
+                body = gpu_table(validate_gpu()) if heading == GPU_HEADING else plans()
+            sections += [heading, "", body, ""]
+        elif args.write_readme and (kept := kept_section(heading)):  # a section not rerun stays as it was
+            sections.append(kept)
     text = "\n".join(sections)
     print(text)
     if args.write_readme:

@@ -592,3 +592,26 @@ def test_a_compiled_layout_that_does_not_fit_hands_its_place_to_the_next_of_its_
         ("data=4", "none"), ("fsdp=4", "none"), ("data=4", "save_matmuls"), ("fsdp=4", "save_matmuls")
     ]  # fmt: skip
     assert {(c["mesh"], c["remat"]) for c in result["candidates"]} == {("fsdp=4", "none"), ("fsdp=4", "save_matmuls")}
+
+
+def test_a_partial_validation_run_keeps_the_readme_sections_it_did_not_rerun(monkeypatch, tmp_path):
+    """``experiments/plan_validation.py --gpu --write-readme`` rewrites its generated block: the CPU
+    and planner sections it did not run stay as the README has them, each up to the next section."""
+    import importlib.util
+    import os
+
+    for key in ("XLA_FLAGS", "JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL"):  # the script sets them at import
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+    path = Path(__file__).resolve().parents[1] / "experiments" / "plan_validation.py"
+    spec = importlib.util.spec_from_file_location("plan_validation_under_test", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    bodies = {heading: f"| {n} | table |\n\nnote {n}\n" for n, heading in enumerate(script.HEADINGS)}
+    block = "".join(f"{heading}\n\n{body}\n" for heading, body in bodies.items())
+    (tmp_path / "README.md").write_text(f"intro\n\n{script.BEGIN}\n{block}{script.END}\n\nafter\n")
+    monkeypatch.setattr(script, "HERE", tmp_path)
+    for heading, body in bodies.items():
+        assert script.kept_section(heading) == f"{heading}\n\n{body.rstrip()}\n"
+    (tmp_path / "README.md").write_text(f"{script.BEGIN}\n{script.GPU_HEADING}\n\nrows\n{script.END}\n")
+    assert script.kept_section(script.CPU_HEADING) is None
+    assert script.kept_section(script.GPU_HEADING) == f"{script.GPU_HEADING}\n\nrows\n"
