@@ -80,9 +80,9 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 def swiglu_joined(gate_up: jax.Array, axis: int) -> jax.Array:
     """``swiglu`` of a joined projection's output: index 0 of ``axis`` is the gate, 1 the up
     part (that axis is dropped). Its backward is one elementwise expression over the joined
-    shape, so XLA:GPU writes the joined gradient in one fusion (with its fp8 amax where the
-    projection quantises it); ``swiglu``'s two gradients shared the sigmoid, which XLA kept
-    as an fp32 tensor of its own, and were then joined by a copy."""
+    shape (the sigmoid recomputed per element), so XLA:GPU writes the joined gradient once, in
+    the compute dtype; ``swiglu``'s two gradients shared the sigmoid, which XLA kept as an fp32
+    tensor of its own, and were then joined by a copy."""
     gate, up = (jax.lax.index_in_dim(gate_up, i, axis, keepdims=False) for i in (0, 1))
     return swiglu(gate, up)
 
