@@ -22,7 +22,7 @@ from jaxdist.config import load_config  # noqa: E402
 from jaxdist.data.sources import resolve_vocab  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
 from jaxdist.inspect.gpu_program import control_computations, kernel_counts, kernel_kind  # noqa: E402
-from jaxdist.inspect.hlo import CALLS_RE, computation_multipliers, parse_hlo  # noqa: E402
+from jaxdist.inspect.hlo import ARRAY_RE, CALLS_RE, COMMENT_RE, computation_multipliers, parse_hlo  # noqa: E402
 from jaxdist.layout.mesh import parse_mesh  # noqa: E402
 from jaxdist.models import build_task, fp8  # noqa: E402
 from jaxdist.models.llama import Llama  # noqa: E402
@@ -156,8 +156,8 @@ def _kernel_results(module) -> list[tuple[str, int, set[str]]]:
             if kernel_kind(i, module) not in ("other_fusion", "copy", "other"):  # not a GEMM, attention or collective
                 continue
             fused = {f.opcode for callee in CALLS_RE.findall(i.attributes) for f in module.computations.get(callee, [])}
-            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", i.shape.split("{")[0] if "(" not in i.shape else i.shape):
-                results.append((dtype, math.prod(int(d) for d in dims.split(",") if d), fused | {i.opcode}))
+            for dtype, dims in ARRAY_RE.findall(COMMENT_RE.sub("", i.shape)):
+                results.append((dtype, math.prod(int(d.removeprefix("<=")) for d in dims.split(",") if d), fused | {i.opcode}))
     return results
 
 
