@@ -384,15 +384,15 @@ def main() -> int:
     if args.cpu and not (args.results / "results.jsonl").is_file():
         print(f"no scaling sweep at {args.results} (python experiments/scaling.py makes it): the CPU table is kept as it was")
         args.cpu = False
+    builders = {
+        CPU_HEADING: (args.cpu, lambda: cpu_table(*validate_cpu(args.results))),
+        GPU_HEADING: (args.gpu, lambda: gpu_table(validate_gpu())),
+        PLANS_HEADING: (args.plans, plans),
+    }
     sections = []
-    for heading, wanted in ((CPU_HEADING, args.cpu), (GPU_HEADING, args.gpu), (PLANS_HEADING, args.plans)):
+    for heading, (wanted, build) in builders.items():
         if wanted:
-            if heading == CPU_HEADING:
-                points, profile = validate_cpu(args.results)
-                body = cpu_table(points, profile)
-            else:
-                body = gpu_table(validate_gpu()) if heading == GPU_HEADING else plans()
-            sections += [heading, "", body, ""]
+            sections += [heading, "", build(), ""]
         elif args.write_readme and (kept := kept_section(heading)):  # a section not rerun stays as it was
             sections.append(kept)
     text = "\n".join(sections)
