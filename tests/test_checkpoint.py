@@ -243,6 +243,24 @@ def test_failed_save_is_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, un
     np.testing.assert_array_equal(resumed.losses, uninterrupted[4:])
 
 
+def test_orbax_never_asks_the_preemption_sync_point(tmp_path, monkeypatch):
+    """Orbax asks JAX's preemption sync point itself, also from the thread that finalises an
+    async save, with that save's older step: the sync manager would publish a step the loop
+    has passed, and the processes would disagree on the step to save (a hang;
+    ``training/orbax_manager.py``). Only the loop may ask, once a step, in order."""
+    import threading
+
+    from jax.experimental import multihost_utils
+
+    asked = []
+    monkeypatch.setattr(
+        multihost_utils, "reached_preemption_sync_point", lambda step: asked.append((step, threading.current_thread().name))
+    )
+    _run(tmp_path, "data=2", 6, "checkpoint.async_save=true")  # saves at steps 4 and 6, each finalised on Orbax's thread
+    assert checkpoint_steps(tmp_path / "checkpoints") == [4, 6]
+    assert asked == []
+
+
 def test_time_based_saves_wait_for_the_interval(tmp_path, monkeypatch):
     """``checkpoint.every_minutes`` alone: due once the interval has passed since the last
     save (or the start), not before. (Across processes, process 0's clock decides: see

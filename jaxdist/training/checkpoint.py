@@ -25,6 +25,7 @@ from typing import Any
 
 from jaxdist.cluster import recoverable
 from jaxdist.errors import EXIT_CHECKPOINT, JaxdistError, RunStopped
+from jaxdist.training import orbax_manager
 
 log = logging.getLogger(__name__)
 PARAMS_DIR = "params"  # RUN_DIR/params/STEP: the weights-only checkpoints beside RUN_DIR/checkpoints/STEP
@@ -178,36 +179,6 @@ def params_directory(checkpoints: Path) -> Path:
     return Path(checkpoints).parent / PARAMS_DIR
 
 
-def _manager(directory: Path, cfg, *, read_only: bool, keep_best: int = 0, processes: tuple[list[int], int] | None = None):
-    """An Orbax manager of checkpoints with the train state, data state and config items;
-    ``processes``: (the live processes, the recovery epoch) after an in-process recovery, so that
-    Orbax's barriers wait for them alone."""
-    import grain.checkpoint as grain_checkpoint
-    import orbax.checkpoint as ocp
-    from orbax.checkpoint import checkpoint_managers as cm
-
-    policies = [cm.LatestN(n=cfg.keep)]
-    if keep_best:
-        policies.append(cm.BestN(get_metric_fn=lambda m: m["eval_loss"], reverse=True, n=keep_best, keep_checkpoints_without_metrics=False))
-    options = ocp.CheckpointManagerOptions(
-        enable_async_checkpointing=cfg.async_save,
-        preservation_policy=cm.AnyPreservationPolicy(policies),
-        read_only=read_only,
-        create=not read_only and processes is None,  # Orbax refuses to create it for a subset of the processes (it exists)
-    )
-    if processes is not None:
-        live, epoch = processes
-        options.multiprocessing_options = ocp.options.MultiprocessingOptions(
-            primary_host=0, active_processes=set(live), barrier_sync_key_prefix=f"recovery{epoch}"
-        )
-    handlers = {
-        "state": ocp.StandardCheckpointHandler(),
-        "data": grain_checkpoint.CheckpointHandler(),
-        "config": ocp.JsonCheckpointHandler(),
-    }
-    return ocp.CheckpointManager(Path(directory).absolute(), options=options, item_handlers=handlers)
-
-
 class Checkpointer:
     """Saves on a schedule (steps and/or minutes), keeps the last N (and optionally the
     best by eval loss), restores the newest readable checkpoint. With ``params_dir`` and
@@ -230,11 +201,11 @@ class Checkpointer:
         self.directory = Path(directory)
         self.cfg = cfg
         self._ocp = ocp
-        self.manager = _manager(self.directory, cfg, read_only=read_only, keep_best=cfg.keep_best, processes=processes)
+        self.manager = orbax_manager.manager(self.directory, cfg, read_only=read_only, keep_best=cfg.keep_best, processes=processes)
         self.params_dir = Path(params_dir) if params_dir is not None else None
         every = getattr(cfg, "params_every_steps", 0)
         wants_params = self.params_dir and every > 0 and not read_only
-        self.params_manager = _manager(self.params_dir, cfg, read_only=False, processes=processes) if wants_params else None
+        self.params_manager = orbax_manager.manager(self.params_dir, cfg, read_only=False, processes=processes) if wants_params else None
         # Time-based saves: process 0's clock decides, through Orbax's policy (which
         # broadcasts the primary host's decision), so every process saves the same steps.
         self._minutes_policy = cm.ContinuousCheckpointingPolicy(minimum_interval_secs=60 * cfg.every_minutes)
@@ -254,9 +225,11 @@ class Checkpointer:
         process took part in is abandoned (never committed; the newest committed step stands)."""
         import orbax.checkpoint as ocp
 
-        self.manager = _manager(self.directory, self.cfg, read_only=False, keep_best=self.cfg.keep_best, processes=(live, epoch))
+        self.manager = orbax_manager.manager(
+            self.directory, self.cfg, read_only=False, keep_best=self.cfg.keep_best, processes=(live, epoch)
+        )
         if self.params_manager is not None:
-            self.params_manager = _manager(self.params_dir, self.cfg, read_only=False, processes=(live, epoch))
+            self.params_manager = orbax_manager.manager(self.params_dir, self.cfg, read_only=False, processes=(live, epoch))
         self._decision_context = dataclasses.replace(
             self._decision_context,
             multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=0, active_processes=set(live)),
