@@ -6,7 +6,13 @@ import functools
 import json
 import os
 import re
+import signal
+import stat
+import subprocess
+import sys
 import sysconfig
+import textwrap
+import time
 from pathlib import Path
 
 import jax
@@ -272,3 +278,46 @@ QUESTIONS = [
     ("opposite of up", ["down", "left", "right"], 1),
 ]
 PROMPTS = ["The quick brown", "Once upon a time", "def f(x):", "1, 2, 3,"]
+
+
+# --- the launcher's logic against stub trainers (a script in place of the Python interpreter) ---
+
+STUB_HEAD = f"""#!{sys.executable}
+import os, signal, socket, sys, time
+rank = int(os.environ.get("JAXDIST_PROCESS_ID", "0"))
+host, port = os.environ["JAXDIST_COORDINATOR"].rsplit(":", 1)
+log = os.environ["STUB_LOG"]
+"""
+
+
+def run_stub_launcher(
+    tmp_path: Path, body: str, launch_args: list[str], *, timeout: float = 60, patch: str = "", term_when: list[Path] = (), **env: str
+):
+    """``python -m jaxdist.launch LAUNCH_ARGS`` whose trainers are the stub BODY; returns (code, output).
+    ``term_when``: SIGTERM the launcher alone once those files exist."""
+    stub = tmp_path / "stub-python"
+    stub.write_text(STUB_HEAD + textwrap.dedent(body))
+    stub.chmod(stat.S_IRWXU)
+    (tmp_path / "log").mkdir(exist_ok=True)
+    code = f"import sys, jaxdist.cluster.launcher as L, jaxdist.launch as launch_cli\nsys.executable = {str(stub)!r}\n{patch}\nsys.exit(launch_cli.main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", code, *launch_args]
+    proc = subprocess.Popen(
+        cmd,
+        env={**subprocess_env(), "STUB_LOG": str(tmp_path / "log"), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        if term_when:
+            deadline = time.monotonic() + timeout
+            while not all(p.exists() for p in term_when) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the launcher did not end within {timeout}s:\n{out[-3000:]}")
+    return proc.returncode, out

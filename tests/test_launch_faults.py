@@ -20,7 +20,6 @@ import socket
 import stat
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.training.checkpoint import checkpoint_steps
 from jaxdist.training.preemption import EXIT_PREEMPTED
 
-from helpers import SMALL_TEXT, TINY, subprocess_env
+from helpers import SMALL_TEXT, TINY, run_stub_launcher, subprocess_env
 
 REPO = Path(jaxdist.__file__).resolve().parents[1]  # the checkout under test (its configs/launch templates)
 OVERRIDES = (*TINY, *SMALL_TEXT, "train.global_batch=8", "checkpoint.every_steps=1000")
@@ -384,46 +383,6 @@ def test_slurm_template_does_not_requeue_without_the_warning(exit_code, tmp_path
 
 # --- the launcher's logic against stub trainers ---
 
-STUB_HEAD = f"""#!{sys.executable}
-import os, signal, socket, sys, time
-rank = int(os.environ.get("JAXDIST_PROCESS_ID", "0"))
-host, port = os.environ["JAXDIST_COORDINATOR"].rsplit(":", 1)
-log = os.environ["STUB_LOG"]
-"""
-
-
-def _run_stub_launcher(
-    tmp_path: Path, body: str, launch_args: list[str], *, timeout: float = 60, patch: str = "", term_when: list[Path] = (), **env: str
-):
-    """``python -m jaxdist.launch LAUNCH_ARGS`` whose trainers are the stub BODY; returns (code, output).
-    ``term_when``: SIGTERM the launcher alone once those files exist."""
-    stub = tmp_path / "stub-python"
-    stub.write_text(STUB_HEAD + textwrap.dedent(body))
-    stub.chmod(stat.S_IRWXU)
-    (tmp_path / "log").mkdir(exist_ok=True)
-    code = f"import sys, jaxdist.cluster.launcher as L, jaxdist.launch as launch_cli\nsys.executable = {str(stub)!r}\n{patch}\nsys.exit(launch_cli.main(sys.argv[1:]))"
-    cmd = [sys.executable, "-c", code, *launch_args]
-    proc = subprocess.Popen(
-        cmd,
-        env=_env(STUB_LOG=str(tmp_path / "log"), **env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        if term_when:
-            deadline = time.monotonic() + timeout
-            while not all(p.exists() for p in term_when) and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the launcher did not end within {timeout}s:\n{out[-3000:]}")
-    return proc.returncode, out
-
 
 @pytest.mark.parametrize("mode", ["plain", "elastic"])
 def test_a_rank_that_exits_75_lets_the_others_finish_their_save(mode, tmp_path):
@@ -437,7 +396,7 @@ def test_a_rank_that_exits_75_lets_the_others_finish_their_save(mode, tmp_path):
     """
     flags = ["--nproc", "2"] if mode == "plain" else ["--nproc", "2", "--min-nproc", "1", "--devices-per-proc", "2"]
     train = ["--steps", "5"] if mode == "plain" else [*ELASTIC_TRAIN_ARGS, "--run-dir", str(tmp_path / "run")]
-    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *train], patch="L.GRACE_S = 0.5")
+    code, out = run_stub_launcher(tmp_path, body, [*flags, "--", *train], patch="L.GRACE_S = 0.5")
     assert code == EXIT_PREEMPTED, out
     assert (tmp_path / "log/rank0.saved").exists(), out  # not killed mid-commit
     assert not (tmp_path / "log/rank0.signalled").exists()  # nor asked to stop
@@ -457,7 +416,7 @@ def test_processes_that_ignore_a_forwarded_sigterm_are_killed_after_the_grace(mo
     flags = ["--nproc", "2"] if mode == "plain" else ["--nproc", "2", "--min-nproc", "1", "--devices-per-proc", "2"]
     train = ["--steps", "5"] if mode == "plain" else [*ELASTIC_TRAIN_ARGS, "--run-dir", str(tmp_path / "run")]
     started, start = [tmp_path / f"log/rank{rank}.started" for rank in (0, 1)], time.monotonic()
-    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *train], patch="L.SAVE_GRACE_S = 1", term_when=started)
+    code, out = run_stub_launcher(tmp_path, body, [*flags, "--", *train], patch="L.SAVE_GRACE_S = 1", term_when=started)
     assert time.monotonic() - start < 30, out
     assert code == 128 + signal.SIGKILL, out
     assert "rank 0, 1 still running 1s after the signal; killing them" in out
@@ -470,7 +429,7 @@ def test_a_save_that_never_finishes_is_stopped_after_the_grace(tmp_path):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(600)
     """
-    code, out = _run_stub_launcher(tmp_path, body, ["--nproc", "2", "--", "--steps", "5"], patch="L.GRACE_S = 0.5; L.SAVE_GRACE_S = 1")
+    code, out = run_stub_launcher(tmp_path, body, ["--nproc", "2", "--", "--steps", "5"], patch="L.GRACE_S = 0.5; L.SAVE_GRACE_S = 1")
     assert code == 128 + signal.SIGKILL, out
     assert "rank 0 did not finish saving within 1s; stopping it" in out
 
@@ -485,7 +444,7 @@ def test_gloos_connection_lines_show_only_at_debug(level, tmp_path):
         os.write(1, b"[Gloo] Rank 1 is connected to 0 peer ranks. Expected number of connected peer ranks is : 1\\n")
     print("training", flush=True)
     """
-    code, out = _run_stub_launcher(tmp_path, body, ["--nproc", "2", "--log-level", level, "--", "--steps", "5"])
+    code, out = run_stub_launcher(tmp_path, body, ["--nproc", "2", "--log-level", level, "--", "--steps", "5"])
     assert code == 0, out
     lines = out.splitlines()
     complete = [f"[rank {r}] [Gloo] Rank {r} is connected to 1 peer ranks. Expected number of connected peer ranks is : 1" for r in (0, 1)]
@@ -523,7 +482,7 @@ def test_a_taken_port_at_the_probe_is_skipped(mode, tmp_path):
     flags = ["--nproc", "2"] if mode == "plain" else ["--nproc", "2", "--min-nproc", "2", "--devices-per-proc", "2"]
     train = ["--steps", "5"] if mode == "plain" else [*ELASTIC_TRAIN_ARGS, "--run-dir", str(tmp_path / "run")]
     with taken:
-        code, out = _run_stub_launcher(tmp_path, COORDINATOR_STUB, [*flags, "--", *train], patch=patch)
+        code, out = run_stub_launcher(tmp_path, COORDINATOR_STUB, [*flags, "--", *train], patch=patch)
     assert code == 0, out
     used = {line.split()[1] for line in (tmp_path / "log/ports").read_text().splitlines()}
     assert len(used) == 1 and used != {str(port)}
@@ -550,7 +509,7 @@ def test_a_coordinator_that_could_not_bind_starts_again_on_a_new_port(mode, tmp_
     flags = ["--nproc", "2"] if mode == "plain" else ["--nproc", "2", "--min-nproc", "2", "--devices-per-proc", "2", "--max-restarts", "0"]
     run_dir = tmp_path / "run"
     train = ["--steps", "5"] if mode == "plain" else [*ELASTIC_TRAIN_ARGS, "--run-dir", str(run_dir)]
-    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *train])
+    code, out = run_stub_launcher(tmp_path, body, [*flags, "--", *train])
     assert code == 0, out
     ports = (tmp_path / "log/attempts").read_text().split()
     assert len(ports) == 2 and ports[0] != ports[1], ports
@@ -573,7 +532,7 @@ def test_an_elastic_run_restarts_without_a_stalled_rank(tmp_path):
     """
     run_dir = tmp_path / "run"
     flags = ["--nproc", "2", "--min-nproc", "1", "--devices-per-proc", "2", "--hang-timeout", "1"]
-    code, out = _run_stub_launcher(
+    code, out = run_stub_launcher(
         tmp_path, body, [*flags, "--", *ELASTIC_TRAIN_ARGS, "--run-dir", str(run_dir)], JAXDIST_FAULT_STALL_AT="1:3"
     )
     assert code == 0, out
@@ -627,7 +586,7 @@ def test_a_killed_rank_is_blamed_before_the_peer_that_aborted_after_it(tmp_path)
     """
     run_dir = tmp_path / "run"
     flags = ["--nproc", "4", "--min-nproc", "2", "--devices-per-proc", "2"]
-    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *ELASTIC_TRAIN_ARGS, "--run-dir", str(run_dir)])
+    code, out = run_stub_launcher(tmp_path, body, [*flags, "--", *ELASTIC_TRAIN_ARGS, "--run-dir", str(run_dir)])
     assert code == 0, out
     changes = [json.loads(line) for line in (run_dir / "elastic.jsonl").read_text().splitlines()]
     assert [(c["reason"], c["to"]) for c in changes] == [("start", 4), ("failure", 2)], changes
@@ -871,7 +830,7 @@ def test_a_replacement_still_starting_when_the_run_ends_is_stopped_and_the_run_i
     """
     flags = ["--nproc", "3", "--min-nproc", "2", "--devices-per-proc", "1", "--recovery", "in-process"]
     train = ["--mesh", "data=-1", *OVERRIDES, "train.global_batch=6", "train.steps=5", "--run-dir", str(tmp_path / "run")]
-    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *train])
+    code, out = run_stub_launcher(tmp_path, body, [*flags, "--", *train])
     assert code == 0, out
     assert "rank 2 was killed by SIGKILL; the other 2 recover in-process (--recovery in-process)" in out, out
     assert "starting a replacement for rank 2; it rejoins the live processes at their next step" in out, out
@@ -900,7 +859,7 @@ def test_a_death_that_would_leave_one_process_restarts_instead_of_recovering_in_
     """
     flags = ["--nproc", "2", "--min-nproc", "1", "--devices-per-proc", "1", "--recovery", "in-process"]
     train = ["--mesh", "data=-1", *OVERRIDES, "train.global_batch=6", "train.steps=5", "--run-dir", str(tmp_path / "run")]
-    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *train])
+    code, out = run_stub_launcher(tmp_path, body, [*flags, "--", *train])
     assert code == 0, out
     said = "rank 1 was killed by SIGKILL: one process would be left, and Orbax cannot save a mesh of one process's devices"
     assert said in out and "recover in-process" not in out, out
@@ -931,7 +890,7 @@ def test_a_persistent_straggler_is_left_out_at_the_next_membership_change(tmp_pa
     """
     flags = ["--nproc", "3", "--min-nproc", "1", "--devices-per-proc", "1", "--drop-stragglers", "--straggler-window", "10"]
     train = ["--mesh", "data=-1", *OVERRIDES, "train.global_batch=6", "train.steps=5", "--run-dir", str(run_dir)]
-    code, out = _run_stub_launcher(tmp_path, body, [*flags, "--", *train], STUB_RUN=str(run_dir))
+    code, out = run_stub_launcher(tmp_path, body, [*flags, "--", *train], STUB_RUN=str(run_dir))
     assert code == 0, out
     line = "process 2 was named a straggler at the end of two windows in a row (steps 1-20); its slot is left out of the next set (--drop-stragglers)"
     assert sum(line in x for x in out.splitlines()) == 1, out

@@ -7,8 +7,9 @@ two launchers x 2 processes where node 0's launcher is SIGKILLed (its processes 
 the other continues alone within the lease time plus a margin), then a third launcher joins
 and the run grows, every logged loss equal to an uninterrupted run's; etcd stopped for 10 s
 under a running generation (training goes on, nothing restarts), then a node lost below
---nnodes MIN (the survivor stops at its last checkpoint with one line). No process
-outlives its launcher.
+--nnodes MIN (the survivor stops at its last checkpoint with one line); a leaving node
+whose processes ignore the signal is freed after the save's grace (stub trainers). No
+process outlives its launcher.
 """
 
 import contextlib
@@ -32,7 +33,7 @@ from jaxdist.cluster.rendezvous import Ending, Generation, Registration, end_gen
 from jaxdist.errors import JaxdistError
 from jaxdist.training.checkpoint import checkpoint_steps
 
-from helpers import TINY, checked_goodput, membership_changes, subprocess_env
+from helpers import TINY, checked_goodput, membership_changes, run_stub_launcher, subprocess_env
 
 ETCD = shutil.which("etcd")
 pytestmark = pytest.mark.skipif(ETCD is None, reason="etcd is not installed (Debian: apt-get install etcd-server)")
@@ -352,6 +353,25 @@ def test_failures_past_max_restarts_stop_every_node(etcd_server, tmp_path, capsy
     assert (gen.number, gen.members, gen.stop["code"]) == (2, (), 1)
 
 
+def test_a_leaving_nodes_processes_that_ignore_the_signal_are_killed_after_the_saves_grace(etcd_server, tmp_path):
+    """A launcher told to leave (SIGTERM) whose processes never finish their save (one stuck in a
+    collective with a peer that saved at another step) must not hold the node: they are killed
+    after the save's grace, in one line."""
+    body = """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(f"{log}/rank{rank}.started", "w").close()
+    time.sleep(600)
+    """
+    argv = _node_argv(etcd_server.url, "--node-id", "a", "--rdzv-settle", "0", run_dir=tmp_path / "run", nnodes="1:1")
+    argv[argv.index("--rdzv-id") + 1] = "stuck-leave"
+    started = [tmp_path / f"log/rank{rank}.started" for rank in (0, 1)]
+    code, out = run_stub_launcher(tmp_path, body, argv, patch="L.SAVE_GRACE_S = 1", term_when=started)
+    assert code == 128 + signal.SIGKILL, out
+    assert "SIGTERM: this node's processes save, then it leaves the run" in out
+    assert "rank 0, 1 still running 1s after the signal; killing them" in out
+    assert read_state(etcd_server.client, "stuck-leave").nodes == []
+
+
 def test_the_arguments_that_count_are_the_running_generations_else_the_first_nodes():
     def state(gen=None, endings=(), **stopped_and_fingerprints):
         nodes = [rendezvous.Node(n, "h", stopped, i, fp) for i, (n, (stopped, fp)) in enumerate(stopped_and_fingerprints.items(), 1)]
@@ -461,6 +481,13 @@ class Nodes:
             self.watch()
             time.sleep(0.2)
         return time.monotonic() - start
+
+    def exit_code(self, node: str, timeout: float) -> int:
+        """``node``'s launcher's exit status; fails when it still runs after ``timeout`` (the logs then say why)."""
+        try:
+            return self.procs[node].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{node}'s launcher still runs after {timeout}s\n{self.logs()}")
 
     def left(self, seconds: float) -> list[str]:
         """Processes the launchers started that still run after ``seconds`` (each then killed)."""
@@ -574,8 +601,8 @@ def test_a_killed_node_drops_out_and_a_new_one_joins_with_the_same_losses(nodes,
 
     survivor_log = len(nodes.log(node1))
     nodes.start("n3", run, "1:3", 2, 40, env=shrunk_slow)  # a third launcher: the run grows back to 2 nodes
-    assert nodes.procs[node1].wait(timeout=240) == 0, nodes.logs()
-    assert nodes.procs["n3"].wait(timeout=60) == 0, nodes.logs()
+    assert nodes.exit_code(node1, 240) == 0, nodes.logs()
+    assert nodes.exit_code("n3", 60) == 0, nodes.logs()
 
     start, lost, grow = membership_changes(run_dir)
     assert (start["reason"], start["from"], start["to"], start["nodes"]) == ("start", None, 4, 2)
@@ -626,8 +653,8 @@ def test_training_goes_on_while_etcd_is_stopped_and_a_node_leaving_below_min_sav
     nodes.watch()
     os.kill(nodes.procs["m2"].pid, signal.SIGTERM)  # m2's launcher alone (its node is going away): it saves and leaves
     signalled_at = time.monotonic()
-    assert nodes.procs["m2"].wait(timeout=120) == 75, nodes.log("m2")[-3000:]
-    code = nodes.procs["m1"].wait(timeout=60)
+    assert nodes.exit_code("m2", 150) == 75, nodes.log("m2")[-3000:]  # past the launcher's 120 s save grace
+    code = nodes.exit_code("m1", 60)
     took = time.monotonic() - signalled_at
     out = nodes.log("m1")
     assert code == 75, out[-3000:]

@@ -332,12 +332,16 @@ class Launcher:
         self.kill_all()
         return Ended("hang", 128 + signal.SIGKILL, stall.rank, -signal.SIGKILL, cause=cause)
 
+    def past_save_grace(self) -> bool:
+        """Whether a signal was forwarded more than ``SAVE_GRACE_S`` ago (what still runs is stuck)."""
+        return self.signalled_at is not None and time.monotonic() - self.signalled_at > SAVE_GRACE_S
+
     def wait(self) -> Ended:
         """Until the set ends; after a failure the others are stopped (SIGTERM, then SIGKILL).
         Processes still running ``SAVE_GRACE_S`` after a forwarded signal are killed (one line):
         a stuck process must not hold the launcher that was asked to stop."""
         while (ended := self.poll()) is None:
-            if self.signalled_at is not None and time.monotonic() - self.signalled_at > SAVE_GRACE_S:
+            if self.past_save_grace():
                 running = [rank for rank, proc in enumerate(self.procs) if proc.poll() is None]
                 log.info(f"rank {', '.join(map(str, running))} still running {SAVE_GRACE_S:.0f}s after the signal; killing them")
                 self.kill_all()

@@ -378,11 +378,11 @@ class NodeElastic:
                 self.report(gen, Ending("leave", self.me))  # before the processes hear it: the others save, not stop
                 log.info(f"{signal.Signals(self.interrupted).name}: this node's processes save, then it leaves the run")
                 launcher.signal_all(self.interrupted)
-            local = launcher.poll()
+            # leaving: the processes save and exit; those still running after the save's grace are killed
+            local = launcher.wait() if self.leaving and launcher.past_save_grace() else launcher.poll()
             if local is not None:
                 if self.leaving:
-                    local = launcher.wait()
-                    return Ending("leave", self.me), local
+                    return Ending("leave", self.me), launcher.wait()
                 mine = self.local_ending(launcher, local)
                 return self.follow(launcher, gen, self.report(gen, mine) or mine), local
             if time.monotonic() >= next_poll:
