@@ -56,21 +56,18 @@ def jax_nn():
     return jax.nn
 
 
-def _autodiff_split(equation, x, w, out_axis, w_axis, sizes):
+def _autodiff_joined(equation, x, w, out_axis, w_axis, sizes):
     import jax.numpy as jnp
-    import numpy as np
-    from jax import lax
 
-    y, starts = jnp.einsum(equation, x, w), np.cumsum((0, *sizes[:-1]))
-    return tuple(lax.slice_in_dim(y, int(a), int(a) + n, axis=out_axis) for a, n in zip(starts, sizes, strict=True))
+    return jnp.einsum(equation, x, w)
 
 
 # Variants that swap one function while their step is traced: jaxdist's former attention
 # (jax.nn.dot_product_attention, which keeps the [B,H,T,T] probabilities for the backward)
-# and autodiff through the fused projections (one [tokens, parts] gradient, pad + add).
+# and autodiff through the fused projections (one weight-gradient matmul over the joined gradient).
 PATCHES = {
     "jax-attention": ("jaxdist.models.attention", "grouped_attention", _jax_attention),
-    "autodiff-split": ("jaxdist.models.llama", "project_split", _autodiff_split),
+    "autodiff-split": ("jaxdist.models.llama", "project_joined", _autodiff_joined),
 }
 BATCH, SEQ = 16, 128
 

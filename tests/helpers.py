@@ -47,6 +47,18 @@ TINY = (
 )
 
 
+def jaxpr_equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs inside it (scan, remat, custom rules, pjit)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from jaxpr_equations(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from jaxpr_equations(sub)
+
+
 @functools.cache
 def train_losses(mesh: str, overrides: tuple[str, ...] = (), steps: int = 5) -> tuple[float, ...]:
     config = load_config(None, (*TINY, f"train.steps={steps}", *overrides))

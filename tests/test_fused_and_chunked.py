@@ -221,14 +221,14 @@ def test_split_parts_gradient_equals_slicing():
     np.testing.assert_allclose(jax.grad(objective(lambda x: split_parts(x, 3, (4, 1, 1))))(x), jax.grad(objective(sliced))(x), rtol=1e-6)
 
 
-def test_project_split_gradients_equal_autodiff_through_the_fused_einsum():
+def test_project_joined_gradients_equal_autodiff_through_the_fused_einsum():
     """The fused projection's custom backward (input gradient over all parts at once, weight
-    gradient per part) against autodiff through one einsum and plain slices."""
+    gradient per part), cut by ``split_parts``, against autodiff through one einsum and plain slices."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxdist.models.layers import project_split
+    from jaxdist.models.layers import project_joined, split_parts
 
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((2, 5, 8)), jnp.float32)
@@ -242,7 +242,7 @@ def test_project_split_gradients_equal_autodiff_through_the_fused_einsum():
         y = jnp.einsum("btd,dkgh->btkgh", x, w)
         return y[:, :, :, :2], y[:, :, :, 2:3], y[:, :, :, 3:]
 
-    ours = lambda x, w: project_split("btd,dkgh->btkgh", x, w, 3, 2, (2, 1, 1))  # noqa: E731
+    ours = lambda x, w: split_parts(project_joined("btd,dkgh->btkgh", x, w, 3, 2, (2, 1, 1)), 3, (2, 1, 1))  # noqa: E731
     for got, want in zip(ours(x, w), reference(x, w), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     got = jax.grad(objective(ours), argnums=(0, 1))(x, w)

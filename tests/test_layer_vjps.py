@@ -16,6 +16,8 @@ from jaxdist.config import ModelConfig
 from jaxdist.models.layers import cross_entropy_sum, embed_lookup, project, rms_norm, swiglu, swiglu_joined
 from jaxdist.models.llama import Llama
 
+from helpers import jaxpr_equations
+
 
 def plain_rms_norm(x, scale, eps, dtype):
     x32 = x.astype(jnp.float32)
@@ -190,18 +192,6 @@ def test_embed_lookup_value_and_table_gradient_equal_autodiff(dtype):
 # -- in the model's gradient program -----------------------------------------------------------
 
 
-def _equations(jaxpr):
-    """Every equation of ``jaxpr`` and of the jaxprs inside it (scan, remat, custom rules, pjit)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _equations(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _equations(sub)
-
-
 @pytest.mark.parametrize("fused", [True, False])
 def test_the_models_weight_gradients_leave_their_matmuls_in_fp32_and_the_table_is_gathered_in_bf16(fused):
     """A bf16 decoder's gradient program: each weight-shaped matmul output (a weight gradient, the
@@ -217,15 +207,17 @@ def test_the_models_weight_gradients_leave_their_matmuls_in_fp32_and_the_table_i
 
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
     # the weight-gradient matmuls' outputs: d 32, 4 heads / 2 kv heads of 8, mlp 48, vocab 96; the
-    # fused qkv [d, kv, 2 q + k + v, 8] and gate/up [d, 2, f] take theirs per part (project_split).
+    # fused qkv [d, kv, 2 q + k + v, 8] and gate/up [d, 2, f] take theirs per part (project_joined).
     # Matched by their dimensions in any order (autodiff's transposed matmul may permute them).
     parts = {(32, 2, 2, 8), (32, 2, 1, 8), (32, 1, 48)} if fused else {(32, 4, 8), (32, 2, 8), (32, 48)}
     expected = {tuple(sorted(shape)) for shape in parts | {(4, 8, 32), (48, 32), (32, 96)}}  # + wo, w_down, the head
     weight_grads: dict[tuple, set[str]] = {}
-    for out in (eqn.outvars[0].aval for eqn in _equations(jaxpr) if eqn.primitive.name == "dot_general"):
+    for out in (eqn.outvars[0].aval for eqn in jaxpr_equations(jaxpr) if eqn.primitive.name == "dot_general"):
         if tuple(sorted(out.shape)) in expected:
             weight_grads.setdefault(tuple(sorted(out.shape)), set()).add(str(out.dtype))
     assert set(weight_grads) == expected, weight_grads
     assert all(dtypes == {"float32"} for dtypes in weight_grads.values()), weight_grads
-    table = [e for e in _equations(jaxpr) if e.primitive.name in ("gather", "scatter-add") and tuple(e.invars[0].aval.shape) == (96, 32)]
+    table = [
+        e for e in jaxpr_equations(jaxpr) if e.primitive.name in ("gather", "scatter-add") and tuple(e.invars[0].aval.shape) == (96, 32)
+    ]
     assert sorted((e.primitive.name, str(e.invars[0].aval.dtype)) for e in table) == [("gather", "bfloat16"), ("scatter-add", "float32")]

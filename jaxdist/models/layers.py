@@ -157,30 +157,35 @@ split_parts.defvjp(_split_fwd, _split_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5))
-def project_split(equation: str, x: jax.Array, w: jax.Array, out_axis: int, w_axis: int, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
-    """A fused projection ``einsum(equation, x, w)`` cut into parts of ``sizes`` along
-    ``out_axis`` (the weight's ``w_axis``): one matmul forward. Backward, the input
-    gradient is still one matmul over all parts (one all-reduce under tensor parallelism),
-    while the weight gradient is one matmul per part, joined as small weight-shaped
-    slices: autodiff's single weight-gradient matmul would read the joined [tokens, parts]
-    gradient transposed, which XLA's CPU backend copies in full for it."""
-    return split_parts(jnp.einsum(equation, x, w), out_axis, sizes)
+def project_joined(equation: str, x: jax.Array, w: jax.Array, out_axis: int, w_axis: int, sizes: tuple[int, ...]) -> jax.Array:
+    """A fused projection ``einsum(equation, x, w)`` whose output joins parts of ``sizes`` along
+    ``out_axis`` (the weight's ``w_axis``), cut afterwards (``split_parts``). One matmul forward,
+    whose whole output is what ``model.remat=save_matmuls`` keeps (parts cut inside this rule are
+    not matmul outputs to the policy, so the backward would recompute the matmul for them).
+    Backward, the input gradient is one fp32-output matmul over all parts (one fp32 all-reduce
+    under tensor parallelism), and the weight gradient one matmul per part, joined as small
+    weight-shaped slices: autodiff's single weight-gradient matmul would read the joined
+    [tokens, parts] gradient transposed, which XLA's CPU backend copies in full for it."""
+    return jnp.einsum(equation, x, w)
 
 
-def _project_fwd(equation, x, w, out_axis, w_axis, sizes):
-    return project_split(equation, x, w, out_axis, w_axis, sizes), (x, w)
+def _joined_fwd(equation, x, w, out_axis, w_axis, sizes):
+    return jnp.einsum(equation, x, w), (x, w)
 
 
-def _project_bwd(equation, out_axis, w_axis, sizes, residuals, grads):
+def _joined_bwd(equation, out_axis, w_axis, sizes, residuals, g):
     x, w = residuals
     inputs, out = equation.split("->")
     x_sub, w_sub = inputs.split(",")
-    dx = jnp.einsum(f"{out},{w_sub}->{x_sub}", jnp.concatenate(grads, axis=out_axis), w, preferred_element_type=jnp.float32)
-    dw = jnp.concatenate([jnp.einsum(f"{x_sub},{out}->{w_sub}", x, g, preferred_element_type=jnp.float32) for g in grads], axis=w_axis)
+    dx = jnp.einsum(f"{out},{w_sub}->{x_sub}", g, w, preferred_element_type=jnp.float32)
+    parts = split_parts(g, out_axis, sizes)
+    dw = jnp.concatenate(
+        [jnp.einsum(f"{x_sub},{out}->{w_sub}", x, part, preferred_element_type=jnp.float32) for part in parts], axis=w_axis
+    )
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-project_split.defvjp(_project_fwd, _project_bwd)
+project_joined.defvjp(_joined_fwd, _joined_bwd)
 
 
 def _transposed_equations(equation: str) -> tuple[str, str]:

@@ -31,7 +31,7 @@ from jaxdist.layout.sharding import constrain
 from jaxdist.models import fp8, layers
 from jaxdist.models.attention import model_attention
 from jaxdist.models.fp8 import Fp8Einsum, disabled
-from jaxdist.models.layers import embed_lookup, matmul, project, project_split, rms_norm, split_parts, swiglu
+from jaxdist.models.layers import embed_lookup, matmul, project, project_joined, rms_norm, split_parts, swiglu
 from jaxdist.models.moe import REGULARIZER, MoE, moe_sums
 from jaxdist.models.params import fan_in_init, param
 from jaxdist.models.remat import name_layer_input, rematted
@@ -106,11 +106,9 @@ class Attention(nnx.Module):
         if self.fused:
             b, t = x.shape[:2]
             _, kv, groups, hd = self.wqkv.shape
-            if self.qkv_dot.plain():
-                q, k, v = project_split("btd,dkgh->btkgh", x, w(self.wqkv), 3, 2, (groups - 2, 1, 1))
-            else:
-                qkv = constrain(self.qkv_dot("btd,dkgh->btkgh", x, w(self.wqkv)), ("batch", "seq", "act_kv_heads", None, None))
-                q, k, v = split_parts(qkv, 3, (groups - 2, 1, 1))
+            sizes, args = (groups - 2, 1, 1), ("btd,dkgh->btkgh", x, w(self.wqkv))
+            qkv = project_joined(*args, 3, 2, sizes) if self.qkv_dot.plain() else self.qkv_dot(*args)
+            q, k, v = split_parts(constrain(qkv, ("batch", "seq", "act_kv_heads", None, None)), 3, sizes)
             q = constrain(q.reshape(b, t, kv * (groups - 2), hd), ("batch", "seq", "act_heads", None))
             k = constrain(k[:, :, :, 0], ("batch", "seq", "act_kv_heads", None))
             v = constrain(v[:, :, :, 0], ("batch", "seq", "act_kv_heads", None))
@@ -181,13 +179,10 @@ class MLP(nnx.Module):
             gate = matmul(self.gate_dot, "btd,df->btf", x, self.w_gate[...].astype(self.dtype))
             up = matmul(self.up_dot, "btd,df->btf", x, self.w_up[...].astype(self.dtype))
             return self._down(swiglu(gate, up))
-        weight = self.w_gate_up[...].astype(self.dtype)
-        if not self.gate_up_dot.plain():  # fp8: the joined product's gradient is written (and quantised) whole
-            gate_up = constrain(self.gate_up_dot("btd,dcf->btcf", x, weight), ("batch", "seq", None, "act_mlp"))
-            return self._down(layers.swiglu_joined(gate_up, 2))
-        parts = project_split("btd,dcf->btcf", x, weight, 2, 1, (1, 1))
-        gate, up = (constrain(part[:, :, 0], ("batch", "seq", "act_mlp")) for part in parts)
-        return self._down(swiglu(gate, up))
+        args = ("btd,dcf->btcf", x, self.w_gate_up[...].astype(self.dtype))
+        gate_up = project_joined(*args, 2, 1, (1, 1)) if self.gate_up_dot.plain() else self.gate_up_dot(*args)
+        # its gradient written joined, in one pass (both paths)
+        return self._down(layers.swiglu_joined(constrain(gate_up, ("batch", "seq", None, "act_mlp")), 2))
 
     def _down(self, hidden: jax.Array) -> jax.Array:
         hidden = constrain(hidden, ("batch", "seq", "act_mlp"))
