@@ -135,7 +135,7 @@ def test_the_h100_program_keeps_each_layers_input_on_host_with_async_copies_and_
     (one async transfer each way per layer), partly hidden by the kernels scheduled in their
     windows; the [layers, rows, seq, width] stack that full remat keeps on the device lives only in
     host memory (memory space 5), and the peak (XLA's memory analysis) is lower. Not by the whole
-    stack: without it the step's peak sits elsewhere (7.8 MB lower here, 0.23 of the stack; 0.37
+    stack: without it the step's peak sits elsewhere (6.8 MB lower here, 0.20 of the stack; 1.2
     GiB of 2 on llama3-8b's fsdp=8 program, training/README.md)."""
     pytest.importorskip("jax_plugins.xla_cuda12", reason="JAX's CUDA plugin is not installed (pip install -e '.[dev]')")
     from jaxdist.config import load_config
