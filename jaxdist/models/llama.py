@@ -180,11 +180,11 @@ class MLP(nnx.Module):
             up = matmul(self.up_dot, "btd,df->btf", x, self.w_up[...].astype(self.dtype))
             return self._down(swiglu(gate, up))
         args = ("btd,dcf->btcf", x, self.w_gate_up[...].astype(self.dtype))
-        gate_up = project_joined(*args, 2, 1, (1, 1)) if self.gate_up_dot.plain() else self.gate_up_dot(*args)
         if not self.gate_up_dot.plain():  # fp8: the joined gradient is written (and quantised) whole, in one pass
-            return self._down(layers.swiglu_joined(constrain(gate_up, ("batch", "seq", None, "act_mlp")), 2))
+            return self._down(layers.swiglu_joined(constrain(self.gate_up_dot(*args), ("batch", "seq", None, "act_mlp")), 2))
         # bf16/fp32: the halves apart (the joined pass costs XLA:CPU's step ~4% and buys XLA:GPU's nothing clear)
-        gate, up = (constrain(part[:, :, 0], ("batch", "seq", "act_mlp")) for part in split_parts(gate_up, 2, (1, 1)))
+        parts = split_parts(project_joined(*args, 2, 1, (1, 1)), 2, (1, 1))
+        gate, up = (constrain(part[:, :, 0], ("batch", "seq", "act_mlp")) for part in parts)
         return self._down(swiglu(gate, up))
 
     def _down(self, hidden: jax.Array) -> jax.Array:
