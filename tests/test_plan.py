@@ -594,6 +594,52 @@ def test_a_compiled_layout_that_does_not_fit_hands_its_place_to_the_next_of_its_
     assert {(c["mesh"], c["remat"]) for c in result["candidates"]} == {("fsdp=4", "none"), ("fsdp=4", "save_matmuls")}
 
 
+def test_after_each_kinds_first_compile_the_rest_follow_what_the_compiles_of_their_kind_showed(monkeypatch):
+    """Once every memory kind's best layout is compiled, the rest go by rough time scaled by their
+    kind's compiled step over its rough time: a kind whose program came out slower than the rough
+    time said (``none`` near the memory limit, where XLA rematerializes by itself) gives its place
+    to the next layout of a kind that came out faster. Without the rough times (the order before),
+    the search compiles the rough-faster ``none`` layout instead."""
+    import types
+
+    from jaxdist.plan import cost as plan_cost
+    from jaxdist.plan.search import Candidate
+
+    def layout(mesh: str, remat: str) -> Candidate:
+        return Candidate(tuple((a, int(n)) for a, n in (part.split("=") for part in mesh.split(","))), 1, remat)
+
+    rough = {layout("fsdp=4", "none"): 1.0, layout("data=2,fsdp=2", "none"): 1.02, layout("fsdp=4", "save_matmuls"): 1.1,
+             layout("data=4", "save_matmuls"): 1.12}  # fmt: skip
+    step = {layout("fsdp=4", "none"): 2.0, layout("fsdp=4", "save_matmuls"): 1.2, layout("data=2,fsdp=2", "none"): 2.1,
+            layout("data=4", "save_matmuls"): 1.15}  # fmt: skip
+    ranked = [(c, 2**30) for c in sorted(rough, key=rough.get)]
+
+    def compiled_by(rough_times):
+        compiled = []
+
+        def fake_compile(config, target, compiler):
+            candidate = next(c for c in rough if c.mesh_spec == config.parallel.mesh and c.remat == config.model.remat)
+            compiled.append(candidate)
+            return {"memory": {"peak": 2**30, "arguments": 0, "total": 2**30}, "program": step[candidate], "notes": [], "params": 1}, False
+
+        monkeypatch.setattr(search, "compile_summary", fake_compile)
+        monkeypatch.setattr(ProgramCost, "from_dict", staticmethod(lambda data: data))
+        monkeypatch.setattr(
+            plan_cost,
+            "predict_summary",
+            lambda program, *a: types.SimpleNamespace(step_time_s=program, to_dict=lambda: {"step_time_s": program}),
+        )
+        args = types.SimpleNamespace(max_compiles=3, time_budget=1e9, gpus=4)
+        config = load_config(None, ["model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4"])
+        result = plan_cli._price(config, plan_cli.compile_order(ranked), load_hardware("h100"), args, target=object(), rough=rough_times)
+        return [(c.mesh_spec, c.remat) for c in compiled], result["candidates"][0]
+
+    order, best = compiled_by(rough)
+    assert order == [("fsdp=4", "none"), ("fsdp=4", "save_matmuls"), ("data=4", "save_matmuls")]
+    assert (best["mesh"], best["remat"], best["step_time_s"]) == ("data=4", "save_matmuls", 1.15)
+    assert compiled_by(None)[0] == [("fsdp=4", "none"), ("fsdp=4", "save_matmuls"), ("data=2,fsdp=2", "none")]
+
+
 def test_a_partial_validation_run_keeps_the_readme_sections_it_did_not_rerun(monkeypatch, tmp_path):
     """``experiments/plan_validation.py --gpu --write-readme`` rewrites its generated block: the CPU
     and planner sections it did not run stay as the README has them, each up to the next section."""
