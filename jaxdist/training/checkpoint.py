@@ -283,7 +283,7 @@ class Checkpointer:
                 f"saving weights-only checkpoint at step {step} in {self.params_dir} refused: it already holds one from an earlier run"
             )
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(weights),
+            state=ocp.args.PyTreeSave(weights),
             data=grain_checkpoint.CheckpointSave(_IteratorState(json.dumps(data_state).encode())),
             config=ocp.args.JsonSave(config),
         )
@@ -304,7 +304,7 @@ class Checkpointer:
                 f"saving checkpoint at step {step} in {self.directory} refused: it already holds a checkpoint from an earlier run"
             )
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
+            state=ocp.args.PyTreeSave(state),
             data=grain_checkpoint.CheckpointSave(_IteratorState(json.dumps(data_state).encode())),
             config=ocp.args.JsonSave(config),
         )
@@ -373,7 +373,7 @@ class Checkpointer:
             if dropped:  # a subset of what was saved: Orbax's partial restore reads only the target's arrays
                 state = _partial_restore(step_dir / "state", abstract_state)
             else:
-                state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+                state = self.manager.restore(step, args=ocp.args.Composite(state=_whole_restore(ocp, abstract_state)))["state"]
         except Exception as e:  # noqa: BLE001 - damaged files; agreed on below
             error = f"{step_dir / 'state'}: {_first_line(e)}"
         if not _all_processes_ok(error is None):  # fall back together, or not at all
@@ -408,6 +408,11 @@ class Checkpointer:
             f"no checkpoint in {self.directory} can be read (steps {', '.join(map(str, sorted(damaged)))} are damaged; nothing was deleted); "
             "to start over use --resume never with a new --run-dir"
         )
+
+
+def _whole_restore(ocp, abstract_state: Any):
+    """Orbax's arguments to read a stored state into ``abstract_state``'s shapes and shardings."""
+    return ocp.args.PyTreeRestore(item=abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
 
 
 def _partial_restore(state_dir: Path, abstract_state: Any) -> Any:

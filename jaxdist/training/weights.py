@@ -16,6 +16,7 @@ from typing import Any
 from jaxdist.config import Config, config_from_dict
 from jaxdist.errors import JaxdistError
 from jaxdist.training.checkpoint import checkpoint_steps, saved_config
+from jaxdist.training.orbax_manager import state_handler
 
 log = logging.getLogger(__name__)
 
@@ -184,10 +185,10 @@ def save_weights(run_dir: Path, params: Any, config: Config, step: int = 0) -> P
 
     directory = (Path(run_dir) / "checkpoints").absolute()
     # At most ~1 GB of arrays in flight while writing: the host already holds the whole output.
-    handlers = {"state": ocp.StandardCheckpointHandler(save_concurrent_gb=1), "config": ocp.JsonCheckpointHandler()}
+    handlers = {"state": state_handler(save_concurrent_gb=1), "config": ocp.JsonCheckpointHandler()}
     with ocp.CheckpointManager(directory, item_handlers=handlers) as manager:
         state = {"step": jnp.asarray(step, jnp.int32), "params": params}
-        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())))
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), config=ocp.args.JsonSave(config.to_dict())))
         manager.wait_until_finished()
     (Path(run_dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     return directory / str(step)
