@@ -169,6 +169,60 @@ def test_the_h100_program_keeps_each_layers_input_on_host_with_async_copies_and_
     assert 0.0 <= offload["exposed_s"] < 2 * layers * (link.latency + stack / layers / (link.bandwidth * link.efficiency))
 
 
+def test_remat_without_the_layer_scan_on_cpu_says_in_one_line_that_it_keeps_what_none_keeps(capsys):
+    """What the line says, against XLA:CPU's own memory analysis: with the layers in a Python
+    loop the step's temporaries under full remat are none's, where in the scan they are far
+    fewer; the line comes once, and not for the scan or for none."""
+    from jaxdist.config import load_config
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.models import build_task
+    from jaxdist.training.run import build_trainer
+
+    def temp_mib(remat: str, scan: str) -> float:
+        words = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4", "model.dtype=float32"]
+        words += ["train.global_batch=8", "train.seq_len=256", "data.source=synthetic", f"model.remat={remat}", f"model.scan_layers={scan}"]
+        trainer = build_trainer(load_config(None, words), parse_mesh("data=1"), jax.devices()[:1])
+        compiled = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch(8)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+    assert temp_mib("full", "false") == temp_mib("none", "false")
+    assert temp_mib("full", "true") < 0.6 * temp_mib("none", "true")
+    capsys.readouterr()
+    for words in (["model.remat=full", "model.scan_layers=false"], ["model.remat=full"], ["model.remat=none", "model.scan_layers=false"]):
+        build_task(load_config(None, words), platform="cpu")
+    lines = [x for x in capsys.readouterr().err.splitlines() if "model.scan_layers=false" in x]
+    assert (
+        len(lines) == 1
+        and "model.remat=full with model.scan_layers=false: on cpu devices XLA keeps what model.remat=none keeps" in lines[0]
+    )
+
+
+@pytest.mark.heavy
+def test_remat_keeps_less_than_none_without_the_layer_scan_in_the_h100_program():
+    """``model.scan_layers=false`` runs the layers in a Python loop, where XLA could merge the
+    backward's recomputation with the forward it repeats: every policy then compiled to none's
+    program (4 layers of [2, 2048, 512] per device: the same 511.3 MiB peak for none, full and
+    save_matmuls; llama3-8b on fsdp=8 with full remat 56.7 GiB, 22.0 in the scan). The
+    recomputation is now kept apart from the forward, and full remat's peak is below none's."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="JAX's CUDA plugin is not installed (pip install -e '.[dev]')")
+    from jaxdist.config import load_config
+    from jaxdist.data.sources import resolve_vocab
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.plan.gpu_target import compile_for_target, target_hardware, target_report
+
+    from helpers import TINY
+
+    layers, rows, seq, width = 4, 2, 2048, 512
+    hardware, peaks = target_hardware("h100"), {}
+    for policy in ("none", "full"):
+        words = [*TINY, "model.dtype=bfloat16", f"model.n_layers={layers}", f"model.d_model={width}", f"train.seq_len={seq}"]
+        config = load_config(None, [*words, f"train.global_batch={8 * rows}", f"model.remat={policy}", "model.scan_layers=false"])
+        resolve_vocab(config)
+        trainer, compiled, options = compile_for_target(config, parse_mesh("data=8"), hardware, 8, 8)
+        peaks[policy] = target_report(trainer, compiled, hardware, options, 8)["memory_per_device_bytes"]["peak"]
+    assert peaks["full"] < 0.97 * peaks["none"], peaks
+
+
 def test_the_planner_offers_offload_only_where_asked_and_screens_it_below_full_remat():
     """A GPU target's search adds offload_layer_inputs beside every full-remat layout (CPU
     devices offload nothing: cpu-local's search leaves it out); its screened memory is below

@@ -23,7 +23,7 @@ from jaxdist.models import counts, llama, resnet
 from jaxdist.models.attention import choose_implementation
 from jaxdist.models.fp8 import FP8_MIN_CAPABILITY, fp8_capable
 from jaxdist.models.moe import metrics_from_sums, update_router_bias
-from jaxdist.models.remat import offload_note
+from jaxdist.models.remat import offload_note, unscanned_note
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ def build_task(config: Config, platform: str = "cpu", compute_capability: str | 
             fp8_note(cfg),
             microbatch_balancing_note(config),
             offload_note(cfg.remat, platform),
+            unscanned_note(cfg.remat, cfg.scan_layers, platform),
         ):  # the weaker paths this model takes
             if line:
                 log.info(line)

@@ -394,7 +394,7 @@ class Llama(nnx.Module):
             with fp8.quantized_in(block, quantized):
                 return block(name_layer_input(h), positions, segment_ids)
 
-        layer = rematted(layer, self.cfg.remat)
+        layer = rematted(layer, self.cfg.remat, in_scan=self.cfg.scan_layers)
         if self.cfg.scan_layers:
             return jax.lax.scan(layer, x, stacked)
         depth = jax.tree.leaves(stacked[0])[0].shape[0]
