@@ -635,9 +635,54 @@ def test_after_each_kinds_first_compile_the_rest_follow_what_the_compiles_of_the
         return [(c.mesh_spec, c.remat) for c in compiled], result["candidates"][0]
 
     order, best = compiled_by(rough)
-    assert order == [("fsdp=4", "none"), ("fsdp=4", "save_matmuls"), ("data=4", "save_matmuls")]
+    # then the fastest once more with its layers in a Python loop (the next test)
+    assert order == [("fsdp=4", "none"), ("fsdp=4", "save_matmuls"), ("data=4", "save_matmuls"), ("data=4", "save_matmuls")]
     assert (best["mesh"], best["remat"], best["step_time_s"]) == ("data=4", "save_matmuls", 1.15)
     assert compiled_by(None)[0] == [("fsdp=4", "none"), ("fsdp=4", "save_matmuls"), ("data=2,fsdp=2", "none")]
+
+
+def test_the_fastest_layout_that_fits_compiles_once_more_with_its_layers_in_a_python_loop(monkeypatch):
+    """On a GPU target the search ends with one more compile, past --max-compiles: its fastest
+    layout that fits with ``model.scan_layers=false`` (the scan's stacked residuals and paired
+    iterations cost llama3-8b's fsdp=8 step a tenth), ranked with the rest (``+loop`` in the
+    table). A CPU plan does not try it."""
+    import types
+
+    from jaxdist.plan import cost as plan_cost
+    from jaxdist.plan.search import Candidate
+
+    fast, slow = Candidate((("fsdp", 4),), 1, "save_matmuls"), Candidate((("fsdp", 4),), 1, "none")
+    step = {(slow, True): 2.0, (fast, True): 1.2, (fast, False): 1.0}
+    rough = {slow: 1.0, fast: 1.1}
+
+    def searched(target):
+        compiled = []
+
+        def fake_compile(config, target, compiler):
+            candidate = next(c for c in rough if c.remat == config.model.remat)
+            compiled.append((candidate.remat, config.model.scan_layers))
+            program = step[(candidate, config.model.scan_layers)]
+            return {"memory": {"peak": 2**30, "arguments": 0, "total": 2**30}, "program": program, "notes": [], "params": 1}, False
+
+        monkeypatch.setattr(search, "compile_summary", fake_compile)
+        monkeypatch.setattr(ProgramCost, "from_dict", staticmethod(lambda data: data))
+        priced = {"tokens_per_sec_per_device": 1.0, "mfu": 0.5, "bound": "compute"}
+        monkeypatch.setattr(
+            plan_cost,
+            "predict_summary",
+            lambda program, *a: types.SimpleNamespace(step_time_s=program, to_dict=lambda: {"step_time_s": program, **priced}),
+        )
+        args = types.SimpleNamespace(max_compiles=2, time_budget=1e9, gpus=4)
+        config = load_config(None, ["model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4"])
+        ranked = plan_cli.compile_order([(slow, 2**30), (fast, 2**30)])
+        return compiled, plan_cli._price(config, ranked, load_hardware("h100"), args, target=target, rough=rough)
+
+    compiled, result = searched(object())
+    assert compiled == [("none", True), ("save_matmuls", True), ("save_matmuls", False)]
+    best = result["candidates"][0]
+    assert (best["remat"], best["scan_layers"], best["step_time_s"]) == ("save_matmuls", False, 1.0)
+    assert "save_matmuls+loop" in plan_cli.format_table({**result, "layouts": {"compiled": 3, "fitting_estimate": 2}}, 3)
+    assert searched(None)[0] == [("none", True), ("save_matmuls", True)]
 
 
 def test_a_partial_validation_run_keeps_the_readme_sections_it_did_not_rerun(monkeypatch, tmp_path):

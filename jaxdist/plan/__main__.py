@@ -182,7 +182,7 @@ def reranked(rest: list[tuple], rough: dict, speed: dict[tuple[str, bool], float
     XLA:GPU's program) ranked below a dozen rough-faster ``none`` layouts (1.0 s and slower) and went
     uncompiled. A kind no compile has priced yet takes the slowest factor seen."""
     unseen = max(speed.values(), default=1.0)
-    return sorted(rest, key=lambda item: rough[item[0]] * speed.get(memory_kind(item[0]), unseen))
+    return sorted(rest, key=lambda item: rough.get(item[0], math.inf) * speed.get(memory_kind(item[0]), unseen))
 
 
 def _gpu_target(hardware, gpus: int, per_node: int):
@@ -234,13 +234,21 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
     speed: dict[tuple[str, bool], float] = {}  # per memory kind: the smallest compiled step / rough time among those that fit
     ranked_by: dict[tuple[str, bool], float] = {}  # the speeds the queue was last ranked by
     # each layout compiles in a child process: XLA aborts its process on a failed internal check
+    # last, the fastest layout that fits compiles once more with its layers in a Python loop (XLA:GPU only)
+    refine, fitted = target is not None and rough is not None and config.model.scan_layers, []
     with CompileWorker(cpu_only=target is None) as worker:
-        while queue:
+        while queue or refine:
+            if not queue:
+                refine = False
+                if not fitted:
+                    break
+                _, best, best_estimate = min(fitted, key=lambda f: f[0])
+                queue.append((dataclasses.replace(best, scan_layers=False), best_estimate))
             if rough is not None and firsts_left <= 0 and speed != ranked_by and tried < args.max_compiles:
                 queue, ranked_by = collections.deque(reranked(list(queue), rough, speed)), dict(speed)
             candidate, estimate = queue.popleft()
             firsts_left -= 1
-            if tried >= args.max_compiles:
+            if tried >= args.max_compiles and candidate.scan_layers:
                 past += 1
                 continue
             if time.monotonic() - start > args.time_budget:
@@ -282,6 +290,7 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
                     "microbatches": candidate.microbatches,
                     "remat": candidate.remat,
                     "optimizer_offload": candidate.optimizer_offload,
+                    "scan_layers": candidate.scan_layers,
                     "context_strategy": candidate.context_strategy or None,
                     **p.to_dict(),
                     "memory_per_device_bytes": int(memory),
@@ -291,6 +300,8 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
                     "notes": layout_notes,
                 }
             )
+            if memory <= usable and refine:
+                fitted.append((p.step_time_s, candidate, estimate))
             if memory <= usable and rough is not None and rough.get(candidate, 0) > 0:
                 speed[kind] = min(speed.get(kind, math.inf), p.step_time_s / rough[candidate])
             if memory > usable:  # the same layout with its optimizer state on host is the next to try, if offered
@@ -308,8 +319,10 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
         say_note(note)
     compiler = f"with XLA:GPU for {args.gpus} x {hardware.name}" if target is not None else f"against {args.gpus} fake CPU devices"
     reused = sum(c["cached"] for c in priced)
+    looped = sum(not c["scan_layers"] for c in priced)
     log.info(
-        f"compiled {tried} of {len(fitting)} screened layouts {compiler} ({tried - reused} new, {reused} cached"
+        f"compiled {tried - looped} of {len(fitting)} screened layouts {compiler}{' and the fastest again as a Python loop' if looped else ''}"
+        f" ({tried - reused} new, {reused} cached"
         f"{f'; {left_out} left out: the compiled peaks say they do not fit' if left_out else ''}"
         f"{f'; {skipped} past --time-budget' if skipped else ''}{f'; {past} past --max-compiles' if past else ''})"
     )
@@ -346,7 +359,7 @@ def format_table(result: dict, top: int) -> str:
     for i, c in enumerate(result["candidates"][:top], 1):
         mesh = f"{c['mesh']} {c['context_strategy']}" if c.get("context_strategy") else c["mesh"]
         lines.append(
-            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {c['remat'] + ('+opt' if c.get('optimizer_offload') else ''):<20} {format_seconds(c['step_time_s']):>9} "
+            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {c['remat'] + ('+opt' if c.get('optimizer_offload') else '') + ('' if c.get('scan_layers', True) else '+loop'):<20} {format_seconds(c['step_time_s']):>9} "
             f"{c['tokens_per_sec_per_device']:>10,.0f} {format_fraction(c['mfu']):>6} {format_bytes(c['memory_per_device_bytes']):>9}  {c['bound']}"
         )
     if not result["candidates"]:
