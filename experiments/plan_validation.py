@@ -131,10 +131,12 @@ PUBLISHED = [
             "model.vocab_size=128256", "model.d_model=4096", "model.n_layers=32", "model.n_heads=32", "model.n_kv_heads=8",
             "model.mlp_dim=14336", "model.rope_theta=500000", "train.seq_len=8192", "train.global_batch=128",
             "train.microbatches=16", "parallel.mesh=fsdp=8", "model.remat=none", "model.fp8=current", "model.fp8_keep_ends=false",
+            "model.scan_layers=false",
         ],
         "published": {"tokens_per_sec_per_device": 14451},
         "note": "Megatron-Bridge 25.11 performance summary, DGX-H100: FP8 current scaling, GBS 128, MBS 1, GA 16, FSDP, "
-        "744 model TFLOP/s/GPU; its recipe recomputes 5 of 32 layers (none here); every layer in fp8 (Megatron-Core's default)",
+        "744 model TFLOP/s/GPU; its recipe recomputes 5 of 32 layers (none here); every layer in fp8 (Megatron-Core's default); "
+        "jaxdist's layers in a Python loop (12,030 in its layer scan)",
     },
     {
         "name": "torchtitan Llama 3.1 8B float8 + compile, 32 H200",
