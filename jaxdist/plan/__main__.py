@@ -233,9 +233,9 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
     firsts_left = len({memory_kind(c) for c, _ in fitting})  # compile_order put one of each kind first
     speed: dict[tuple[str, bool], float] = {}  # per memory kind: the smallest compiled step / rough time among those that fit
     ranked_by: dict[tuple[str, bool], float] = {}  # the speeds the queue was last ranked by
-    # each layout compiles in a child process: XLA aborts its process on a failed internal check
     # last, the fastest layout that fits compiles once more with its layers in a Python loop (XLA:GPU only)
     refine, fitted = target is not None and rough is not None and config.model.scan_layers, []
+    # each layout compiles in a child process: XLA aborts its process on a failed internal check
     with CompileWorker(cpu_only=target is None) as worker:
         while queue or refine:
             if not queue:
