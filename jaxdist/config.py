@@ -167,6 +167,7 @@ class TrainConfig(_Freezable):
     nonfinite: Literal["halt", "skip"] = knob("halt", "a NaN/inf loss: halt (exit 3, last checkpoint intact) | skip (drop that update)")
     max_skips: int = knob(10, "with nonfinite=skip: halt (exit 3) after this many non-finite steps in a row", ">= 1")
     compile_cache: str = knob("auto", "XLA's persistent compilation cache: auto (RUN_DIR/xla_cache) | off | a directory")
+    latency_profile: str = knob("model", "XLA:GPU's scheduler costs: model (the planner's price of each kernel) | off | a profile file")
     profile_steps: str = knob("", '"A:B": trace steps A..B into RUN_DIR/profile (--profile-steps)')
     loss_scale: str = knob("dynamic", "model.dtype=float16 only: dynamic (GradScaler's schedule) | a fixed positive number")
     straggler_factor: float = knob(1.3, "name a process whose own work per step is this many times the others' median", ">= 1")

@@ -5,6 +5,7 @@ mesh-dependent checks live in ``layout.validate.check_config_on_mesh``)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from jaxdist.errors import ConfigError
@@ -79,6 +80,10 @@ def check_rules(config: Any) -> None:
     _require(
         t.global_batch % t.microbatches == 0,
         f"train.global_batch ({t.global_batch}) must be divisible by train.microbatches ({t.microbatches})",
+    )
+    _require(
+        t.latency_profile in ("model", "off") or Path(t.latency_profile).expanduser().is_file(),
+        f"train.latency_profile must be model, off or a profile file that exists, got {t.latency_profile!r}",
     )
     _check_objective(config)
     strategy_parts = set(config.parallel.strategy.split("+"))

@@ -24,7 +24,7 @@ from jaxdist.parallel.blockwise import BLOCK_SCOPE  # noqa: E402
 from jaxdist.parallel.context import ring_overlap_in_hlo  # noqa: E402
 
 LAYERS = 2
-SMALL = ("model.d_model=256", f"model.n_layers={LAYERS}", "model.dtype=bfloat16", "train.seq_len=1024")
+SMALL = ("model.d_model=256", f"model.n_layers={LAYERS}", "model.dtype=bfloat16", "train.seq_len=1024", "train.latency_profile=off")
 _CUDNN_CALL_RE = re.compile(r'custom_call_target="(__cudnn\$fmha\w*)", operand_layout_constraints=\{(.*?)\}, api_version')
 _SHAPE_RE = re.compile(r"(\w+)\[([\d,]*)\]")
 

@@ -31,7 +31,7 @@ from jaxdist.plan.gpu_target import compile_for_target, target_hardware  # noqa:
 from helpers import TINY  # noqa: E402
 
 LAYERS = 6  # model.fp8_keep_ends (the default) keeps layers 0 and 5 in bf16: 4 fp8 layers, one scan
-BASE = (*TINY, "model.dtype=bfloat16", f"model.n_layers={LAYERS}")
+BASE = (*TINY, "model.dtype=bfloat16", f"model.n_layers={LAYERS}", "train.latency_profile=off")
 MESH, GPUS = "fsdp=2", 2  # the batch and the weights split: every amax is an all-reduce over fsdp
 
 

@@ -21,7 +21,8 @@ from jaxdist.inspect.gpu_program import collective_schedule, kernel_counts  # no
 from jaxdist.layout.mesh import parse_mesh  # noqa: E402
 from jaxdist.plan.gpu_target import compile_for_target, target_hardware  # noqa: E402
 
-CUT = ("model.n_layers=4", "train.seq_len=8192", "train.global_batch=16", "model.remat=full")  # llama3-8b's width, packed text
+# llama3-8b's width, packed text; XLA's own schedule (what they compile to is the point, tests/test_latency_profile.py the profile)
+CUT = ("model.n_layers=4", "train.seq_len=8192", "train.global_batch=16", "model.remat=full", "train.latency_profile=off")
 LAYOUTS = {
     # the layout the planner's search found XLA:GPU refusing: accumulation on a data axis without fsdp
     "dp-microbatches": ("data=8", "parallel.strategy=dp", "train.microbatches=2"),

@@ -37,7 +37,11 @@ from jaxdist.plan.gpu_target import compile_for_target, target_hardware  # noqa:
 
 pytestmark = pytest.mark.heavy  # each program compiles in ~25 s (shared by the module's tests)
 
-LAYERS_8B = ("model.n_layers=2", "train.seq_len=1024")  # llama3-8b's layer shapes (d 4096, GQA 32/8, mlp 14336, vocab 128256)
+LAYERS_8B = (
+    "model.n_layers=2",
+    "train.seq_len=1024",
+    "train.latency_profile=off",
+)  # llama3-8b's layer shapes (d 4096, GQA 32/8, mlp 14336, vocab 128256)
 VOCAB, D_MODEL = 128256, 4096
 SCALARS = 64  # bytes: the loss, its weight and the metrics, reduced with the gradients but not gradients
 PROGRAMS = {  # name -> (preset, mesh, overrides)
@@ -181,7 +185,7 @@ def test_expert_weight_gradients_cross_devices_in_fp32():
     """The routed experts' weights are gathered over fsdp inside the expert-parallel region (a
     shard_map): autodiff's transpose reduce-scattered their gradients in bf16, a custom gather
     now reduce-scatters them in fp32, like every other gradient."""
-    config = load_config("moe-tiny", ["model.dtype=bfloat16"])
+    config = load_config("moe-tiny", ["model.dtype=bfloat16", "train.latency_profile=off"])
     resolve_vocab(config)
     sizes = parse_mesh("fsdp=4,expert=2")
     trainer, compiled, _ = compile_for_target(config, sizes, target_hardware("h100"), 8, 8)

@@ -105,7 +105,15 @@ def test_the_h100_program_brings_the_state_after_the_backward_and_its_device_pea
     from jaxdist.inspect.hlo import parse_hlo
     from jaxdist.plan.gpu_target import compile_for_target, target_hardware, target_report
 
-    words = [*TINY, "model.dtype=bfloat16", "model.n_layers=4", "model.d_model=256", "train.seq_len=1024", "train.global_batch=8"]
+    words = [
+        *TINY,
+        "model.dtype=bfloat16",
+        "model.n_layers=4",
+        "model.d_model=256",
+        "train.seq_len=1024",
+        "train.global_batch=8",
+        "train.latency_profile=off",
+    ]
     hardware, reports, programs = target_hardware("h100"), {}, {}
     for offload in ("false", "true"):
         config = load_config(None, [*words, f"train.optimizer_offload={offload}"])

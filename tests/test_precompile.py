@@ -14,12 +14,15 @@ from jaxdist.training import precompile
 
 
 class _Trainer:
-    """What the compile ahead needs of a trainer: a jitted step and abstract inputs."""
+    """What the compile ahead needs of a trainer: its step compiled for abstract inputs, and those inputs."""
 
     def __init__(self, scale: float, say: str = ""):
         if say:
             logging.getLogger("jaxdist.training.step").warning(say)
         self.train_step = jax.jit(lambda x, b: x * scale + b)
+
+    def compiled_train_step(self, state, batch):
+        return self.train_step.lower(state, batch).compile()
 
     def abstract_state(self):
         return jax.ShapeDtypeStruct((4,), jnp.float32)

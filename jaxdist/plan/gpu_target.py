@@ -179,6 +179,7 @@ def compile_for_target(
         raise JaxdistError(f"mesh of {mesh_device_count(mesh_sizes)} devices on {gpus} target GPUs: size it to all of them (or --gpus)")
     import jax
 
+    from jaxdist.plan.latency_profile import compile_scheduled  # imports JAX (its pricing reads the model's attention)
     from jaxdist.training.state import needs_mesh_context
 
     options = compiler_options(config, extra_options)
@@ -189,7 +190,12 @@ def compile_for_target(
         mesh_context = jax.set_mesh(trainer.layout.mesh) if needs_mesh_context(trainer.state_shardings) else contextlib.nullcontext()
         with mesh_context:
             lowered = trainer.train_step.lower(trainer.abstract_state(), batch)
-    return trainer, lowered.compile(options | deviceless_codegen_options()), options
+    on_target = dataclasses.replace(hardware, gpus_per_node=gpus_per_node)
+    mesh_shape = dict(trainer.layout.mesh.shape)
+    compiled, options = compile_scheduled(
+        lowered, options | deviceless_codegen_options(), config.train.latency_profile, mesh_shape, on_target, allowed_memory(on_target)
+    )
+    return trainer, compiled, {name: value for name, value in options.items() if name not in DEVICELESS_CODEGEN}
 
 
 # A program compiled for a target is read (its schedule, buffers and kernels, all fixed before

@@ -20,7 +20,7 @@ def compile_train_step(config: Config, mesh_sizes: MeshSizes | None, devices: Se
     """
     trainer = build_trainer(config, mesh_sizes, devices)
     batch = trainer.abstract_batch(config.train.global_batch)
-    return trainer, trainer.train_step.lower(trainer.abstract_state(), batch).compile()
+    return trainer, trainer.compiled_train_step(trainer.abstract_state(), batch)
 
 
 def analyze(config: Config, mesh_sizes: MeshSizes | None, devices: Sequence[Any] | None = None, *, with_hlo: bool = False):

@@ -77,7 +77,7 @@ class AheadOfTime:
                 start, said = time.perf_counter(), len(jaxdist.HELD_RECORDS)
                 try:
                     trainer = build()
-                    compiled = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch(batch_size)).compile()
+                    compiled = trainer.compiled_train_step(trainer.abstract_state(), trainer.abstract_batch(batch_size))
                     held[key] = Held(trainer, compiled, time.perf_counter() - start, jaxdist.HELD_RECORDS[said:])
                 except Exception as e:  # said at the recovery that would have used it, which compiles then
                     message = str(e).strip()

@@ -46,6 +46,7 @@ from jaxdist.models import Batch, Task, fp8
 from jaxdist.models.moe import REGULARIZER
 from jaxdist.parallel import diloco, grad_reduce, slow_link
 from jaxdist.parallel.microbatch import accumulate, split_for_accumulation
+from jaxdist.plan.latency_profile import compile_on_devices
 from jaxdist.training import loss_scale, migrate
 from jaxdist.training.optim import lr_schedule, make_optimizer
 from jaxdist.training.state import PER_REPLICA, StateLayout, TrainState, optimizer_step
@@ -301,11 +302,23 @@ class Trainer:
         # the data's loss only: MoE's balancing terms are in the training objective, not in eval_loss
         return jnp.stack([loss_sum - stats.get(REGULARIZER, 0.0), weight])
 
+    def compiled_train_step(self, state: Any, batch: Any) -> Any:
+        """The train step compiled for ``state`` and ``batch`` (arrays or abstract shapes), on GPUs
+        with XLA's scheduler given the planner's costs (``train.latency_profile``)."""
+        mesh = self.layout.mesh
+        return compile_on_devices(
+            self.train_step.lower(state, batch),
+            self.config.train.latency_profile,
+            dict(mesh.shape),
+            mesh.devices.flat[0],
+            jax.local_device_count(),
+        )
+
     def compile_step(self, state: TrainState, batch: Batch, compiled: Any = None) -> Callable:
         """The step the loop calls, compiled for ``state`` (or ``compiled``, the train step
         compiled ahead): the train step, wrapped by DiLoCo's outer sync and the simulated link
         when they apply."""
-        compiled = compiled or self.train_step.lower(state, batch).compile()
+        compiled = compiled or self.compiled_train_step(state, batch)
         if self.config.model.fp8 != "off" and self.layout.mesh.devices.flat[0].platform == "gpu":
             # XLA runs an fp8 dot it cannot give an fp8 GEMM in f16, silently: count what it made
             fp8.say_fp8_gemms(self.config.model, kernel_counts(compiled.as_text())["gemm_fp8"], self.microbatches)
