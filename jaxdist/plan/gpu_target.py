@@ -35,7 +35,7 @@ from jaxdist.layout import devices
 from jaxdist.layout.mesh import MeshSizes, mesh_device_count
 from jaxdist.layout.native_output import hide_plugin_noise
 from jaxdist.layout.xla_flags import gpu_flags
-from jaxdist.plan.hardware import Hardware, load_hardware
+from jaxdist.plan.hardware import Hardware, load_hardware, memory_fraction
 from jaxdist.training.run import build_trainer
 
 TARGETS = ("h100", "h200", "a100", "h100-hbm2e")
@@ -208,14 +208,6 @@ def deviceless_codegen_options() -> dict[str, Any]:
     """``DEVICELESS_CODEGEN`` less any flag the user set in ``XLA_FLAGS``."""
     user = {token.split("=", 1)[0].lstrip("-") for token in os.environ.get("XLA_FLAGS", "").split()}
     return {name: value for name, value in DEVICELESS_CODEGEN.items() if name not in user}
-
-
-def memory_fraction() -> float:
-    """The share of a GPU's memory JAX's allocator may take (``XLA_PYTHON_CLIENT_MEM_FRACTION``, JAX's default 0.75)."""
-    try:
-        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-    except ValueError:
-        return 0.75
 
 
 def allowed_memory(hardware: Hardware) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import yaml
@@ -171,3 +172,11 @@ def _host_memory() -> float:
     except OSError:
         pass
     return 16e9
+
+
+def memory_fraction() -> float:
+    """The share of a GPU's memory JAX's allocator may take (``XLA_PYTHON_CLIENT_MEM_FRACTION``, JAX's default 0.75)."""
+    try:
+        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    except ValueError:
+        return 0.75

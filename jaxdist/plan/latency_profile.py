@@ -39,7 +39,7 @@ from jaxdist.inspect.hlo import parse_hlo
 from jaxdist.inspect.host_offload import host_offload
 from jaxdist.plan.cost import _op_time, kernel_time, node_split
 from jaxdist.plan.gpu_cost import _wrapped, kernel_work
-from jaxdist.plan.hardware import Hardware, default_hardware, load_hardware
+from jaxdist.plan.hardware import Hardware, default_hardware, load_hardware, memory_fraction
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +191,10 @@ def compile_on_devices(lowered: Any, setting: str, mesh_shape: dict[str, int], d
         _say_once(f"train.latency_profile=model: no planner profile for {device.device_kind}; the step is scheduled on XLA's own estimates")
         return lowered.compile()
     hardware = load_hardware(key or "h100", gpus_per_node=devices_per_host)
-    stats = device.memory_stats() or {}  # the allocator's limit: what the step may peak at
-    return compile_scheduled(lowered, {}, setting, mesh_shape, hardware, stats.get("bytes_limit"))[0]
+    # what the step may peak at, from the profile (not this device's allocator): every process
+    # of a run must choose the same program, or their collectives would not match
+    allowed = memory_fraction() * hardware.memory_bytes
+    return compile_scheduled(lowered, {}, setting, mesh_shape, hardware, allowed)[0]
 
 
 _SAID: set[str] = set()
