@@ -37,8 +37,8 @@ from jaxdist.inspect.collectives import collective_kind, collective_ops
 from jaxdist.inspect.gpu_program import kernel_kind
 from jaxdist.inspect.hlo import parse_hlo
 from jaxdist.inspect.host_offload import host_offload
-from jaxdist.plan.cost import _op_time, kernel_time, node_split
-from jaxdist.plan.gpu_cost import _wrapped, kernel_work
+from jaxdist.plan.cost import _op_time, kernel_time, node_split, predict
+from jaxdist.plan.gpu_cost import _wrapped, gpu_program_cost, kernel_work
 from jaxdist.plan.hardware import Hardware, default_hardware, load_hardware, memory_fraction
 
 log = logging.getLogger(__name__)
@@ -134,8 +134,9 @@ def compile_scheduled(
     """(compiled, the options of the compile kept) of ``lowered`` under ``train.latency_profile``
     ``setting``: off, a profile file, or ``model`` (see the module doc: 2 to 4 compiles). A
     profile the user set in ``XLA_FLAGS`` wins: one compile, theirs. ``allowed``: the device
-    bytes the program may peak at; a profiled program over it while the plain one fits gives way
-    to the plain one, said in one line (the scheduler, hiding more, keeps more buffers live)."""
+    bytes the program may peak at. The profiled program is kept where the planner prices it
+    faster and it fits where the plain one does (the scheduler, hiding more, keeps more buffers
+    live); otherwise the plain one, said in one line."""
     setting = profile_setting(setting)
     if setting == "off" or PROFILE_FLAG in user_flags():
         return lowered.compile(options), options
@@ -149,6 +150,7 @@ def compile_scheduled(
         raised = options | {SLOP_FLAG: slop}
         compiled, options = _fitting((lowered.compile(raised), raised), (compiled, options), allowed)
     plain = compiled, options
+    kept, why = (priced_step(compiled.as_text(), mesh_shape, hardware), *plain), ""
     used: dict[str, float] | None = None
     for _ in range(ROUNDS):
         costs = priced_costs(compiled.as_text(), mesh_shape, hardware)
@@ -156,24 +158,47 @@ def compile_scheduled(
             break  # the profile's program has the profile's kernels: another compile would repeat it
         profiled = plain[1] | {PROFILE_FLAG: str(write_profile(profile_text(costs)))}
         compiled, used = lowered.compile(profiled), costs
-    return _fitting((compiled, profiled), plain, allowed)
+        seconds, over = priced_step(compiled.as_text(), mesh_shape, hardware), _over(compiled, plain[0], allowed)
+        if over:
+            why = why or over
+        elif seconds < kept[0]:
+            kept = (seconds, compiled, profiled)
+        else:
+            why = why or f"the planner prices the profiled one slower ({seconds:.4g} s against {kept[0]:.4g} s)"
+    if kept[2] is plain[1]:
+        _say_once(f"train.latency_profile=model: the step keeps XLA's own schedule: {why}")
+    return kept[1:]
+
+
+def _over(compiled: Any, plain: Any, allowed: float | None) -> str:
+    """Why ``compiled`` may not replace ``plain``: it peaks over ``allowed`` bytes where ``plain`` does not ("" if it may)."""
+    if allowed is None:
+        return ""
+    from jaxdist.inspect.step_report import device_peak  # imports JAX
+
+    peak, before = device_peak(compiled), device_peak(plain)
+    if peak <= allowed or before > allowed:
+        return ""
+    gib = 2**30
+    return (
+        f"with the profile it peaks at {peak / gib:.1f} GiB, over the {allowed / gib:.1f} GiB it may take ({before / gib:.1f} GiB without)"
+    )
+
+
+def priced_step(hlo_text: str, mesh_shape: dict[str, int], hardware: Hardware) -> float:
+    """Seconds the planner prices one step of XLA:GPU's program ``hlo_text`` at (``plan.cost``)."""
+    return predict(gpu_program_cost(hlo_text, mesh_shape), hardware, mesh_shape, model_flops_per_step=1.0, tokens_per_step=1.0).step_time_s
 
 
 def _fitting(candidate: tuple, fallback: tuple, allowed: float | None) -> tuple:
-    """``candidate`` (compiled, options), unless it peaks over ``allowed`` bytes where ``fallback`` does not."""
-    if allowed is None:
-        return candidate
-    from jaxdist.inspect.step_report import device_peak  # imports JAX
-
-    peak, before = device_peak(candidate[0]), device_peak(fallback[0])
-    if peak <= allowed or before > allowed:
-        return candidate
-    changed = "the profile" if PROFILE_FLAG in candidate[1] else "the memory limit raised for the host buffers"
-    _say_once(
-        f"train.latency_profile=model: with {changed} the step peaks at {peak / 2**30:.1f} GiB, over the "
-        f"{allowed / 2**30:.1f} GiB it may take; compiled without it ({before / 2**30:.1f} GiB)"
-    )
-    return fallback
+    """``candidate`` (compiled, options) with the memory limit raised, unless it peaks over ``allowed`` where ``fallback`` does not."""
+    over = _over(candidate[0], fallback[0], allowed)
+    if over:
+        _say_once(
+            f"train.latency_profile=model: XLA's memory limit is left as it is for the host buffers: {over.removeprefix('with the profile ')}"
+        )
+        return fallback
+    return candidate
 
 
 def compile_on_devices(lowered: Any, setting: str, mesh_shape: dict[str, int], device: Any, devices_per_host: int):
