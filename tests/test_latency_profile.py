@@ -129,6 +129,41 @@ def test_where_the_planner_prices_the_profiled_program_slower_the_step_keeps_xla
     ], said
 
 
+@pytest.mark.heavy
+def test_a_run_on_gpus_schedules_its_step_with_the_profile_of_its_kind(monkeypatch, capsys):
+    """``compile_on_devices`` is what a run's step compile calls on its own devices: an H100
+    (here a compile-only one) gets the h100 profile's prices, its host's device count and the
+    share of its memory JAX may take, and a program the planner prices no slower than XLA's
+    own; a kind without a planner profile gets XLA's own schedule, said in one line."""
+    import types
+
+    from jaxdist.plan import latency_profile
+
+    gpu_target = _gpu()
+    latency_profile._SAID.clear()
+    config = load_config(None, [*TINY, "model.dtype=bfloat16", "model.n_layers=3"])
+    hardware = gpu_target.target_hardware("h100")
+    with gpu_target.target_capability(hardware.device["compute_capability"]):
+        trainer = gpu_target.build_trainer(config, parse_mesh("data=8"), gpu_target.target_devices(hardware, 8, 8))
+        lowered = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch(config.train.global_batch))
+    calls, scheduled = [], latency_profile.compile_scheduled
+    monkeypatch.setattr(latency_profile, "compile_scheduled", lambda *a: calls.append(a) or scheduled(*a))
+    h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    run = latency_profile.compile_on_devices(lowered, "model", {"data": 8}, h100, 8)
+    (_, options, setting, mesh_shape, priced_on, allowed), plain = calls[0], lowered.compile()
+    assert (options, setting, mesh_shape, priced_on.key, priced_on.gpus_per_node) == ({}, "model", {"data": 8}, "h100", 8)
+    assert allowed == pytest.approx(0.75 * 80e9)
+    price = lambda c: latency_profile.priced_step(c.as_text(), {"data": 8}, priced_on)  # noqa: E731
+    assert price(run) <= price(plain)
+    unknown = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA B300")
+    assert schedule(latency_profile.compile_on_devices(lowered, "model", {"data": 8}, unknown, 8).as_text()) == schedule(plain.as_text())
+    assert len(calls) == 1
+    said = [x for x in capsys.readouterr().err.splitlines() if "latency_profile" in x]
+    assert said[-1] == (
+        "jaxdist: warning: train.latency_profile=model: no planner profile for NVIDIA B300; the step is scheduled on XLA's own estimates"
+    ), said
+
+
 def test_on_cpu_a_setting_other_than_the_default_says_in_one_line_that_it_does_nothing(tmp_path):
     command = [sys.executable, "-m", "jaxdist.analyze", "--config", "tiny", "--mesh", "data=2", "train.latency_profile=off", "--json"]
     done = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=300)
