@@ -324,7 +324,7 @@ def test_xla_gpu_moves_muons_all_to_alls_in_f32_as_the_screen_prices_them():
     from jaxdist.inspect.hlo import parse_hlo
     from jaxdist.plan.gpu_target import compile_for_target, target_hardware
 
-    config = load_config(None, [*TINY, "train.optimizer=muon", "parallel.mesh=fsdp=2", *BF16])
+    config = load_config(None, [*TINY, "train.optimizer=muon", "parallel.mesh=fsdp=2", *BF16, "train.latency_profile=off"])
     resolve_vocab(config)
     _, compiled, _ = compile_for_target(config, parse_mesh("fsdp=2"), target_hardware("h100"), 2, 8)
     module = parse_hlo(compiled.as_text())
