@@ -9,8 +9,10 @@ per-instruction costs) is the cure JAX offers, fed from a profiled run on the GP
 
 ``model`` feeds it without a run: the step is compiled once, each kernel and collective of that
 program is priced by the planner's model (``plan.cost``: what ``analyze
---target`` reports as ``step_s``), and the step is compiled again with those costs. A
-measured profile (a path) is taken as it is.
+--target`` reports as ``step_s``), and the step is compiled again with those costs. The profile
+is advice XLA's scheduler can take badly (Megatron-LM's 1.7B on ``data=48`` hid less of its
+gradient all-reduces with it): the program the planner prices faster is kept. A measured profile
+(a path) is taken as it is.
 
 Where the program keeps values in host memory (``model.remat=offload_*``,
 ``train.optimizer_offload``), XLA:GPU's rematerialisation pass counts the host buffers against
@@ -35,7 +37,7 @@ from typing import Any
 from jaxdist.errors import JaxdistError
 from jaxdist.inspect.collectives import collective_kind, collective_ops
 from jaxdist.inspect.gpu_program import kernel_kind
-from jaxdist.inspect.hlo import parse_hlo
+from jaxdist.inspect.hlo import HloModule, parse_hlo
 from jaxdist.inspect.host_offload import host_offload
 from jaxdist.plan.cost import _op_time, kernel_time, node_split, predict
 from jaxdist.plan.gpu_cost import _wrapped, gpu_program_cost, kernel_work
@@ -51,9 +53,8 @@ MODES = ("model", "off")
 ROUNDS = 2
 
 
-def priced_costs(hlo_text: str, mesh_shape: dict[str, int], hardware: Hardware) -> dict[str, float]:
-    """Seconds of every kernel and collective start of XLA:GPU's program ``hlo_text``, by name."""
-    module = parse_hlo(hlo_text)
+def priced_costs(module: HloModule, mesh_shape: dict[str, int], hardware: Hardware) -> dict[str, float]:
+    """Seconds of every kernel and collective start of XLA:GPU's program ``module``, by name."""
     ops = collective_ops(module, mesh_shape)
     index = {op.name: k for k, op in enumerate(ops)}
     crossing = node_split(mesh_shape, hardware.gpus_per_node)
@@ -149,16 +150,17 @@ def compile_scheduled(
         # the program XLA makes once its limit leaves room for the host buffers is the one to price
         raised = options | {SLOP_FLAG: slop}
         compiled, options = _fitting((lowered.compile(raised), raised), (compiled, options), allowed)
-    plain = compiled, options
-    kept, why = (priced_step(compiled.as_text(), mesh_shape, hardware), *plain), ""
+    plain, module = (compiled, options), parse_hlo(compiled.as_text())
+    kept, why = (priced_step(module, mesh_shape, hardware), *plain), ""
     used: dict[str, float] | None = None
     for _ in range(ROUNDS):
-        costs = priced_costs(compiled.as_text(), mesh_shape, hardware)
+        costs = priced_costs(module, mesh_shape, hardware)
         if used is not None and _costly(costs) == _costly(used):
             break  # the profile's program has the profile's kernels: another compile would repeat it
         profiled = plain[1] | {PROFILE_FLAG: str(write_profile(profile_text(costs)))}
         compiled, used = lowered.compile(profiled), costs
-        seconds, over = priced_step(compiled.as_text(), mesh_shape, hardware), _over(compiled, plain[0], allowed)
+        module = parse_hlo(compiled.as_text())
+        seconds, over = priced_step(module, mesh_shape, hardware), _over(compiled, plain[0], allowed)
         if over:
             why = why or over
         elif seconds < kept[0]:
@@ -185,9 +187,9 @@ def _over(compiled: Any, plain: Any, allowed: float | None) -> str:
     )
 
 
-def priced_step(hlo_text: str, mesh_shape: dict[str, int], hardware: Hardware) -> float:
-    """Seconds the planner prices one step of XLA:GPU's program ``hlo_text`` at (``plan.cost``)."""
-    return predict(gpu_program_cost(hlo_text, mesh_shape), hardware, mesh_shape, model_flops_per_step=1.0, tokens_per_step=1.0).step_time_s
+def priced_step(program: str | HloModule, mesh_shape: dict[str, int], hardware: Hardware) -> float:
+    """Seconds the planner prices one step of XLA:GPU's ``program`` (its text, or parsed) at (``plan.cost``)."""
+    return predict(gpu_program_cost(program, mesh_shape), hardware, mesh_shape, model_flops_per_step=1.0, tokens_per_step=1.0).step_time_s
 
 
 def _fitting(candidate: tuple, fallback: tuple, allowed: float | None) -> tuple:
