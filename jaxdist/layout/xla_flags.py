@@ -67,6 +67,16 @@ GPU_FLAGS: dict[str, str] = {
 # --xla_gpu_enable_triton_gemm=false, would also move every bf16 GEMM from Triton to cuBLAS.
 
 
+def flag_values(xla_flags: str) -> dict[str, str]:
+    """The flags an ``XLA_FLAGS`` string sets, by name without dashes (a bare flag's value is its name)."""
+    return {token.split("=", 1)[0].lstrip("-"): token.split("=", 1)[-1] for token in xla_flags.split()}
+
+
+def user_flags() -> dict[str, str]:
+    """The flags this process's ``XLA_FLAGS`` sets (theirs win over jaxdist's)."""
+    return flag_values(os.environ.get("XLA_FLAGS", ""))
+
+
 def gpu_flags(config=None) -> dict[str, str]:
     """The GPU flags a run of ``config`` gets (None: the ones every run gets)."""
     flags = dict(GPU_FLAGS)
@@ -123,7 +133,7 @@ def _replicated_weights(config) -> bool:
 
 def with_gpu_defaults(xla_flags: str, config=None) -> str:
     """``xla_flags`` plus every default flag it does not already set."""
-    present = {token.split("=", 1)[0].lstrip("-") for token in xla_flags.split()}
+    present = flag_values(xla_flags)
     extra = [f"--{name}={value}" for name, value in gpu_flags(config).items() if name not in present]
     return " ".join([xla_flags.strip(), *extra]).strip()
 
@@ -149,7 +159,7 @@ def with_collective_timeouts(xla_flags: str, each_s: float, first_s: float) -> s
     """``xla_flags`` with the collective timeouts it does not set itself, put first: XLA reads its
     flags up to the first token that is not one (``intra_op_parallelism_threads=1`` in many
     recipes), and a flag after it would be ignored."""
-    present = {token.split("=", 1)[0].lstrip("-") for token in xla_flags.split()}
+    present = flag_values(xla_flags)
     seconds = {"each": max(1, math.ceil(each_s)), "first": max(1, math.ceil(max(first_s, each_s)))}
     extra = [f"--{name}={seconds[kind]}" for name, kind in COLLECTIVE_TIMEOUTS.items() if name not in present]
     return " ".join([*extra, xla_flags.strip()]).strip()

@@ -34,8 +34,8 @@ from jaxdist.inspect.host_offload import host_offload
 from jaxdist.layout import devices
 from jaxdist.layout.mesh import MeshSizes, mesh_device_count
 from jaxdist.layout.native_output import hide_plugin_noise
-from jaxdist.layout.xla_flags import gpu_flags
-from jaxdist.plan.hardware import Hardware, load_hardware, memory_fraction
+from jaxdist.layout.xla_flags import gpu_flags, user_flags
+from jaxdist.plan.hardware import Hardware, allowed_memory, load_hardware, memory_fraction
 from jaxdist.training.run import build_trainer
 
 TARGETS = ("h100", "h200", "a100", "h100-hbm2e")
@@ -145,7 +145,7 @@ def compiler_options(config: Config | None = None, extra: dict[str, Any] | None 
     def value(text: str) -> Any:
         return {"true": True, "false": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
 
-    user = {token.split("=", 1)[0].lstrip("-"): token.split("=", 1)[-1] for token in os.environ.get("XLA_FLAGS", "").split()}
+    user = user_flags()
     defaults = gpu_flags(config) if os.environ.get("JAXDIST_XLA_DEFAULTS", "1") != "0" else {}
     options = {name: value(text) for name, text in defaults.items() if name not in user}
     return options | dict(extra or {})
@@ -206,13 +206,8 @@ DEVICELESS_CODEGEN = {"xla_gpu_disable_gpuasm_optimizations": True, "xla_llvm_di
 
 def deviceless_codegen_options() -> dict[str, Any]:
     """``DEVICELESS_CODEGEN`` less any flag the user set in ``XLA_FLAGS``."""
-    user = {token.split("=", 1)[0].lstrip("-") for token in os.environ.get("XLA_FLAGS", "").split()}
+    user = user_flags()
     return {name: value for name, value in DEVICELESS_CODEGEN.items() if name not in user}
-
-
-def allowed_memory(hardware: Hardware) -> float:
-    """Bytes a program may peak at on one device of ``hardware`` (what JAX's allocator may take): the fit rule."""
-    return memory_fraction() * hardware.memory_bytes
 
 
 def target_report(trainer: Any, compiled: Any, hardware: Hardware, options: dict[str, Any], gpus_per_node: int) -> dict[str, Any]:

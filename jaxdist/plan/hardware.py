@@ -180,3 +180,8 @@ def memory_fraction() -> float:
         return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
     except ValueError:
         return 0.75
+
+
+def allowed_memory(hardware: Hardware) -> float:
+    """Bytes a program may peak at on one device of ``hardware`` (what JAX's allocator may take): the fit rule."""
+    return memory_fraction() * hardware.memory_bytes

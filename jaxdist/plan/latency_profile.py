@@ -39,9 +39,10 @@ from jaxdist.inspect.collectives import collective_kind, collective_ops
 from jaxdist.inspect.gpu_program import kernel_kind
 from jaxdist.inspect.hlo import HloModule, parse_hlo
 from jaxdist.inspect.host_offload import host_offload
+from jaxdist.layout.xla_flags import user_flags
 from jaxdist.plan.cost import _op_time, kernel_time, node_split, predict
 from jaxdist.plan.gpu_cost import _wrapped, gpu_program_cost, kernel_work
-from jaxdist.plan.hardware import Hardware, default_hardware, load_hardware, memory_fraction
+from jaxdist.plan.hardware import Hardware, allowed_memory, default_hardware, load_hardware
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +114,6 @@ def write_profile(text: str) -> Path:
         partial.write_text(text)
         partial.replace(path)
     return path
-
-
-def user_flags() -> set[str]:
-    return {token.split("=", 1)[0].lstrip("-") for token in os.environ.get("XLA_FLAGS", "").split()}
 
 
 def profile_setting(setting: str) -> str:
@@ -220,8 +217,7 @@ def compile_on_devices(lowered: Any, setting: str, mesh_shape: dict[str, int], d
     hardware = load_hardware(key or "h100", gpus_per_node=devices_per_host)
     # what the step may peak at, from the profile (not this device's allocator): every process
     # of a run must choose the same program, or their collectives would not match
-    allowed = memory_fraction() * hardware.memory_bytes
-    return compile_scheduled(lowered, {}, setting, mesh_shape, hardware, allowed)[0]
+    return compile_scheduled(lowered, {}, setting, mesh_shape, hardware, allowed_memory(hardware))[0]
 
 
 _SAID: set[str] = set()
