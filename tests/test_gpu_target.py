@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,7 +59,7 @@ def tiny_h100():
 
 @pytest.mark.heavy
 def test_cheap_code_generation_leaves_the_program_a_target_compile_reads_as_it_was(tiny_h100):
-    """A target compile turns ptxas and LLVM's expensive passes down (``DEVICELESS_CODEGEN``):
+    """A target compile turns ptxas and LLVM's expensive passes down and reuses kernels (``deviceless_codegen_options``):
     the same step compiled with XLA's defaults has the same scheduled HLO and the same buffers.
     A flag the user set in XLA_FLAGS is left to them."""
     import jax
@@ -89,12 +90,43 @@ def _instructions(hlo: str) -> list[str]:
     return kept
 
 
-def test_a_codegen_flag_the_user_sets_is_theirs(monkeypatch):
-    from jaxdist.plan.gpu_target import DEVICELESS_CODEGEN, deviceless_codegen_options
+def test_a_codegen_flag_the_user_sets_is_theirs(monkeypatch, tmp_path):
+    from jaxdist.plan.gpu_target import DEVICELESS_CODEGEN, KERNEL_CACHE_OPTION, deviceless_codegen_options
 
-    assert deviceless_codegen_options() == DEVICELESS_CODEGEN
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert deviceless_codegen_options() == {**DEVICELESS_CODEGEN, KERNEL_CACHE_OPTION: str(_kernel_cache(tmp_path))}
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_gpu_disable_gpuasm_optimizations=false")
-    assert deviceless_codegen_options() == {"xla_llvm_disable_expensive_passes": True}
+    assert deviceless_codegen_options() == {"xla_llvm_disable_expensive_passes": True, KERNEL_CACHE_OPTION: str(_kernel_cache(tmp_path))}
+    monkeypatch.setenv("XLA_FLAGS", f"--{KERNEL_CACHE_OPTION}={tmp_path / 'mine.pb'}")
+    assert KERNEL_CACHE_OPTION not in deviceless_codegen_options()
+
+
+def _kernel_cache(tmp: Path) -> Path:
+    import os
+
+    import jaxlib
+
+    return tmp / f"jaxdist-gpu-kernels-{os.getuid()}" / f"kernels-jaxlib-{jaxlib.__version__}.pb"
+
+
+def test_target_compiles_keep_their_kernels_in_a_private_file_and_start_it_again_when_it_is_unreadable(monkeypatch, tmp_path, capsys):
+    """The kernels XLA generated for one target compile are kept in a file of this user's for the
+    next (``gpu_target.kernel_cache_file``); a file cut short is said in one line and replaced."""
+    import os
+    import stat
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    cache = _kernel_cache(tmp_path)
+    _compile(("model.n_layers=2",), mesh="fsdp=8")
+    assert cache.stat().st_size > 0 and stat.S_IMODE(cache.parent.stat().st_mode) == 0o700 and cache.parent.stat().st_uid == os.getuid()
+    cache.write_bytes(cache.read_bytes()[:1000])  # cut short
+    capsys.readouterr()
+    report, _ = _compile(("model.n_layers=2",), mesh="data=4,fsdp=2")
+    said = [x for x in capsys.readouterr().err.splitlines() if "kernel cache" in x]
+    assert said == [
+        f"jaxdist: warning: the GPU kernel cache {cache} is not a whole cache file (cut short or overwritten); starting it again"
+    ], said
+    assert report["fits"] and cache.stat().st_size > 1000  # compiled, and the file written anew
 
 
 @pytest.mark.heavy

@@ -29,8 +29,6 @@ import hashlib
 import logging
 import math
 import os
-import stat
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +41,7 @@ from jaxdist.layout.xla_flags import user_flags
 from jaxdist.plan.cost import _op_time, kernel_time, node_split, predict
 from jaxdist.plan.gpu_cost import _wrapped, gpu_program_cost, kernel_work
 from jaxdist.plan.hardware import Hardware, allowed_memory, default_hardware, load_hardware
+from jaxdist.plan.private_dir import private_directory
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +95,10 @@ def host_slop_factor(hlo_text: str, hardware: Hardware) -> int | None:
 
 
 def profile_directory() -> Path:
-    """This user's directory of profiles (the temporary directory's ``jaxdist-latency-profiles-UID``,
-    mode 0700). A profile's path is in XLA's compile options, so it is named by its content: the
-    same program gets the same path and stays a hit in the persistent compilation cache."""
-    directory = Path(tempfile.gettempdir()) / f"jaxdist-latency-profiles-{os.getuid()}"
-    directory.mkdir(mode=0o700, exist_ok=True)
-    info = directory.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise JaxdistError(f"{directory} is not a private directory of this user: remove it (train.latency_profile=off compiles without)")
-    return directory
+    """This user's directory of profiles (``private_dir``). A profile's path is in XLA's compile
+    options, so it is named by its content: the same program gets the same path and stays a hit
+    in the persistent compilation cache."""
+    return private_directory("jaxdist-latency-profiles", "train.latency_profile=off compiles without")
 
 
 def write_profile(text: str) -> Path:
