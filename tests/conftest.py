@@ -82,7 +82,8 @@ def pytest_configure(config):
     os.environ[CACHE_ENV] = _OWN_CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # small programs too: most of the suite's are
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    os.environ.setdefault("JAXDIST_CACHE", os.path.join(_OWN_CACHE, "jaxdist"))  # fetched checkpoints: never the user's home
+    # fetched checkpoints, tokenized corpora (shared by every process of the session): never the user's home
+    os.environ.setdefault("JAXDIST_CACHE", os.path.join(_OWN_CACHE, "jaxdist"))
     # Python's default, bytecode in __pycache__ (git ignores it): with PYTHONDONTWRITEBYTECODE
     # (set on this project's machines) each of the few hundred trainers, launchers and CLIs the
     # suite starts compiled jaxdist's sources again (0.15 s of CPU each).

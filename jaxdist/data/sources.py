@@ -25,6 +25,7 @@ from jaxdist.config import Config
 from jaxdist.data.prepared import lengths_file, read_meta
 from jaxdist.data.records import RecordReading
 from jaxdist.data.text import expand_inputs, iter_documents
+from jaxdist.data.token_cache import cached_tokens, corpus_key
 from jaxdist.data.tokenizers import file_sha256, load_tokenizer
 from jaxdist.errors import ConfigError, JaxdistError
 from jaxdist.storage.block_cache import BlockCache, block_cache
@@ -215,10 +216,15 @@ def _text_corpus(
     name: str, files: tuple[Path, ...], tokenizer_path: str, unit: str, field: str = "text", bad_records: str = "stop"
 ) -> Corpus:
     tokenizer = load_tokenizer(tokenizer_path or None)
-    records = RecordReading(field, bad_records)
-    tokens = _encode_documents(iter_documents(list(files), unit, records), tokenizer)
-    if records.skipped:
-        log.warning(records.summary())
+
+    def encode() -> tuple[np.ndarray, bool]:
+        records = RecordReading(field, bad_records)
+        tokens = _encode_documents(iter_documents(list(files), unit, records), tokenizer)
+        if records.skipped:
+            log.warning(records.summary())
+        return tokens, not records.skipped  # a corpus with skipped records is read again, and says so again
+
+    tokens = cached_tokens(corpus_key(files, tokenizer_path, (unit, field, bad_records)), encode)
     return Corpus(name, ArrayStream(tokens), tokenizer.vocab_size, tokenizer.eod_id, int(tokens.max()))
 
 
