@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import logging
 from collections.abc import Callable
 
@@ -56,6 +57,10 @@ def command(main: Callable[..., int]) -> Callable[..., int]:
 
     @functools.wraps(main)
     def wrapped(*args, **kwargs) -> int:
+        # A command traces a model and compiles it: JAX makes millions of short-lived objects, and
+        # with Python's default (a pass over the young ones every 700) the collector took 0.73 s
+        # of a tiny 2-step run's 7.5 s of CPU; 0.24 s at 20,000.
+        gc.set_threshold(20_000, 20, 20)
         log = logging.getLogger("jaxdist")
         every = {"every_process": True}  # each process says why it stopped: the cause may be its own
         try:
