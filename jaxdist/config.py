@@ -272,10 +272,9 @@ class ParallelConfig(_Freezable):
     )
     context_load_balance: bool = knob(True, "give context shard r sequence chunks r and 2N-1-r (even causal work)")
     expert_buffer_factor: float = knob(
-        0.0,
-        "expert axis, dropless: rows each device may send each other device, as a multiple of its even share; 0: the worst case",
-        ">= 0",
+        0.0, "expert axis, dropless: rows each device may send each other, as a multiple of its even share; 0: the worst case", ">= 0"
     )
+    collective_matmul: bool = knob(False, "tensor axis: sequence-parallel layers whose gathers and reduce-scatters run beside the matmuls")
 
 
 @dataclasses.dataclass

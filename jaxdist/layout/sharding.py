@@ -28,6 +28,7 @@ _BASE_RULES: Rules = {
     # activations
     "batch": INNER_BATCH_AXES,  # DiLoCo's vmap adds the replica axis in front
     "seq": None,
+    "res_seq": None,  # the residual stream's sequence between layers (split over tensor by collective matmuls)
     "act_embed": None,
     "act_heads": None,
     "act_kv_heads": None,
@@ -68,6 +69,8 @@ def rules_for(strategy: Strategy, *, optimizer_state: bool = False) -> Rules:
     rules = dict(_BASE_RULES)
     if strategy.tensor:
         rules.update(_TENSOR_RULES)
+    if strategy.collective_matmul:
+        rules["res_seq"] = ("tensor",)
     if strategy.zero == "fsdp":
         rules["embed"] = rules["channels"] = ("fsdp",)
     elif strategy.zero == "zero1" and optimizer_state:
@@ -75,7 +78,7 @@ def rules_for(strategy: Strategy, *, optimizer_state: bool = False) -> Rules:
     if strategy.context:
         # The sequence is split over context; the model states are sharded over it too, the
         # way FSDP shards them, so a context group holds one copy of them, not N.
-        rules["seq"] = ("context",)
+        rules["seq"] = rules["res_seq"] = ("context",)
         rules["embed"] = (*(rules["embed"] or ()), "context")
         rules["channels"] = rules["embed"]
     return rules

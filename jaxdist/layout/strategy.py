@@ -23,12 +23,14 @@ class Strategy:
     zero: str  # dp | zero1 | fsdp
     tensor: bool
     context: bool = False  # the sequence split over a context axis; model states sharded over it as FSDP does
+    collective_matmul: bool = False  # tensor parallelism in sequence-parallel form, as collective matmuls (models.collective_matmul)
 
     def __str__(self) -> str:
-        return self.zero + ("+tp" if self.tensor else "") + ("+cp" if self.context else "")
+        return self.zero + ("+tp" if self.tensor else "") + ("+sp" if self.collective_matmul else "") + ("+cp" if self.context else "")
 
 
-def resolve_strategy(name: str, mesh_sizes: dict[str, int]) -> Strategy:
+def resolve_strategy(name: str, mesh_sizes: dict[str, int], collective_matmul: bool = False) -> Strategy:
     """``auto`` shards params over ``fsdp`` when that axis exists; TP follows the ``tensor``
     axis. Whether the strategy fits the mesh is ``validate.check_config_on_mesh``'s job."""
-    return Strategy(zero=zero_stage(name, mesh_sizes), tensor=mesh_sizes.get("tensor", 1) > 1, context=mesh_sizes.get("context", 1) > 1)
+    tensor = mesh_sizes.get("tensor", 1) > 1
+    return Strategy(zero_stage(name, mesh_sizes), tensor, mesh_sizes.get("context", 1) > 1, collective_matmul and tensor)

@@ -38,6 +38,7 @@ def check_config_on_mesh(config: Config, sizes: MeshSizes, used: Collection[str]
             "axes, then sharded (its per-device reduce-scatter, layout.sharding.summed_into_layout, does not run under DiLoCo's vmap)"
         )
     _check_fp8(config, sizes)
+    _check_collective_matmul(config, sizes)
     if config.train.objective == "dpo":
         _check_preference(config, sizes)
     warnings.extend(unused_keys(config, sizes, used))
@@ -236,6 +237,29 @@ def _check_fp8(config: Config, sizes: MeshSizes) -> None:
             raise ConfigError(f"model.fp8=delayed does not compose with {what} yet; use model.fp8=current")
 
 
+def _check_collective_matmul(config: Config, sizes: MeshSizes) -> None:
+    """``parallel.collective_matmul`` runs the fused dense projections of a whole-sequence llama step (models.collective_matmul)."""
+    m, p, tensor = config.model, config.parallel, sizes.get("tensor", 1)
+    if not p.collective_matmul or tensor == 1:
+        return  # without a tensor axis: unused_keys says it has no effect
+    for problem, what in (
+        (m.kind != "llama", f"model.kind={m.kind} (it is the llama decoder's)"),
+        (m.moe_experts > 0, "an MoE model (its experts' layers are not in sequence-parallel form)"),
+        (not m.fused_projections, "model.fused_projections=false (it rings the fused QKV and gate/up projections)"),
+        (m.fp8 != "off", f"model.fp8={m.fp8} (its rings multiply in the compute dtype)"),
+        (sizes.get("context", 1) > 1, "a context axis (both split the sequence)"),
+        (sizes.get("pipe", 1) > 1, "a pipe axis (a stage's region is manual over pipe already)"),
+        (p.diloco_inner_steps > 0, "DiLoCo (its replicas are a vmap, not a mesh region)"),
+    ):
+        if problem:
+            raise ConfigError(f"parallel.collective_matmul=true does not compose with {what} yet; set it false")
+    if tensor > 1 and config.train.seq_len % tensor:
+        raise MeshError(
+            f"parallel.collective_matmul=true splits the sequence over tensor: train.seq_len ({config.train.seq_len}) "
+            f"must be divisible by tensor ({tensor})"
+        )
+
+
 def _check_context(config: Config, sizes: MeshSizes) -> None:
     p, context = config.parallel, sizes.get("context", 1)
     if context == 1:
@@ -325,6 +349,8 @@ def unused_keys(config: Config, sizes: MeshSizes, used: Collection[str] = ()) ->
         found.append(("model.fp8_history", f"model.fp8={m.fp8} (the history is delayed scaling's)"))
     if m.fp8 == "off" and changed("model", "fp8_keep_ends"):
         found.append(("model.fp8_keep_ends", "model.fp8=off (every layer runs in the compute dtype)"))
+    if sizes.get("tensor", 1) == 1 and changed("parallel", "collective_matmul"):
+        found.append(("parallel.collective_matmul", "a mesh without a tensor axis (no projection is split)"))
     if sizes.get("expert", 1) == 1 and changed("parallel", "expert_buffer_factor"):
         found.append(("parallel.expert_buffer_factor", "a mesh without an expert axis (nothing is dispatched across devices)"))
     if p.diloco_inner_steps == 0:

@@ -88,6 +88,13 @@ def gpu_flags(config=None) -> dict[str, str]:
         # all-reduce exposed instead of 0.200; experiments/README.md, "Data-parallel gradients
         # behind the backward")
         flags["xla_gpu_enable_while_loop_double_buffering"] = "false"
+    if config is not None and config.parallel.collective_matmul:
+        # Collective matmuls (models.collective_matmul) keep a permute in flight beside nearly
+        # every GEMM of a layer; the unrolled pair then leaves the next pair's FSDP weight gathers
+        # no room to start early. One layer per iteration: llama3-70b's pick on 64 H100 (fsdp=16,
+        # tensor=4) 9.08 s predicted instead of 10.14, all-gathers exposed 0.02 s instead of 1.32
+        # (experiments/README.md, "Tensor-parallel collective matmuls")
+        flags["xla_gpu_enable_while_loop_double_buffering"] = "false"
     if config is not None and _hybrid_sharded(config):
         # FSDP inside data parallelism (HSDP): each layer's gradient shards are all-reduced over
         # data once its reduce-scatter over fsdp is done. Combined up to 128 MiB they wait for

@@ -1,17 +1,16 @@
 """A LLaMA-family decoder in Flax NNX: RMSNorm, RoPE, SwiGLU, grouped-query attention.
 
-Every parameter carries ``axes`` metadata (logical names, see ``jaxdist.layout.sharding``); key
-activations are pinned with ``constrain``. The layers are stacked on a leading
-``layers`` axis and run with ``jax.lax.scan``, so compile time does not grow with depth.
+Every parameter carries ``axes`` metadata (logical names, see ``jaxdist.layout.sharding``); key activations are pinned
+with ``constrain``. The layers are stacked on a leading ``layers`` axis and run with ``jax.lax.scan``, so compile time
+does not grow with depth.
 
-By default (``model.fused_projections``) each layer has one QKV and one gate/up matrix:
-under tensor parallelism the input gradient of each is then one all-reduce, so a layer
-costs Megatron's 2 activation all-reduces forward and 2 backward instead of one per
-separate q, k, v, gate and up matmul. ``model.loss_chunk`` computes the head and the
-cross-entropy a sequence chunk at a time, recomputing each chunk's logits in the
-backward pass, so the [batch, seq, vocab] fp32 logits never exist at once.
-``model.fp8`` runs the projection matmuls through ``models.fp8`` (``model.fp8_keep_ends``:
-the first and last layers run as their own segments of the stack, without it).
+By default (``model.fused_projections``) each layer has one QKV and one gate/up matrix: under tensor parallelism the
+input gradient of each is then one all-reduce, so a layer costs Megatron's 2 activation all-reduces forward and 2
+backward instead of one per separate q, k, v, gate and up matmul (``parallel.collective_matmul``: none, the layers in
+sequence-parallel form, ``models.collective_matmul``). ``model.loss_chunk`` computes the head and the cross-entropy a
+sequence chunk at a time, recomputing each chunk's logits in the backward pass, so the [batch, seq, vocab] fp32 logits
+never exist at once. ``model.fp8`` runs the projection matmuls through ``models.fp8`` (``model.fp8_keep_ends``: the
+first and last layers run as their own segments of the stack, without it).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from jaxdist.config import ModelConfig
 from jaxdist.layout.sharding import constrain
 from jaxdist.models import fp8, layers
 from jaxdist.models.attention import model_attention
+from jaxdist.models.collective_matmul import RESIDUAL, dot_scatter, gather_dot, sequence_parallel
 from jaxdist.models.fp8 import Fp8Einsum, disabled
 from jaxdist.models.layers import embed_lookup, matmul, project, project_joined, rms_norm, split_parts, swiglu
 from jaxdist.models.moe import REGULARIZER, MoE, moe_sums
@@ -107,7 +107,10 @@ class Attention(nnx.Module):
             b, t = x.shape[:2]
             _, kv, groups, hd = self.wqkv.shape
             sizes, args = (groups - 2, 1, 1), ("btd,dkgh->btkgh", x, w(self.wqkv))
-            qkv = project_joined(*args, 3, 2, sizes) if self.qkv_dot.plain() else self.qkv_dot(*args)
+            if sequence_parallel(cache):  # x split by sequence over tensor, qkv by kv head
+                qkv = gather_dot(*args, w_split=1, out_split=2)
+            else:
+                qkv = project_joined(*args, 3, 2, sizes) if self.qkv_dot.plain() else self.qkv_dot(*args)
             q, k, v = split_parts(constrain(qkv, ("batch", "seq", "act_kv_heads", None, None)), 3, sizes)
             q = constrain(q.reshape(b, t, kv * (groups - 2), hd), ("batch", "seq", "act_heads", None))
             k = constrain(k[:, :, :, 0], ("batch", "seq", "act_kv_heads", None))
@@ -122,6 +125,8 @@ class Attention(nnx.Module):
         else:
             out, cache = cached_attention(q, k, v, cache)
         out = constrain(out, ("batch", "seq", "act_heads", None))
+        if sequence_parallel(cache):
+            return dot_scatter("bthk,hkd->btd", out, w(self.wo), h_split=2, w_split=0)
         out = matmul(self.o_dot, "bthk,hkd->btd", out, w(self.wo))
         return out if cache is None else (out, cache)
 
@@ -183,13 +188,15 @@ class MLP(nnx.Module):
         if not self.gate_up_dot.plain():  # fp8: the joined gradient is written (and quantised) whole, in one pass
             return self._down(layers.swiglu_joined(constrain(self.gate_up_dot(*args), ("batch", "seq", None, "act_mlp")), 2))
         # bf16/fp32: the halves apart (the joined pass costs XLA:CPU's step ~4% and buys XLA:GPU's nothing clear)
-        parts = split_parts(project_joined(*args, 2, 1, (1, 1)), 2, (1, 1))
+        joined = gather_dot(*args, w_split=2, out_split=3) if sequence_parallel() else project_joined(*args, 2, 1, (1, 1))
+        parts = split_parts(joined, 2, (1, 1))
         gate, up = (constrain(part[:, :, 0], ("batch", "seq", "act_mlp")) for part in parts)
         return self._down(swiglu(gate, up))
 
     def _down(self, hidden: jax.Array) -> jax.Array:
         hidden = constrain(hidden, ("batch", "seq", "act_mlp"))
-        return matmul(self.down_dot, "btf,fd->btd", hidden, self.w_down[...].astype(self.dtype))
+        args = ("btf,fd->btd", hidden, self.w_down[...].astype(self.dtype))
+        return dot_scatter(*args, h_split=2, w_split=0) if sequence_parallel() else matmul(self.down_dot, *args)
 
 
 class Block(nnx.Module):
@@ -207,6 +214,7 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache: tuple | None = None):
         """(output, the MoE layer's statistics or {}); with a ``cache``, (output, cache)."""
         if cache is None:
+            x = constrain(x, RESIDUAL)
             x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         else:
             attended, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache)
@@ -217,7 +225,7 @@ class Block(nnx.Module):
             x = x + mixed
         else:
             x = x + self.mlp(self.mlp_norm(x))
-        x = constrain(x, ("batch", "seq", "act_embed"))
+        x = constrain(x, RESIDUAL)
         return (x, stats) if cache is None else (x, cache)
 
 
@@ -283,7 +291,7 @@ class Llama(nnx.Module):
         for i, (graphdef, stacked) in enumerate(stacks):
             quantized = hoisted[i] if hoisted is not None else self._quantized(graphdef, stacked)
             x, stats = self.layers(graphdef, stacked, x, aux, self._kept_ends(i, len(stacks)), quantized)
-        return x, stats
+        return constrain(x, ("batch", "seq", "act_embed")), stats  # the head takes the sequence whole
 
     def _quantized(self, graphdef, stacked) -> dict | None:
         """The fp8 weights of a layer stack quantised per layer where they lie (None: fp8 off)."""
@@ -301,10 +309,9 @@ class Llama(nnx.Module):
         return keep and stack == 0, keep and stack == stacks - 1
 
     def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Logits [batch, t, vocab] of ``tokens`` [batch, t] placed at positions
-        ``cache.index``.., attending to the cached keys and values before them; returns the
-        cache with these tokens' keys and values added (prefill: t = prompt length; then
-        one token per call)."""
+        """Logits [batch, t, vocab] of ``tokens`` [batch, t] placed at positions ``cache.index``.., attending to the cached
+        keys and values before them; returns the cache with these tokens' keys and values added (prefill: t = prompt
+        length; then one token per call)."""
         b, t = tokens.shape
         positions = jnp.broadcast_to(cache.index + jnp.arange(t), (b, t))
         x, _ = self.embed_tokens({"inputs": tokens, "positions": positions})
@@ -363,11 +370,10 @@ class Llama(nnx.Module):
         plain_ends: tuple[bool, bool] = (False, False),
         quantized: dict | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The layers of ``stacked`` (leading axis) applied in order, and their MoE
-        statistics stacked. ``plain_ends``: run the (first, last) layer without fp8, as
-        its own segment of the stack (``model.fp8_keep_ends``: one parameter stack, so
-        checkpoints do not depend on it). ``quantized``: the stack's fp8 weights
-        (``fp8.quantize_stack``; None: each matmul quantises its own)."""
+        """The layers of ``stacked`` (leading axis) applied in order, and their MoE statistics stacked. ``plain_ends``: run
+        the (first, last) layer without fp8, as its own segment of the stack (``model.fp8_keep_ends``: one parameter stack,
+        so checkpoints do not depend on it). ``quantized``: the stack's fp8 weights (``fp8.quantize_stack``; None: each
+        matmul quantises its own)."""
         segments = layer_segments(jax.tree.leaves(stacked)[0].shape[0], *plain_ends)
         if segments == [(0, segments[0][1], False)]:
             return self._layer_segment(graphdef, (stacked, quantized), x, aux)
@@ -380,11 +386,10 @@ class Llama(nnx.Module):
         return x, jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_segment) if per_segment[0] else {}
 
     def _layer_segment(self, graphdef, stacked, x: jax.Array, aux: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The layers of ``stacked`` (parameters, quantised fp8 weights or None): one scan, or
-        with ``model.scan_layers=false`` a Python loop.
-        The loop compiles each layer separately (compile time grows with depth) but saves
-        the scan's stacked residual buffers: on XLA's CPU backend their zero-fills and
-        dynamic-update-slices cost a quarter of a small model's step (experiments/README.md)."""
+        """The layers of ``stacked`` (parameters, quantised fp8 weights or None): one scan, or with ``model.scan_layers=false``
+        a Python loop, which compiles each layer separately (compile time grows with depth) but saves the scan's stacked
+        residual buffers: on XLA's CPU backend their zero-fills and dynamic-update-slices cost a quarter of a small model's
+        step (experiments/README.md)."""
         positions = aux["positions"]
         segment_ids = aux.get("segment_ids")
 

@@ -171,7 +171,8 @@ def build_trainer(config: Config, mesh_sizes: MeshSizes | None, devices=None, *,
         log.warning(line)
     dcn = parse_mesh(config.parallel.dcn_mesh) if config.parallel.dcn_mesh else None
     mesh = build_mesh(mesh_sizes, devices, dcn, ordered=ordered)
-    layout = Layout(mesh, resolve_strategy(config.parallel.strategy, mesh_sizes), context_load_balance=config.parallel.context_load_balance)
+    strategy = resolve_strategy(config.parallel.strategy, mesh_sizes, config.parallel.collective_matmul)
+    layout = Layout(mesh, strategy, context_load_balance=config.parallel.context_load_balance)
     return Trainer(parallelize(task, config, mesh), config, layout)
 
 
