@@ -11,7 +11,8 @@ defaults), once per flag with all the others (``- NAME``: that flag left at XLA'
 what removing it from ``GPU_FLAGS`` does), and once per tried flag with all of them plus it
 (``+ NAME=VALUE``). The sections: H100 on fsdp=8, fsdp=4,tensor=2 and data=2,fsdp=4 (HSDP:
 all-reduces over data), A100 on fsdp=8 (where the latency-hiding scheduler is not on by
-itself), and tensor=8 with tensor parallelism's collective-matmul (windowed einsum) flags.
+itself), tensor=8 with tensor parallelism's collective-matmul (windowed einsum) flags, and
+fsdp=4,tensor=2 with ``parallel.collective_matmul=true``.
 XLA:GPU compiles are deterministic, so one compile per row is the figure (no medians).
 
 Columns, per device per step, read from the scheduled HLO (``jaxdist.inspect.gpu_program``):
@@ -51,6 +52,8 @@ SECTIONS = (
     ("h100", "data=2,fsdp=4", (), True, ()),
     ("a100", "fsdp=8", (), True, (f"{LHS}=false",)),
     ("h100", "tensor=8", ("parallel.strategy=auto",), False, (WINDOWED_EINSUM,)),
+    # collective matmuls: a run gets double buffering off (layout.xla_flags.gpu_flags), GPU_FLAGS' "all" has it on
+    ("h100", "fsdp=4,tensor=2", ("parallel.collective_matmul=true",), False, ("xla_gpu_enable_while_loop_double_buffering=false",)),
 )
 
 
@@ -163,13 +166,13 @@ def cell(row: dict, kind: str) -> str:
     return f"{entry['async']}/{entry['count']} {entry['overlapped_fraction']:.2f}"
 
 
-def table(config_name: str, sections: list[tuple[str, str, list[tuple[str, dict]]]]) -> str:
+def table(config_name: str, sections: list[tuple[str, str, list[str], list[tuple[str, dict]]]]) -> str:
     lines = []
-    for target, mesh, rows in sections:
+    for target, mesh, overrides, rows in sections:
         reference = rows[0][1]["hlo_sha"]
         kinds = [(kind, short) for kind, short in KINDS if kind != "collective-permute" or any(kind in r["kinds"] for _, r in rows)]
         lines += [
-            f"{config_name} on {mesh} ({target}):",
+            f"{config_name} on {mesh}{''.join(f' {o}' for o in overrides)} ({target}):",
             "",
             "| flags | same | exposed GB | no-matmul GB | "
             + " | ".join(f"{short} async/n overlap" for _, short in kinds)
@@ -222,11 +225,12 @@ def main(argv=None) -> int:
             row = measure(args.config, mesh, target, options, [*overrides, *args.overrides], hlo_out)
             rows.append((label, row))
             print(f"  {target} {mesh} {label}: {row['compile_s']:.0f} s", file=sys.stderr, flush=True)
-        sections.append((target, mesh, rows))
+        sections.append((target, mesh, [*overrides, *args.overrides], rows))
     print(f"{args.config}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}\n")
     print(table(args.config, sections))
     if args.json:
-        Path(args.json).write_text(json.dumps([{"target": t, "mesh": m, "rows": dict(rows)} for t, m, rows in sections], indent=1))
+        rows_json = [{"target": t, "mesh": m, "overrides": o, "rows": dict(rows)} for t, m, o, rows in sections]
+        Path(args.json).write_text(json.dumps(rows_json, indent=1))
     return 0
 
 

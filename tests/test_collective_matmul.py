@@ -32,9 +32,14 @@ def one_device():
     return first_batch_grads("data=1")[1:]
 
 
-@pytest.mark.parametrize("mesh", ["data=2,tensor=2", "fsdp=2,tensor=4"])
-def test_losses_and_gradients_equal_one_device(mesh, one_device):
-    trainer, loss, grads = first_batch_grads(mesh, ON)
+@pytest.mark.parametrize(
+    ("mesh", "overrides"),
+    # microbatches: the step accumulates per device in a region manual over the batch axes, the rings' region inside it
+    [("data=2,tensor=2", ()), ("fsdp=2,tensor=4", ()), ("data=2,tensor=2", ("train.microbatches=2",))],
+    ids=["data-tensor", "fsdp-tensor4", "microbatches"],
+)
+def test_losses_and_gradients_equal_one_device(mesh, overrides, one_device):
+    trainer, loss, grads = first_batch_grads(mesh, ON, *overrides)
     assert trainer.layout.strategy.collective_matmul
     ref_loss, ref_grads = one_device
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-6)

@@ -641,48 +641,68 @@ def test_after_each_kinds_first_compile_the_rest_follow_what_the_compiles_of_the
     assert compiled_by(None)[0] == [("fsdp=4", "none"), ("fsdp=4", "save_matmuls"), ("data=2,fsdp=2", "none")]
 
 
+def _searched(monkeypatch, steps: dict, rough: dict, target) -> tuple[list[tuple], dict]:
+    """``plan._price`` over the layouts of ``rough`` (their rough times), each "compile" priced at
+    ``steps[(candidate, collective_matmul, scan_layers)]``: (what compiled, in order, as (remat,
+    collective_matmul, scan_layers); the result). One candidate per remat policy."""
+    import types
+
+    from jaxdist.plan import cost as plan_cost
+
+    compiled = []
+
+    def fake_compile(config, target, compiler):
+        candidate = next(c for c in rough if c.remat == config.model.remat)
+        key = (candidate.remat, config.parallel.collective_matmul, config.model.scan_layers)
+        compiled.append(key)
+        program = steps[(candidate, *key[1:])]
+        return {"memory": {"peak": 2**30, "arguments": 0, "total": 2**30}, "program": program, "notes": [], "params": 1}, False
+
+    monkeypatch.setattr(search, "compile_summary", fake_compile)
+    monkeypatch.setattr(ProgramCost, "from_dict", staticmethod(lambda data: data))
+    priced = {"tokens_per_sec_per_device": 1.0, "mfu": 0.5, "bound": "compute"}
+    monkeypatch.setattr(
+        plan_cost,
+        "predict_summary",
+        lambda program, *a: types.SimpleNamespace(step_time_s=program, to_dict=lambda: {"step_time_s": program, **priced}),
+    )
+    args = types.SimpleNamespace(max_compiles=2, time_budget=1e9, gpus=4)
+    config = load_config(None, ["model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4", "train.seq_len=64"])
+    ranked = plan_cli.compile_order([(c, 2**30) for c in rough])
+    return compiled, plan_cli._price(config, ranked, load_hardware("h100"), args, target=target, rough=rough)
+
+
 def test_the_fastest_layout_that_fits_compiles_once_more_with_its_layers_in_a_python_loop(monkeypatch):
     """On a GPU target the search ends with one more compile, past --max-compiles: its fastest
     layout that fits with ``model.scan_layers=false`` (the scan's stacked residuals and paired
     iterations cost llama3-8b's fsdp=8 step a tenth), ranked with the rest (``+loop`` in the
     table). A CPU plan does not try it."""
-    import types
-
-    from jaxdist.plan import cost as plan_cost
     from jaxdist.plan.search import Candidate
 
     fast, slow = Candidate((("fsdp", 4),), 1, "save_matmuls"), Candidate((("fsdp", 4),), 1, "none")
-    step = {(slow, True): 2.0, (fast, True): 1.2, (fast, False): 1.0}
+    steps = {(slow, False, True): 2.0, (fast, False, True): 1.2, (fast, False, False): 1.0}
     rough = {slow: 1.0, fast: 1.1}
-
-    def searched(target):
-        compiled = []
-
-        def fake_compile(config, target, compiler):
-            candidate = next(c for c in rough if c.remat == config.model.remat)
-            compiled.append((candidate.remat, config.model.scan_layers))
-            program = step[(candidate, config.model.scan_layers)]
-            return {"memory": {"peak": 2**30, "arguments": 0, "total": 2**30}, "program": program, "notes": [], "params": 1}, False
-
-        monkeypatch.setattr(search, "compile_summary", fake_compile)
-        monkeypatch.setattr(ProgramCost, "from_dict", staticmethod(lambda data: data))
-        priced = {"tokens_per_sec_per_device": 1.0, "mfu": 0.5, "bound": "compute"}
-        monkeypatch.setattr(
-            plan_cost,
-            "predict_summary",
-            lambda program, *a: types.SimpleNamespace(step_time_s=program, to_dict=lambda: {"step_time_s": program, **priced}),
-        )
-        args = types.SimpleNamespace(max_compiles=2, time_budget=1e9, gpus=4)
-        config = load_config(None, ["model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4"])
-        ranked = plan_cli.compile_order([(slow, 2**30), (fast, 2**30)])
-        return compiled, plan_cli._price(config, ranked, load_hardware("h100"), args, target=target, rough=rough)
-
-    compiled, result = searched(object())
-    assert compiled == [("none", True), ("save_matmuls", True), ("save_matmuls", False)]
+    compiled, result = _searched(monkeypatch, steps, rough, object())
+    assert compiled == [("none", False, True), ("save_matmuls", False, True), ("save_matmuls", False, False)]
     best = result["candidates"][0]
     assert (best["remat"], best["scan_layers"], best["step_time_s"]) == ("save_matmuls", False, 1.0)
     assert "save_matmuls+loop" in plan_cli.format_table({**result, "layouts": {"compiled": 3, "fitting_estimate": 2}}, 3)
-    assert searched(None)[0] == [("none", True), ("save_matmuls", True)]
+    assert _searched(monkeypatch, steps, rough, None)[0] == [("none", False, True), ("save_matmuls", False, True)]
+
+
+def test_the_fastest_layout_with_a_tensor_axis_compiles_once_more_with_collective_matmuls(monkeypatch):
+    """Before the Python loop, a GPU search's fastest layout that fits compiles once more with
+    ``parallel.collective_matmul=true`` where it has a tensor axis (``+cm`` in the table), and
+    the loop variant is then tried on whichever of the two was faster."""
+    from jaxdist.plan.search import Candidate
+
+    tensor, plain = Candidate((("fsdp", 2), ("tensor", 2)), 1, "full"), Candidate((("fsdp", 4),), 1, "none")
+    steps = {(plain, False, True): 2.0, (tensor, False, True): 1.2, (tensor, True, True): 1.0, (tensor, True, False): 1.1}
+    compiled, result = _searched(monkeypatch, steps, {plain: 1.0, tensor: 1.1}, object())
+    assert compiled == [("none", False, True), ("full", False, True), ("full", True, True), ("full", True, False)]
+    best = result["candidates"][0]
+    assert (best["mesh"], best["collective_matmul"], best["scan_layers"], best["step_time_s"]) == ("fsdp=2,tensor=2", True, True, 1.0)
+    assert "full+cm" in plan_cli.format_table({**result, "layouts": {"compiled": 4, "fitting_estimate": 2}}, 4)
 
 
 def test_a_partial_validation_run_keeps_the_readme_sections_it_did_not_rerun(monkeypatch, tmp_path):

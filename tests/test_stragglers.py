@@ -103,7 +103,9 @@ print(meter.take(), flush=True)
 
 def test_the_hiccup_meter_counts_the_time_a_process_is_stopped_from_outside_and_not_its_sleeps():
     """Two processes sleeping 2 s each, one stopped 60 ms of every 100 ms meanwhile (what a 40%
-    CPU quota does): the stopped one's meter reads about 60%, the other's about nothing."""
+    CPU quota does): the stopped one's meter reads about 60%, the other's about nothing, or, on
+    a machine loaded past its cores, what both wake late by (a fresh-clone run beside two GPU
+    compiles: 0.59 and 0.21), so the stopped one reads at least 0.3 more."""
     children = [
         subprocess.Popen([sys.executable, "-c", METER, "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=subprocess_env())
         for _ in range(2)
@@ -127,7 +129,7 @@ def test_the_hiccup_meter_counts_the_time_a_process_is_stopped_from_outside_and_
             if child.poll() is None:
                 child.kill()
                 child.communicate()
-    assert 0.4 < stopped < 0.75 and free < 0.1, (stopped, free)
+    assert 0.4 < stopped < 0.85 and stopped - free > 0.3 and free < 0.3, (stopped, free)
 
 
 BUSY = """

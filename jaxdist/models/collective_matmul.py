@@ -46,7 +46,9 @@ def _spec(ndim: int, split: int) -> PartitionSpec:
 def _region(fn, args_split: tuple[tuple[int, int], ...], out_split: tuple[int, int]):
     """``fn`` manual over ``tensor`` alone (the batch and FSDP axes stay the partitioner's):
     ``args_split``/``out_split`` give each operand's (ndim, dimension split over tensor)."""
-    mesh = step_context.current().layout.mesh
+    traced = jax.sharding.get_abstract_mesh()
+    # inside a region manual over other axes (the step's per-device accumulation over the batch axes): its mesh
+    mesh = traced if not traced.empty and traced.manual_axes else step_context.current().layout.mesh
     return jax.shard_map(
         fn,
         mesh=mesh,

@@ -15,9 +15,9 @@ CPU devices, after a screen that must fit with 10% headroom. Each compiled step 
 ``jaxdist.plan.cost`` on the hardware profile (``--links PATH``: its links as ``python -m jaxdist.commbench --out PATH`` measured
 them, ``jaxdist.plan.link_profile``). Compiles are cached, so a rerun is fast. Each runs in a child
 process (``plan.compile_worker``): a layout whose compile aborts XLA is left out in one line. ``--json`` prints
-``{"candidates": [...]}`` best first, each with ``mesh``, ``microbatches``, ``remat``, ``optimizer_offload``, ``context_strategy``,
-``step_time_s``, ``tokens_per_sec_per_device``, ``mfu``, ``memory_per_device_bytes`` and
-``bound``.
+``{"candidates": [...]}`` best first, each with ``mesh``, ``microbatches``, ``remat``, ``optimizer_offload``,
+``collective_matmul``, ``context_strategy``, ``step_time_s``, ``tokens_per_sec_per_device``, ``mfu``,
+``memory_per_device_bytes`` and ``bound``.
 """
 
 from __future__ import annotations
@@ -185,6 +185,28 @@ def reranked(rest: list[tuple], rough: dict, speed: dict[tuple[str, bool], float
     return sorted(rest, key=lambda item: rough.get(item[0], math.inf) * speed.get(memory_kind(item[0]), unseen))
 
 
+def refined(step: str, fitted: list[tuple], config) -> tuple | None:
+    """The fastest compiled layout that fits (``fitted``: (step time, candidate, estimate)) changed by ``step``, to compile
+    next: ``collective_matmul`` where it has a tensor axis and the key composes with it, ``scan_layers`` its layers in a loop."""
+    from jaxdist.layout.mesh import parse_mesh
+    from jaxdist.layout.validate import check_config_on_mesh
+    from jaxdist.plan.search import configured
+
+    if not fitted:
+        return None
+    _, best, estimate = min(fitted, key=lambda f: f[0])
+    if step == "scan_layers":
+        return dataclasses.replace(best, scan_layers=False), estimate
+    twin = dataclasses.replace(best, collective_matmul=True)
+    if best.sizes["tensor"] == 1 or best.collective_matmul:
+        return None
+    try:
+        check_config_on_mesh(configured(config, twin), parse_mesh(twin.mesh_spec))
+    except JaxdistError:
+        return None
+    return twin, estimate
+
+
 def _gpu_target(hardware, gpus: int, per_node: int):
     """What a plan for ``hardware`` compiles for: XLA:GPU's program for ``gpus`` devices of the
     target (None: XLA:CPU's, on fake CPU devices: ``cpu-local``, or, said in one line, a GPU
@@ -233,22 +255,24 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
     firsts_left = len({memory_kind(c) for c, _ in fitting})  # compile_order put one of each kind first
     speed: dict[tuple[str, bool], float] = {}  # per memory kind: the smallest compiled step / rough time among those that fit
     ranked_by: dict[tuple[str, bool], float] = {}  # the speeds the queue was last ranked by
-    # last, the fastest layout that fits compiles once more with its layers in a Python loop (XLA:GPU only)
-    refine, fitted = target is not None and rough is not None and config.model.scan_layers, []
+    # last (XLA:GPU only), the fastest layout that fits compiles once more with collective matmuls where it has a tensor
+    # axis, then the fastest once more with its layers in a Python loop
+    refinements = ["collective_matmul", "scan_layers"] if target is not None and rough is not None else []
+    refinements = [r for r in refinements if r != "scan_layers" or config.model.scan_layers]
+    fitted = []
     # each layout compiles in a child process: XLA aborts its process on a failed internal check
     with CompileWorker(cpu_only=target is None) as worker:
-        while queue or refine:
+        while queue or refinements:
             if not queue:
-                refine = False
-                if not fitted:
-                    break
-                _, best, best_estimate = min(fitted, key=lambda f: f[0])
-                queue.append((dataclasses.replace(best, scan_layers=False), best_estimate))
+                twin = refined(refinements.pop(0), fitted, config)
+                if twin is not None:
+                    queue.append(twin)
+                continue
             if rough is not None and firsts_left <= 0 and speed != ranked_by and tried < args.max_compiles:
                 queue, ranked_by = collections.deque(reranked(list(queue), rough, speed)), dict(speed)
             candidate, estimate = queue.popleft()
             firsts_left -= 1
-            if tried >= args.max_compiles and candidate.scan_layers:
+            if tried >= args.max_compiles and candidate.scan_layers and not candidate.collective_matmul:
                 past += 1
                 continue
             if time.monotonic() - start > args.time_budget:
@@ -291,6 +315,7 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
                     "remat": candidate.remat,
                     "optimizer_offload": candidate.optimizer_offload,
                     "scan_layers": candidate.scan_layers,
+                    "collective_matmul": candidate.collective_matmul,
                     "context_strategy": candidate.context_strategy or None,
                     **p.to_dict(),
                     "memory_per_device_bytes": int(memory),
@@ -300,7 +325,7 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
                     "notes": layout_notes,
                 }
             )
-            if memory <= usable and refine:
+            if memory <= usable:
                 fitted.append((p.step_time_s, candidate, estimate))
             if memory <= usable and rough is not None and rough.get(candidate, 0) > 0:
                 speed[kind] = min(speed.get(kind, math.inf), p.step_time_s / rough[candidate])
@@ -320,8 +345,11 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
     compiler = f"with XLA:GPU for {args.gpus} x {hardware.name}" if target is not None else f"against {args.gpus} fake CPU devices"
     reused = sum(c["cached"] for c in priced)
     looped = sum(not c["scan_layers"] for c in priced)
+    ringed = sum(c["collective_matmul"] and c["scan_layers"] for c in priced) if not config.parallel.collective_matmul else 0
+    again = [what for what, n in (("with collective matmuls", ringed), ("as a Python loop", looped)) if n]
     log.info(
-        f"compiled {tried - looped} of {len(fitting)} screened layouts {compiler}{' and the fastest again as a Python loop' if looped else ''}"
+        f"compiled {tried - looped - ringed} of {len(fitting)} screened layouts {compiler}"
+        f"{' and the fastest again ' + ' and '.join(again) if again else ''}"
         f" ({tried - reused} new, {reused} cached"
         f"{f'; {left_out} left out: the compiled peaks say they do not fit' if left_out else ''}"
         f"{f'; {skipped} past --time-budget' if skipped else ''}{f'; {past} past --max-compiles' if past else ''})"
@@ -358,8 +386,10 @@ def format_table(result: dict, top: int) -> str:
     ]
     for i, c in enumerate(result["candidates"][:top], 1):
         mesh = f"{c['mesh']} {c['context_strategy']}" if c.get("context_strategy") else c["mesh"]
+        marks = ("+opt" if c.get("optimizer_offload") else "") + ("" if c.get("scan_layers", True) else "+loop")
+        remat = c["remat"] + marks + ("+cm" if c.get("collective_matmul") else "")
         lines.append(
-            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {c['remat'] + ('+opt' if c.get('optimizer_offload') else '') + ('' if c.get('scan_layers', True) else '+loop'):<20} {format_seconds(c['step_time_s']):>9} "
+            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {remat:<20} {format_seconds(c['step_time_s']):>9} "
             f"{c['tokens_per_sec_per_device']:>10,.0f} {format_fraction(c['mfu']):>6} {format_bytes(c['memory_per_device_bytes']):>9}  {c['bound']}"
         )
     if not result["candidates"]:

@@ -92,6 +92,7 @@ class Candidate:
     pipeline_recompute: bool | None = None  # 1F1B on a pipe axis: recompute each stage's forward (True) or keep it (False)
     optimizer_offload: bool = False  # train.optimizer_offload: the optimizer state in host memory
     scan_layers: bool = True  # model.scan_layers: false for the layers in a Python loop (tried last, on the fastest)
+    collective_matmul: bool = False  # parallel.collective_matmul (tried on the fastest with a tensor axis)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -106,13 +107,14 @@ class Candidate:
         out += [f"parallel.pipeline_recompute={str(self.pipeline_recompute).lower()}"] if self.pipeline_recompute is not None else []
         out += ["train.optimizer_offload=true"] if self.optimizer_offload else []
         out += [] if self.scan_layers else ["model.scan_layers=false"]
+        out += ["parallel.collective_matmul=true"] if self.collective_matmul else []
         return out + ([f"parallel.context_strategy={self.context_strategy}"] if self.context_strategy else [])
 
     def label(self) -> str:
         strategy = f" {self.context_strategy}" if self.context_strategy else ""
         stages = "" if self.pipeline_recompute is None else (" 1f1b recompute" if self.pipeline_recompute else " 1f1b keep")
         offload = " optimizer_offload" if self.optimizer_offload else ""
-        loop = "" if self.scan_layers else " scan_layers=false"
+        loop = ("" if self.scan_layers else " scan_layers=false") + (" collective_matmul" if self.collective_matmul else "")
         return f"{self.mesh_spec}{strategy}{stages} mb={self.microbatches} remat={self.remat}{offload}{loop}"
 
 
@@ -130,6 +132,7 @@ def configured(config: Config, candidate: Candidate) -> Config:
         out.parallel.pipeline_recompute = candidate.pipeline_recompute
     out.train.optimizer_offload = candidate.optimizer_offload
     out.model.scan_layers = out.model.scan_layers and candidate.scan_layers
+    out.parallel.collective_matmul = out.parallel.collective_matmul or candidate.collective_matmul
     return out
 
 
