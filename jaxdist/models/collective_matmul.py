@@ -44,19 +44,23 @@ def _spec(ndim: int, split: int) -> PartitionSpec:
 
 
 def _region(fn, args_split: tuple[tuple[int, int], ...], out_split: tuple[int, int]):
-    """``fn`` manual over ``tensor`` alone (the batch and FSDP axes stay the partitioner's):
-    ``args_split``/``out_split`` give each operand's (ndim, dimension split over tensor)."""
+    """``fn(index, *args)`` manual over ``tensor`` alone (the batch and FSDP axes stay the
+    partitioner's): ``args_split``/``out_split`` give each operand's (ndim, dimension split over
+    tensor). ``index`` is this device's position on ``tensor``, handed in as data: XLA's SPMD
+    partitioner refuses the partition-id that ``axis_index`` lowers to in some programs (the
+    layers unrolled with host offload: "PartitionId instruction is not supported")."""
     traced = jax.sharding.get_abstract_mesh()
     # inside a region manual over other axes (the step's per-device accumulation over the batch axes): its mesh
     mesh = traced if not traced.empty and traced.manual_axes else step_context.current().layout.mesh
-    return jax.shard_map(
-        fn,
+    region = jax.shard_map(
+        lambda index, *args: fn(index[0], *args),
         mesh=mesh,
-        in_specs=tuple(_spec(*a) for a in args_split),
+        in_specs=(PartitionSpec(AXIS), *(_spec(*a) for a in args_split)),
         out_specs=_spec(*out_split),
         axis_names={AXIS},
         check_vma=False,
     )
+    return functools.partial(region, jnp.arange(mesh.shape[AXIS], dtype=jnp.int32))
 
 
 def _equations(equation: str) -> tuple[str, str, str]:
@@ -65,10 +69,10 @@ def _equations(equation: str) -> tuple[str, str, str]:
     return x_sub, w_sub, out
 
 
-def _ring_gather(equation: str, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _ring_gather(equation: str, me: jax.Array, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per device: (einsum of the whole sequence with ``w``, the whole sequence), from this
     device's chunk of ``x``; chunk k arrives from the next device while chunk k-1 is multiplied."""
-    n, me = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    n = jax.lax.axis_size(AXIS)
     chunk = x.shape[SEQ]
     held, out, gathered = x, None, None
     for step in range(n):
@@ -84,12 +88,12 @@ def _ring_gather(equation: str, x: jax.Array, w: jax.Array) -> tuple[jax.Array, 
     return out, gathered
 
 
-def _ring_scatter(equation: str, h: jax.Array, w: jax.Array) -> jax.Array:
+def _ring_scatter(equation: str, me: jax.Array, h: jax.Array, w: jax.Array) -> jax.Array:
     """Per device: this device's sequence chunk of einsum(h, w) summed over ``tensor``, the
     running sum passed to the next device after each step's partial product is added. Summed
     in ``h``'s dtype, as plain tensor parallelism's bf16 all-reduce and Megatron's
     sequence-parallel reduce-scatter are."""
-    n, me = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    n = jax.lax.axis_size(AXIS)
     chunk = h.shape[SEQ] // n
     total = None
     for step in range(n):
@@ -102,42 +106,43 @@ def _ring_scatter(equation: str, h: jax.Array, w: jax.Array) -> jax.Array:
     return total
 
 
+# ``me`` (this device's index on tensor, int32) is an input like the operands: its cotangent is None
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gather_dot_local(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    return _ring_gather(equation, x, w)[0]
+def _gather_dot_local(equation: str, me: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
+    return _ring_gather(equation, me, x, w)[0]
 
 
-def _gather_dot_fwd(equation, x, w):
-    out, gathered = _ring_gather(equation, x, w)
-    return out, (gathered, w)
+def _gather_dot_fwd(equation, me, x, w):
+    out, gathered = _ring_gather(equation, me, x, w)
+    return out, (me, gathered, w)
 
 
 def _gather_dot_bwd(equation, residuals, g):
-    gathered, w = residuals
+    me, gathered, w = residuals
     x_sub, w_sub, out = _equations(equation)
-    dx = _ring_scatter(f"{out},{w_sub}->{x_sub}", g, w)
+    dx = _ring_scatter(f"{out},{w_sub}->{x_sub}", me, g, w)
     dw = jnp.einsum(f"{x_sub},{out}->{w_sub}", gathered, g, preferred_element_type=jnp.float32)
-    return dx.astype(gathered.dtype), dw.astype(w.dtype)
+    return None, dx.astype(gathered.dtype), dw.astype(w.dtype)
 
 
 _gather_dot_local.defvjp(_gather_dot_fwd, _gather_dot_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dot_scatter_local(equation: str, h: jax.Array, w: jax.Array) -> jax.Array:
-    return _ring_scatter(equation, h, w)
+def _dot_scatter_local(equation: str, me: jax.Array, h: jax.Array, w: jax.Array) -> jax.Array:
+    return _ring_scatter(equation, me, h, w)
 
 
-def _dot_scatter_fwd(equation, h, w):
-    return _dot_scatter_local(equation, h, w), (h, w)
+def _dot_scatter_fwd(equation, me, h, w):
+    return _dot_scatter_local(equation, me, h, w), (me, h, w)
 
 
 def _dot_scatter_bwd(equation, residuals, g):
-    h, w = residuals
+    me, h, w = residuals
     h_sub, w_sub, out = _equations(equation)
-    dh, g_whole = _ring_gather(f"{out},{w_sub}->{h_sub}", g, w)
+    dh, g_whole = _ring_gather(f"{out},{w_sub}->{h_sub}", me, g, w)
     dw = jnp.einsum(f"{h_sub},{out}->{w_sub}", h, g_whole, preferred_element_type=jnp.float32)
-    return dh.astype(h.dtype), dw.astype(w.dtype)
+    return None, dh.astype(h.dtype), dw.astype(w.dtype)
 
 
 _dot_scatter_local.defvjp(_dot_scatter_fwd, _dot_scatter_bwd)

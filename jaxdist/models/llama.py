@@ -214,7 +214,6 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache: tuple | None = None):
         """(output, the MoE layer's statistics or {}); with a ``cache``, (output, cache)."""
         if cache is None:
-            x = constrain(x, RESIDUAL)
             x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         else:
             attended, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache)

@@ -187,11 +187,14 @@ def reranked(rest: list[tuple], rough: dict, speed: dict[tuple[str, bool], float
 
 def refined(step: str, fitted: list[tuple], config) -> tuple | None:
     """The fastest compiled layout that fits (``fitted``: (step time, candidate, estimate)) changed by ``step``, to compile
-    next: ``collective_matmul`` where it has a tensor axis and the key composes with it, ``scan_layers`` its layers in a loop."""
+    next: ``collective_matmul`` where it has a tensor axis and the key composes with it, ``scan_layers`` its layers in a loop
+    (the fastest without collective matmuls)."""
     from jaxdist.layout.mesh import parse_mesh
     from jaxdist.layout.validate import check_config_on_mesh
     from jaxdist.plan.search import configured
 
+    if step == "scan_layers":  # not a collective-matmul layout: XLA:GPU took over 20 CPU-minutes on llama3-70b's rings unrolled
+        fitted = [f for f in fitted if not f[1].collective_matmul]
     if not fitted:
         return None
     _, best, estimate = min(fitted, key=lambda f: f[0])
@@ -382,14 +385,14 @@ def format_table(result: dict, top: int) -> str:
         f"{result['config']} on {result['gpus']} x {result['hardware_name']} ({result['gpus_per_node']} per node), "
         f"global batch {result['global_batch']} x {result['seq_len']} tokens; "
         f"{result['layouts']['compiled']} of {result['layouts']['fitting_estimate']} screened layouts compiled",
-        f"{'#':>2}  {'mesh':<34} {'mb':>3} {'remat':<20} {'step':>9} {'tok/s/dev':>10} {'MFU':>6} {'memory':>9}  bound",
+        f"{'#':>2}  {'mesh':<34} {'mb':>3} {'remat':<28} {'step':>9} {'tok/s/dev':>10} {'MFU':>6} {'memory':>9}  bound",
     ]
     for i, c in enumerate(result["candidates"][:top], 1):
         mesh = f"{c['mesh']} {c['context_strategy']}" if c.get("context_strategy") else c["mesh"]
         marks = ("+opt" if c.get("optimizer_offload") else "") + ("" if c.get("scan_layers", True) else "+loop")
         remat = c["remat"] + marks + ("+cm" if c.get("collective_matmul") else "")
         lines.append(
-            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {remat:<20} {format_seconds(c['step_time_s']):>9} "
+            f"{i:>2}  {mesh:<34} {c['microbatches']:>3} {remat:<28} {format_seconds(c['step_time_s']):>9} "
             f"{c['tokens_per_sec_per_device']:>10,.0f} {format_fraction(c['mfu']):>6} {format_bytes(c['memory_per_device_bytes']):>9}  {c['bound']}"
         )
     if not result["candidates"]:
