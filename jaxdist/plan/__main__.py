@@ -262,7 +262,7 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
     # axis, then the fastest once more with its layers in a Python loop
     refinements = ["collective_matmul", "scan_layers"] if target is not None and rough is not None else []
     refinements = [r for r in refinements if r != "scan_layers" or config.model.scan_layers]
-    fitted = []
+    refining, fitted = bool(refinements), []
     # each layout compiles in a child process: XLA aborts its process on a failed internal check
     with CompileWorker(cpu_only=target is None) as worker:
         while queue or refinements:
@@ -328,7 +328,7 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
                     "notes": layout_notes,
                 }
             )
-            if memory <= usable:
+            if memory <= usable and refining:
                 fitted.append((p.step_time_s, candidate, estimate))
             if memory <= usable and rough is not None and rough.get(candidate, 0) > 0:
                 speed[kind] = min(speed.get(kind, math.inf), p.step_time_s / rough[candidate])
