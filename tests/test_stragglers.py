@@ -299,7 +299,10 @@ def test_a_rank_slow_in_its_host_loop_and_one_slowed_from_outside_are_each_named
     measures = {x["step"]: x["straggler_measures"] for x in lines if "straggler_measures" in x}
     assert sorted(measures) == list(range(20, 71, 10)) and all(m["processes"] == [0, 1, 2] for m in measures.values()), measures
     assert all(measures[x["step"]]["stalled_share"][1] == x["stalled_share"] for x in stalled)
-    assert all(max(m["stalled_share"]) < 0.2 for step, m in measures.items() if step <= started), measures
+    # before the slowing, every process's share below what the stopped one shows once stopped (a
+    # machine loaded past its cores stalls everyone a little: 0.12-0.25 beside two GPU compiles)
+    stopped_shares = [x["stalled_share"] for x in stalled if x["step"] in full_windows]
+    assert all(max(m["stalled_share"]) < min(stopped_shares) / 2 for step, m in measures.items() if step <= started), measures
 
     membership = [json.loads(x) for x in (run_dir / "elastic.jsonl").read_text().splitlines()]
     assert [(x["step"], x["process"], x["kind"]) for x in membership if x["reason"] == "straggler"] == [
