@@ -196,27 +196,33 @@ def test_data_parallel_gradients_of_a_layer_reduce_together_behind_the_next_laye
 
 
 @pytest.mark.parametrize(
-    "mesh, strategy, double_buffered",
+    "mesh, strategy, double_buffered, collective_matmul",
     [
-        ("data=8", "dp", False),
-        ("data=48,tensor=2", "dp", False),
-        ("data=-1", "zero1", False),
-        ("8x4", "auto", False),
-        ("fsdp=8", "auto", True),
-        ("data=2,fsdp=4", "auto", True),
-        ("data=4,pipe=2", "dp", True),
-        ("data=4,context=2", "dp", True),
-        ("tensor=8", "dp", True),
-        ("auto", "auto", True),
+        ("data=8", "dp", False, False),
+        ("data=48,tensor=2", "dp", False, False),
+        ("data=-1", "zero1", False, False),
+        ("8x4", "auto", False, False),
+        ("fsdp=8", "auto", True, False),
+        ("data=2,fsdp=4", "auto", True, False),
+        ("data=4,pipe=2", "dp", True, False),
+        ("data=4,context=2", "dp", True, False),
+        ("tensor=8", "dp", True, False),
+        ("auto", "auto", True, False),
+        ("fsdp=4,tensor=2", "auto", False, True),
+        ("fsdp=4,tensor=-1", "auto", False, True),
+        # without a tensor axis the key has no effect (said in one line): the flag stays
+        ("fsdp=8", "auto", True, True),
     ],
 )
-def test_the_layer_scan_is_double_buffered_where_it_gathers_weights(mesh, strategy, double_buffered):
-    """The flag a run gets (and a compile for a target, ``compiler_options``): off only for data
-    parallelism without weight-sharding or pipeline axes, where the test above shows it exposes more."""
+def test_the_layer_scan_is_double_buffered_where_it_gathers_weights(mesh, strategy, double_buffered, collective_matmul):
+    """The flag a run gets (and a compile for a target, ``compiler_options``): off for data
+    parallelism without weight-sharding or pipeline axes, where the test above shows it exposes
+    more, and for collective matmuls over a tensor axis."""
     from jaxdist.layout.xla_flags import gpu_flags
     from jaxdist.plan.gpu_target import compiler_options
 
-    config = load_config(None, [f"parallel.mesh={mesh}", f"parallel.strategy={strategy}"])
+    overrides = [f"parallel.mesh={mesh}", f"parallel.strategy={strategy}", f"parallel.collective_matmul={collective_matmul}"]
+    config = load_config(None, overrides)
     want = "true" if double_buffered else "false"
     assert gpu_flags(config)[DOUBLE_BUFFERING] == want and gpu_flags(None)[DOUBLE_BUFFERING] == "true"
     assert compiler_options(config)[DOUBLE_BUFFERING] is double_buffered

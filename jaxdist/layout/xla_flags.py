@@ -88,7 +88,7 @@ def gpu_flags(config=None) -> dict[str, str]:
         # all-reduce exposed instead of 0.200; experiments/README.md, "Data-parallel gradients
         # behind the backward")
         flags["xla_gpu_enable_while_loop_double_buffering"] = "false"
-    if config is not None and config.parallel.collective_matmul:
+    if config is not None and _collective_matmuls(config):
         # Collective matmuls (models.collective_matmul) keep a permute in flight beside nearly
         # every GEMM of a layer; the unrolled pair then leaves the next pair's FSDP weight gathers
         # no room to start early. One layer per iteration: llama3-70b's pick on 64 H100 (fsdp=16,
@@ -122,6 +122,17 @@ def _hybrid_sharded(config) -> bool:
     others = [sizes.get(axis, 1) for axis in ("tensor", "context", "expert", "pipe")]
     hybrid = multi("data") and multi("fsdp") and others == [1] * 4
     return hybrid and zero_stage(config.parallel.strategy, sizes) == "fsdp"
+
+
+def _collective_matmuls(config) -> bool:
+    """``parallel.collective_matmul`` on a mesh with a tensor axis (without one the key has no effect)."""
+    if not config.parallel.collective_matmul:
+        return False
+    try:
+        sizes = parse_mesh(config.parallel.mesh)
+    except MeshError:
+        return False
+    return sizes.get("tensor", 1) > 1 or sizes.get("tensor", 1) == -1
 
 
 def _replicated_weights(config) -> bool:
