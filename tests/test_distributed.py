@@ -49,7 +49,7 @@ def _env() -> dict[str, str]:
     return subprocess_env()
 
 
-def _launch(run_dir: Path, steps: int, cache: Path, *, nproc: int = 2) -> subprocess.Popen:
+def _launch(run_dir: Path, steps: int, cache: Path, *, nproc: int = 2, env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -66,7 +66,9 @@ def _launch(run_dir: Path, steps: int, cache: Path, *, nproc: int = 2) -> subpro
         *_overrides(steps),
         f"train.compile_cache={cache}",
     ]
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd, env={**_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
@@ -233,8 +235,11 @@ def test_two_process_run_saves_on_ctrl_c_and_resumes(tmp_path, reference_losses,
     files = sorted(p.name for p in (tmp_path / "checkpoints" / str(saved) / "data").glob("process_*.json"))
     assert files == ["process_0-of-2.json", "process_1-of-2.json"]
     target = saved + 3
-    out = _finish(_launch(tmp_path, target, compile_cache))
+    out = _finish(_launch(tmp_path, target, compile_cache, env={"JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}))
     assert f"resumed from step {saved}" in out and f"done at step {target}" in out, out[-3000:]
+    # the restarted process 1 takes the step process 0 compiled and wrote (each keyed its own before)
+    hits = [x for x in out.splitlines() if x.startswith("[rank 1]") and "Persistent compilation cache hit for 'jit__train_step'" in x]
+    assert hits, [x for x in out.splitlines() if "jit__train_step" in x]
     losses = _losses(tmp_path)
     # Both launches train on the 10-step schedule (train.schedule_steps), so the module's
     # reference is this run's too (one in-process reference run, not two).

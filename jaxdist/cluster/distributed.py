@@ -28,6 +28,7 @@ import time
 
 import jaxdist
 from jaxdist.cluster import recoverable
+from jaxdist.cluster.cache_key import share_cpu_cache_keys
 from jaxdist.errors import JaxdistError
 from jaxdist.layout.native_output import filter_descriptor
 
@@ -331,3 +332,4 @@ def initialize(group: ProcessGroup | None) -> None:
             raise CoordinatorPortTaken(f"coordinator port of {group.coordinator} was taken before it could listen ({reason})") from None
         raise JaxdistError(f"{who} could not join the run at {where} within {group.timeout_s}s ({reason})") from None
     jaxdist.set_process_index(jax.process_index())  # from here on only process 0 speaks (but for every_process lines)
+    share_cpu_cache_keys()  # CPU processes find each other's compiled programs (process 0 writes them)
