@@ -53,7 +53,7 @@ def share_cpu_cache_keys() -> bool:
     host = host_cpu_signature()
     if original is None or host is None:
         why = "this JAX has no jax._src.cache_key._hash_accelerator_config" if original is None else "/proc/cpuinfo has no CPU flags"
-        log.info(f"jaxdist: each process keys its CPU programs in the compile cache on its own ({why}): a restarted rank compiles again")
+        log.info(f"each process keys its CPU programs in the compile cache on its own ({why}): a restarted rank compiles again")
         return False
 
     def hash_accelerator_config(hash_obj, accelerators, *args, **kwargs):
