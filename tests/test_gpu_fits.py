@@ -212,6 +212,7 @@ def test_data_parallel_gradients_of_a_layer_reduce_together_behind_the_next_laye
         ("fsdp=4,tensor=-1", "auto", False, True),
         # without a tensor axis the key has no effect (said in one line): the flag stays
         ("fsdp=8", "auto", True, True),
+        ("auto", "auto", True, True),  # the mesh decided later: the flag as for every run
     ],
 )
 def test_the_layer_scan_is_double_buffered_where_it_gathers_weights(mesh, strategy, double_buffered, collective_matmul):

@@ -109,44 +109,43 @@ def gpu_flags(config=None) -> dict[str, str]:
 HYBRID_ALL_REDUCE_COMBINE = 16 * 2**20
 
 
-def _hybrid_sharded(config) -> bool:
-    """Weights sharded over fsdp and gradients also all-reduced over data (both axes above 1),
-    without tensor, context, expert or pipe axes (what was measured)."""
+def _split_axes(config) -> tuple[dict[str, int], set[str]] | None:
+    """The mesh's sizes and its axes above 1 (-1: sized later, above 1 too); None for a mesh
+    refused where it is built (with its own line) or ``auto`` (decided later)."""
     try:
         sizes = parse_mesh(config.parallel.mesh)
     except MeshError:
+        return None
+    if not sizes:
+        return None
+    return sizes, {axis for axis, n in sizes.items() if n > 1 or n == -1}
+
+
+def _hybrid_sharded(config) -> bool:
+    """Weights sharded over fsdp and gradients also all-reduced over data (both axes above 1),
+    without tensor, context, expert or pipe axes (what was measured)."""
+    if (mesh := _split_axes(config)) is None:
         return False
-    if not sizes:  # "auto": decided later
-        return False
-    multi = lambda axis: sizes.get(axis, 1) > 1 or sizes.get(axis, 1) == -1  # noqa: E731
-    others = [sizes.get(axis, 1) for axis in ("tensor", "context", "expert", "pipe")]
-    hybrid = multi("data") and multi("fsdp") and others == [1] * 4
+    sizes, split = mesh
+    hybrid = {"data", "fsdp"} <= split and not split & {"tensor", "context", "expert", "pipe"}
     return hybrid and zero_stage(config.parallel.strategy, sizes) == "fsdp"
 
 
 def _collective_matmuls(config) -> bool:
     """``parallel.collective_matmul`` on a mesh with a tensor axis (without one the key has no effect)."""
-    if not config.parallel.collective_matmul:
-        return False
-    try:
-        sizes = parse_mesh(config.parallel.mesh)
-    except MeshError:
-        return False
-    return sizes.get("tensor", 1) > 1 or sizes.get("tensor", 1) == -1
+    mesh = _split_axes(config)
+    return bool(config.parallel.collective_matmul) and mesh is not None and "tensor" in mesh[1]
 
 
 def _replicated_weights(config) -> bool:
     """A data-parallel layout whose layer scans gather no weights: dp or zero1 over a batch
     axis, without fsdp, context, expert or pipe axes (what was measured)."""
-    try:
-        sizes = parse_mesh(config.parallel.mesh)
-    except MeshError:  # refused where the mesh is built, with its own line
+    if (mesh := _split_axes(config)) is None:
         return False
-    if not sizes:  # "auto": decided later
-        return False
-    batched = any(sizes.get(axis, 1) > 1 or sizes.get(axis, 1) == -1 for axis in ("data", "replica"))
-    sharded = [sizes.get(axis, 1) for axis in ("fsdp", "context", "expert", "pipe")]
-    return zero_stage(config.parallel.strategy, sizes) in ("dp", "zero1") and batched and sharded == [1] * 4
+    sizes, split = mesh
+    batched = bool(split & {"data", "replica"})
+    sharded = bool(split & {"fsdp", "context", "expert", "pipe"})
+    return zero_stage(config.parallel.strategy, sizes) in ("dp", "zero1") and batched and not sharded
 
 
 def with_gpu_defaults(xla_flags: str, config=None) -> str:
