@@ -1,12 +1,12 @@
 """Pipeline schedules side by side: executed FLOPs against the ideal, bubble, step time, temp memory.
 
-    python experiments/pipeline_bench.py [--steps 5] [--layers 8]
+    python experiments/pipeline_bench.py [--steps 5] [--layers 8] [--schedules 1f1b,zb1,zbv]
 
 For each schedule and (S stages, M microbatches, V virtual stages, 1F1B's recompute): the
 matmul FLOPs one device executes per step (``jaxdist.plan.hlo_cost.program_cost``: every
 dot of the compiled step, times the trip counts of the loops around it) over the ideal,
-the same model's one-device step FLOPs / S (a ``conditional`` at its costliest branch: zb1's
-slots run one branch per device, and a lockstep tick lasts as long as the costliest); beside it 1 + the schedule's bubble and what
+the same model's one-device step FLOPs / S (a ``conditional`` at its costliest branch: zb1's and
+zbv's slots run one branch per device, and a lockstep tick lasts as long as the costliest); beside it 1 + the schedule's bubble and what
 the tick algebra predicts (``jaxdist.parallel.pipeline_schedule.executed_over_ideal``, the head's
 share taken from the one-device program); the median step time and its ratio to one
 device; XLA's per-device temp memory. On fake CPU devices all stages share the host's
@@ -52,10 +52,13 @@ CASES = [  # (schedule, S, M, V, recompute)
     ("zb1", 2, 8, 1, False),
     ("zb1", 4, 8, 1, False),
     ("zb1", 4, 16, 1, False),
+    ("zbv", 2, 8, 2, False),
+    ("zbv", 4, 8, 2, False),
+    ("zbv", 4, 16, 2, False),
 ]
 
 
-def measure(overrides: list[str], mesh: str, steps: int) -> tuple[float, int, float, float]:
+def measure(overrides: list[str], mesh: str, steps: int, together_share: float = 1.0) -> tuple[float, int, float, float]:
     """(median step s, temp bytes, executed matmul FLOPs per device, the head's part of them)."""
     config = load_config(None, overrides)
     sizes = parse_mesh(mesh)
@@ -77,28 +80,43 @@ def measure(overrides: list[str], mesh: str, steps: int) -> tuple[float, int, fl
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
-    return statistics.median(times), temp, lockstep_matmul_flops(module), head
+    return statistics.median(times), temp, lockstep_matmul_flops(module, together_share), head
 
 
-def lockstep_matmul_flops(module) -> float:
+def lockstep_matmul_flops(module, together_share: float = 1.0) -> float:
     """The matmul FLOPs one device executes per step, a ``conditional`` counted at its costliest
-    branch: zb1's slots pick one branch per device (a forward, a B or a W), and lockstep ticks
-    last as long as the costliest. (``program_cost`` counts every branch: an upper bound.)"""
+    branch: zb1's and zbv's slots pick one branch per device (a forward, a B or a W), and lockstep
+    ticks last as long as the costliest. A conditional with collectives inside is one every device
+    takes together (zbv's head): its costliest branch is counted in ``together_share`` of its
+    executions (the share of ticks that run the head). (``program_cost`` counts every branch: an
+    upper bound.)"""
     counts = computation_multipliers(module)
     total = program_cost(module).matmul_flops
     for name, body in module.computations.items():
         for instruction in (i for i in body if i.opcode == "conditional"):
             branches = [b for b, _ in callees(instruction)]
             flops = [program_cost(dataclasses.replace(module, entry=b)).matmul_flops for b in branches]
-            total -= counts.get(name, 0) * (sum(flops) - max(flops))
+            share = together_share if any(_has_collective(module, b) for b in branches) else 1.0
+            total -= counts.get(name, 0) * (sum(flops) - share * max(flops))
     return total
+
+
+def _has_collective(module, name: str) -> bool:
+    for instruction in module.computations[name]:
+        if instruction.opcode.startswith(("all-gather", "reduce-scatter", "all-reduce", "collective-permute")):
+            return True
+        if any(_has_collective(module, callee) for callee, _ in callees(instruction)):
+            return True
+    return False
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--schedules", default="", help="comma-separated: only these schedules' rows (default: every row)")
     args = parser.parse_args()
+    only = set(filter(None, args.schedules.split(",")))
     base = [
         "data.source=synthetic",
         "model.dtype=float32",
@@ -118,6 +136,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(f"| none (1 device) | 1 | - | - | - | - | - | 1.000 | - | - | {plain:.3f} | 1.00 | {plain_temp / 2**20:.1f} |", flush=True)
     for schedule, s, m, v, recompute in CASES:
+        if only and schedule not in only:
+            continue
         overrides = [
             *base,
             f"parallel.schedule={schedule}",
@@ -125,8 +145,8 @@ def main() -> None:
             f"parallel.virtual_stages={v}",
             *([f"parallel.pipeline_recompute={str(recompute).lower()}"] if schedule == "1f1b" else []),
         ]
-        step, temp, flops, _ = measure(overrides, f"pipe={s}", args.steps)
         spec = pipeline_spec(load_config(None, overrides).parallel, s)
+        step, temp, flops, _ = measure(overrides, f"pipe={s}", args.steps, m / spec.ticks if schedule == "zbv" else 1.0)
         ratio = flops / (plain_flops / s)
         label = "interleaved 1f1b" if spec.interleaved else schedule
         keep = ("recompute" if recompute else "keep") if schedule == "1f1b" else "-"

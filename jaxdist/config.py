@@ -237,8 +237,10 @@ class ParallelConfig(_Freezable):
     mesh: str = knob("auto", "the device mesh (--mesh): AxB, name=size,... or auto")
     dcn_mesh: str = knob("", 'across-host part of the mesh (--dcn-mesh); "" derives it: data, then fsdp, cross hosts')
     strategy: str = knob("auto", "auto | dp | fsdp | zero1, optionally +tp")
-    schedule: Literal["gpipe", "circular", "1f1b", "zb1"] = knob(
-        "gpipe", "pipeline schedule on a pipe axis (zb1: 1F1B with each weight gradient deferred into an idle slot)"
+    schedule: Literal["gpipe", "circular", "1f1b", "zb1", "zbv"] = knob(
+        "gpipe",
+        "pipeline schedule on a pipe axis (zb1: 1F1B with each weight gradient deferred into an idle slot; "
+        "zbv: zero bubble in a V, two chunks per device)",
     )
     pipeline_microbatches: int = knob(0, "pipeline microbatches per step (per accumulation microbatch); 0: the pipe size", ">= 0")
     virtual_stages: int = knob(1, "layer chunks per device (circular; with 1f1b: interleaved 1F1B)", ">= 1")

@@ -38,6 +38,8 @@ LAYOUTS = {
     "muon": ("fsdp=8", "train.optimizer=muon"),
     # zero bubble: its slots are conditionals per device; the ring's permutes stay async
     "pipe-zb1": ("fsdp=2,pipe=4", "parallel.schedule=zb1", "parallel.pipeline_microbatches=8"),
+    # zero bubble in a V: one operation per device per tick, the head in a conditional all devices take
+    "pipe-zbv": ("fsdp=4,pipe=2", "parallel.schedule=zbv", "parallel.pipeline_microbatches=4"),
 }
 
 
@@ -54,6 +56,8 @@ def test_each_layout_compiles_for_h100_with_cudnn_attention_in_every_layer(layou
     if "parallel.context_strategy=all_gather" not in overrides:
         assert kernels.get("attention_cudnn_fwd", 0) >= 4 and kernels.get("attention_cudnn_bwd", 0) >= 4, kernels
     assert kernels["gemm"] > 0, kernels
-    if mesh.endswith("pipe=4"):  # every stage-to-stage permute asynchronous, with kernels in its window
+    if any(
+        o.startswith("parallel.schedule=zb") for o in overrides
+    ):  # every stage-to-stage permute asynchronous, with kernels in its window
         permutes = collective_schedule(compiled.as_text())["collective-permute"]
         assert permutes["count"] == permutes["async"] > 0 and permutes["overlapped_fraction"] == 1.0, permutes

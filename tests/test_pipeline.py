@@ -24,6 +24,7 @@ SCHEDULES = {
     "circular": ("parallel.schedule=circular", "parallel.virtual_stages=2"),
     "1f1b": ("parallel.schedule=1f1b",),
     "zb1": ("parallel.schedule=zb1",),
+    "zbv": ("parallel.schedule=zbv",),
 }
 ONE_F_ONE_B = {  # 1F1B's choices: keep or recompute the stage's activations, plain or interleaved
     "1f1b-recompute": ("parallel.schedule=1f1b", "parallel.pipeline_recompute=true"),
@@ -68,17 +69,21 @@ def test_gradients_match_the_plain_model(mesh, schedule):
 
 
 @pytest.mark.parametrize(
-    ("mesh", "extra"),
+    ("schedule", "mesh", "extra"),
     [
-        ("pipe=4", ("parallel.pipeline_microbatches=8",)),  # the table's W slots (ticks 6 and 13)
-        ("fsdp=2,pipe=2", ("parallel.pipeline_microbatches=4", "train.microbatches=2")),
-        ("data=2,tensor=2,pipe=2", ("parallel.pipeline_microbatches=4",)),
+        ("zb1", "pipe=4", ("parallel.pipeline_microbatches=8",)),  # the table's W slots (ticks 6 and 13)
+        ("zb1", "fsdp=2,pipe=2", ("parallel.pipeline_microbatches=4", "train.microbatches=2")),
+        ("zb1", "data=2,tensor=2,pipe=2", ("parallel.pipeline_microbatches=4",)),
+        ("zbv", "pipe=4", ("parallel.pipeline_microbatches=8",)),
+        ("zbv", "fsdp=2,pipe=2", ("parallel.pipeline_microbatches=4", "train.microbatches=2")),
+        ("zbv", "data=2,pipe=2", ("parallel.pipeline_microbatches=2",)),
     ],
 )
-def test_zero_bubble_gradients_match_the_plain_model(mesh, extra):
-    """zb1 splits each chunk's backward into B and W (``parallel.split_backward``) and runs W
-    ticks later: the loss and gradients are the plain model's."""
-    loss, grads = _grads(mesh, "parallel.schedule=zb1", *extra)
+def test_zero_bubble_gradients_match_the_plain_model(schedule, mesh, extra):
+    """zb1 and zbv split each chunk's backward into B and W (``parallel.split_backward``) and run
+    W ticks later (zbv: each device runs two chunks, down the devices and back up): the loss and
+    gradients are the plain model's."""
+    loss, grads = _grads(mesh, f"parallel.schedule={schedule}", *extra)
     ref_loss, ref_grads = _grads("data=1", *(e for e in extra if e.startswith("train.")))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(grads, ref_grads, strict=True):
@@ -86,17 +91,17 @@ def test_zero_bubble_gradients_match_the_plain_model(mesh, extra):
 
 
 def test_zero_bubble_resumes_a_one_f_one_b_checkpoint(tmp_path):
-    """The schedule changes how the step runs, not the state: a 1F1B run saved at step 3 goes
-    on under zb1 and meets the uninterrupted 1F1B run."""
+    """The schedule changes how the step runs, not the state: a 1F1B run saved at step 2 goes
+    on under zb1, saved at step 4 goes on under zbv, and meets the uninterrupted 1F1B run."""
     from jaxdist.training.run import run
 
     def steps(schedule: str, stop: int, run_dir):
-        overrides = (*TINY, *EIGHT_LAYERS, "train.steps=6", "checkpoint.every_steps=3", f"train.stop_after_step={stop}")
+        overrides = (*TINY, *EIGHT_LAYERS, "train.steps=6", "checkpoint.every_steps=2", f"train.stop_after_step={stop}")
         config = load_config(None, [*overrides, f"parallel.schedule={schedule}", "parallel.pipeline_microbatches=4"])
         return run(config, parse_mesh("pipe=2"), run_dir, devices=jax.devices()[:2], progress=False).losses
 
     uninterrupted = steps("1f1b", 6, tmp_path / "whole")
-    resumed = steps("1f1b", 3, tmp_path / "split") + steps("zb1", 6, tmp_path / "split")
+    resumed = steps("1f1b", 2, tmp_path / "split") + steps("zb1", 4, tmp_path / "split") + steps("zbv", 6, tmp_path / "split")
     np.testing.assert_allclose(resumed, uninterrupted, rtol=1e-5)
 
 

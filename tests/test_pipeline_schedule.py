@@ -19,6 +19,7 @@ from jaxdist.parallel.pipeline_schedule import (
     one_f_one_b_forward,
     zero_bubble_table,
 )
+from jaxdist.parallel.pipeline_vtable import B0, B1, F0, F1, NONE, W0, W1, v_table
 
 from helpers import TINY
 
@@ -159,6 +160,8 @@ def test_bubbles_by_hand():
         (("parallel.schedule=1f1b", "parallel.virtual_stages=4"), "must be divisible by pipe x virtual stages (2 x 4)"),
         (("train.seq_len=31",), "train.seq_len (31) must be divisible by the pipe axis (2)"),
         (("parallel.virtual_stages=2",), "needs parallel.schedule=circular or 1f1b"),
+        (("parallel.schedule=zbv", "parallel.virtual_stages=3"), "the V-shaped schedule runs two chunks per device"),
+        (("parallel.schedule=zbv", "model.n_layers=2"), "model.n_layers (2) must be divisible by pipe x virtual stages (2 x 2)"),
     ],
 )
 def test_pipeline_config_errors(overrides, message):
@@ -177,6 +180,7 @@ def test_pipeline_config_errors(overrides, message):
         ("pipe=2", "circular", "parallel.schedule=circular"),
         ("data=2", "1f1b", "a mesh without a pipe axis"),
         ("pipe=2", "1f1b", None),
+        ("pipe=2", "zbv", "parallel.schedule=zbv"),
     ],
 )
 def test_recompute_without_effect_says_so(mesh, schedule, warned):
@@ -221,3 +225,82 @@ def test_planner_prices_recompute_keep_and_interleaving():
     choices = {c.pipeline_recompute for c in enumerate_candidates(config, 4, 8) if c.sizes["pipe"] > 1}
     assert choices == {False, True}
     assert {c.pipeline_recompute for c in enumerate_candidates(load_config(None, ["model.n_layers=8"]), 4, 8)} == {None}
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 4), (2, 8), (3, 5), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_v_table_replayed_hands_every_operation_what_it_reads(stages, microbatches):
+    """zbv's table replayed on symbols, the way ``pipeline_zbv`` executes it: each device's
+    mailbox, residual ring and W ring hold named values; every forward reads the previous chunk's
+    output of its microbatch (device 0's first leg: the microbatch itself), every B the next
+    chunk's cotangent (the last chunk's: the head's, on device 0 in the tick of its forward), every
+    W what its B left; nothing lands on a live slot, every message sent is filed, each chunk runs
+    each microbatch's F, B and W once, and the buffers end empty."""
+    S, M = stages, microbatches
+    table = v_table(S, M)
+    chunk = {(s, leg): s if leg == 0 else 2 * S - 1 - s for s in range(S) for leg in (0, 1)}
+    leg_of = {F0: 0, B0: 0, W0: 0, F1: 1, B1: 1, W1: 1}
+    mail, ring, wring = ([{} for _ in range(S)] for _ in range(3))
+    done, dx = set(), set()
+
+    def put(buffer, slot, size, value):
+        assert 0 <= slot < size and slot not in buffer, (slot, size, buffer)
+        buffer[slot] = value
+
+    for t in range(table.ticks):
+        out = [None] * S
+        for s in range(S):
+            op, m = table.op[t][s], table.mb[t][s]
+            if op == IDLE:
+                continue
+            c = chunk[s, leg_of[op]]
+            assert (op, c, m) not in done
+            done.add((op, c, m))
+            if op in (F0, F1):
+                wanted = ("x", m) if c == 0 else ("act", c - 1, m)
+                got = ("x", m) if c == 0 and table.inbox[t][s] == NONE else mail[s].pop(table.inbox[t][s])
+                assert got == wanted, (t, s, got, wanted)
+                put(ring[s], table.residual[t][s], table.residual_slots, ("res", c, m))
+                out[s] = ("act", c, m)
+            elif op in (B0, B1):
+                assert mail[s].pop(table.inbox[t][s]) == ("cot", c + 1, m), (t, s)
+                assert ring[s].pop(table.residual[t][s]) == ("res", c, m), (t, s)
+                put(wring[s], table.pending[t][s], table.pending_slots, ("w", c, m))
+                out[s] = ("cot", c, m)
+                if c == 0:
+                    dx.add(m)
+            else:
+                assert wring[s].pop(table.pending[t][s]) == ("w", c, m), (t, s)
+        assert table.head[t] == (out[0] is not None and out[0][:2] == ("act", 2 * S - 1))
+        # what moves at the end of the tick: right, left, or to the device itself
+        for s in range(S):
+            arrivals = {
+                "from_left": out[s - 1] if s > 0 and table.op[t][s - 1] in (F0, B1) else None,
+                "from_right": out[s + 1] if s < S - 1 and table.op[t][s + 1] in (F1, B0) else None,
+                "local": None,
+            }
+            if s == 0 and table.head[t]:
+                arrivals["local"] = ("cot", 2 * S, table.mb[t][0])
+            if s == S - 1 and table.op[t][s] in (F0, B1):
+                arrivals["local"] = out[s]
+            for name, value in arrivals.items():
+                slot = getattr(table, name)[t][s]
+                if value is None or (value[0] == "act" and value[1] == 2 * S - 1) or (value[0] == "cot" and value[1] == 0):
+                    assert slot == NONE, (t, s, name, value)  # nothing to file: no message (or one that ends here)
+                else:
+                    put(mail[s], slot, table.mail_slots, value)
+    assert len(done) == 3 * 2 * S * M and dx == set(range(M))
+    assert not any(mail) and not any(ring) and not any(wring)
+    assert table.cost == sum(any(op != IDLE for op in row) for row in table.op)
+
+
+def test_v_table_bubble_is_under_half_of_one_f_one_b_at_its_memory():
+    """S = 4, M = 8: zbv's 51 ticks of a third of a chunk step hold 48 of work (2 chunks x 8
+    microbatches x F, B, W), a bubble of 3/51 against 1F1B's 9/33 and zb1's 3/27; a device holds
+    at most 2 S = 8 chunks' residuals, S stages' worth, where the lockstep 1F1B ring holds 2 S - 1
+    stages."""
+    zbv, one_f_one_b = PipelineSpec(4, 8, 2, "zbv"), PipelineSpec(4, 8, 1, "1f1b")
+    table = v_table(4, 8)
+    assert (table.ticks, table.cost) == (51, 51)
+    assert zbv.bubble == pytest.approx(3 / 51) and zbv.bubble <= one_f_one_b.bubble / 2
+    assert table.residual_slots == 8 and table.residual_slots / zbv.virtual < one_f_one_b.ring_slots
+    assert executed_over_ideal(zbv, 1.0) == pytest.approx(51 / 48)

@@ -332,7 +332,7 @@ def unused_keys(config: Config, sizes: MeshSizes, used: Collection[str] = ()) ->
             if changed("parallel", key):
                 found.append((f"parallel.{key}", "a mesh without a pipe axis"))
     elif p.schedule != "1f1b" and changed("parallel", "pipeline_recompute"):
-        why = "it keeps each chunk's activations for its B and W" if p.schedule == "zb1" else "its backward is autodiff's"
+        why = "it keeps each chunk's activations for its B and W" if p.schedule in ("zb1", "zbv") else "its backward is autodiff's"
         found.append(("parallel.pipeline_recompute", f"parallel.schedule={p.schedule} ({why}; model.remat recomputes)"))
     if sizes.get("context", 1) == 1:
         for key in ("context_strategy", "context_load_balance"):

@@ -41,6 +41,10 @@ from jaxdist.parallel.pipeline_1f1b import one_f_one_b_loss
 from jaxdist.parallel.pipeline_parts import from_last_stage, index, promote, restore, set_where, shift, stage_major, sum_dtype
 from jaxdist.parallel.pipeline_schedule import PipelineSpec
 from jaxdist.parallel.pipeline_zb import zero_bubble
+from jaxdist.parallel.pipeline_zbv import zero_bubble_v
+
+# the schedules that run their backward inside the loss's forward (None: 1F1B's own)
+EXPLICIT = {"1f1b": None, "zb1": zero_bubble, "zbv": zero_bubble_v}
 
 StageFn = Callable[[Any, jax.Array, dict[str, jax.Array]], jax.Array]
 HeadLossFn = Callable[[Any, jax.Array, dict[str, jax.Array]], jax.Array]  # (head params, y, targets) -> loss sum
@@ -183,10 +187,10 @@ def pipelined_loss(spec: PipelineSpec) -> Callable[[StagedModel, dict[str, jax.A
         stage = functools.partial(model.run_layers, graphdef)
         targets, weight = model.loss_targets(batch)
         mesh = active_layout().mesh
-        if spec.schedule in ("1f1b", "zb1"):
+        if spec.schedule in EXPLICIT:
             seed = step_context.current().loss_cotangent  # 1F1B runs its backward inside the forward: it needs fp16's scale now
             seed = jnp.ones((), jnp.float32) if seed is None else jnp.asarray(seed, jnp.float32)
-            explicit = one_f_one_b_loss(stage, model.head_loss, spec, mesh, zero_bubble if spec.schedule == "zb1" else None)
+            explicit = one_f_one_b_loss(stage, model.head_loss, spec, mesh, EXPLICIT[spec.schedule])
             return explicit(stacked, model.head_params(), x, aux, targets, seed), weight, {}
         # dense layers only (validate: no MoE here)
         return pipeline_loss(stage, model.head_loss, stacked, model.head_params(), x, aux, targets, spec, mesh), weight, {}

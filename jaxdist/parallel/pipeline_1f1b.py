@@ -195,7 +195,7 @@ def on_stages(per_stage, spec: PipelineSpec, mesh: Mesh, layer_params, head_para
     targets_mb = {k: split_microbatches(v, M) for k, v in targets.items()}
     loss, g_staged, g_head, dx = run(staged, head_params, x_mb, aux_mb, targets_mb, seed)
     g_head = jax.tree.map(lambda g, p: g.astype(p.dtype), g_head, head_params)
-    return loss, layer_major(g_staged, layer_params), g_head, merge_microbatches(dx).astype(x.dtype)
+    return loss, layer_major(g_staged, layer_params, spec), g_head, merge_microbatches(dx).astype(x.dtype)
 
 
 def one_f_one_b_loss(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, schedule=None):

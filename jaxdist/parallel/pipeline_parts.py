@@ -27,7 +27,8 @@ from jaxdist.parallel.pipeline_schedule import PipelineSpec
 
 
 def stage_major(layer_params: Any, spec: PipelineSpec) -> Any:
-    """[L, ...] -> [S, V, K, ...] with chunk (s, v) = layers (v S + s) K ... (v S + s + 1) K.
+    """[L, ...] -> [S, V, K, ...] with chunk (s, v) = layers (v S + s) K ... (v S + s + 1) K
+    (zbv: chunk (s, 1) is chunk 2 S - 1 - s, the V's way back up).
 
     For V = 1 this is a free reshape of the pipe-sharded layer axis; for V > 1 the
     interleaved order differs from the contiguous storage and XLA moves the weights.
@@ -36,14 +37,24 @@ def stage_major(layer_params: Any, spec: PipelineSpec) -> Any:
 
     def one(x):
         k = x.shape[0] // (s * v)
-        return jnp.swapaxes(x.reshape(v, s, k, *x.shape[1:]), 0, 1)
+        chunks = x.reshape(v, s, k, *x.shape[1:])
+        if spec.schedule == "zbv":
+            chunks = jnp.stack([chunks[0], jnp.flip(chunks[1], 0)])
+        return jnp.swapaxes(chunks, 0, 1)
 
     return jax.tree.map(one, layer_params)
 
 
-def layer_major(staged: Any, like: Any) -> Any:
+def layer_major(staged: Any, like: Any, spec: PipelineSpec) -> Any:
     """The inverse of ``stage_major``: [S, V, K, ...] -> [L, ...], in ``like``'s dtypes."""
-    return jax.tree.map(lambda g, p: jnp.swapaxes(g, 0, 1).reshape(p.shape).astype(p.dtype), staged, like)
+
+    def one(g, p):
+        chunks = jnp.swapaxes(g, 0, 1)
+        if spec.schedule == "zbv":
+            chunks = jnp.stack([chunks[0], jnp.flip(chunks[1], 0)])
+        return chunks.reshape(p.shape).astype(p.dtype)
+
+    return jax.tree.map(one, staged, like)
 
 
 def index(tree: Any, i: jax.Array) -> Any:
@@ -66,10 +77,10 @@ def my_piece(x: jax.Array, axis: int, stages: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("pipe") * n, n, axis)
 
 
-def from_last_stage(y: jax.Array, axis: int, stages: int, dtype: jnp.dtype) -> jax.Array:
-    """The last stage's ``y``, cut along ``axis`` into S pieces, piece s to stage s (a
-    reduce-scatter, summed in ``dtype``: ``sum_dtype``)."""
-    last = jax.lax.axis_index("pipe") == stages - 1
+def from_last_stage(y: jax.Array, axis: int, stages: int, dtype: jnp.dtype, source: int | None = None) -> jax.Array:
+    """The last stage's ``y`` (or stage ``source``'s), cut along ``axis`` into S pieces, piece s
+    to stage s (a reduce-scatter, summed in ``dtype``: ``sum_dtype``)."""
+    last = jax.lax.axis_index("pipe") == (stages - 1 if source is None else source)
     mine = jax.lax.psum_scatter(jnp.where(last, y, jnp.zeros_like(y)).astype(dtype), "pipe", scatter_dimension=axis, tiled=True)
     return mine.astype(y.dtype)
 

@@ -17,6 +17,9 @@ work of the ticks where it has nothing to do; ``work_units`` is what each device
   slot once its backwards are, and a W slot that some ticks add for every device
   (``ZeroBubbleTable``). Counted in thirds of a chunk step (F, B and W one each), a tick costs
   the slots it has: the bubble is (cost - 3 M) / cost.
+- zbv (zero bubble in a V, V = 2): the model's chunks down the devices and back up, B and W
+  split as in zb1, one operation per device per tick (``pipeline_vtable``): the bubble is
+  (cost - 6 M) / cost, in thirds of a chunk step.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb1")
+from jaxdist.parallel.pipeline_vtable import v_table
+
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb1", "zbv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +48,8 @@ class PipelineSpec:
     def ticks(self) -> int:
         """Scan steps of the schedule (a 1F1B tick may hold a forward, a backward or both)."""
         s, m, v = self.stages, self.microbatches, self.virtual
+        if self.schedule == "zbv":
+            return v_table(s, m).ticks
         if self.schedule in ("1f1b", "zb1"):
             return v * m + v * s + s - 2
         return v * m + s - 1
@@ -56,14 +63,16 @@ class PipelineSpec:
     @property
     def work_units(self) -> float:
         """Chunk steps (forward + backward of one chunk) each device executes, masked ones included
-        (zb1: its slots' cost in chunk steps, a third each)."""
+        (zb1, zbv: their slots' cost in chunk steps, a third each)."""
         if self.schedule == "zb1":
             return zero_bubble_table(self.stages, self.microbatches).cost / 3
+        if self.schedule == "zbv":
+            return v_table(self.stages, self.microbatches).cost / 3
         return self.virtual * self.microbatches + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """Idle share of the executed work: (S-1)/(V M + S-1) (zb1: its table's)."""
+        """Idle share of the executed work: (S-1)/(V M + S-1) (zb1, zbv: their tables')."""
         return (self.work_units - self.virtual * self.microbatches) / self.work_units
 
     @property
@@ -78,6 +87,9 @@ class PipelineSpec:
         (its backward's working set) while the ring holds only stage inputs."""
         if self.schedule == "zb1":  # 1F1B's ring, and the weight gradients' inputs waiting in theirs
             return self.ring_slots + zero_bubble_table(self.stages, self.microbatches).w_ring
+        if self.schedule == "zbv":  # its rings of half-stage chunks: residuals, and W inputs
+            table = v_table(self.stages, self.microbatches)
+            return (table.residual_slots + table.pending_slots) / self.virtual
         if self.schedule != "1f1b":
             return float(self.microbatches)
         return 1.0 if self.recompute else self.ring_slots / self.virtual
@@ -193,8 +205,8 @@ def executed_over_ideal(spec: PipelineSpec, layer_share: float) -> float:
     backward ticks add the recomputed forward and the backward (3F), and the middle's head
     ticks grow by the cool-down's V S - 1."""
     s, m, v = spec.stages, spec.microbatches, spec.virtual
-    if spec.schedule == "zb1":  # each slot runs a third of a chunk step (F, B or W)
-        return layer_share * spec.work_units / m + (1 - layer_share)
+    if spec.schedule in ("zb1", "zbv"):  # each slot runs a third of a chunk step (F, B or W)
+        return layer_share * spec.work_units / (v * m) + (1 - layer_share)
     if spec.schedule == "1f1b" and spec.recompute:
         return layer_share * (spec.ticks + 3 * spec.work_units) / (3 * v * m) + (1 - layer_share) * (m + v * s - 1) / m
     return layer_share * spec.work_units / (v * m) + (1 - layer_share)
@@ -206,7 +218,8 @@ def pipeline_spec(parallel_config, stages: int) -> PipelineSpec | None:
         return None
     p = parallel_config
     recompute = bool(getattr(p, "pipeline_recompute", False))
-    return PipelineSpec(stages, p.pipeline_microbatches or stages, p.virtual_stages, p.schedule, recompute)
+    virtual = 2 if p.schedule == "zbv" and p.virtual_stages == 1 else p.virtual_stages  # zbv's V: its two legs
+    return PipelineSpec(stages, p.pipeline_microbatches or stages, virtual, p.schedule, recompute)
 
 
 def validate(spec: PipelineSpec, n_layers: int, seq_len: int | None = None) -> str | None:
@@ -217,6 +230,8 @@ def validate(spec: PipelineSpec, n_layers: int, seq_len: int | None = None) -> s
         return f"parallel.virtual_stages={spec.virtual} needs parallel.schedule=circular or 1f1b (interleaved)"
     if spec.schedule == "zb1" and spec.virtual != 1:
         return f"parallel.virtual_stages={spec.virtual} with parallel.schedule=zb1: the zero-bubble schedule runs one chunk per device"
+    if spec.schedule == "zbv" and spec.virtual != 2:
+        return f"parallel.virtual_stages={spec.virtual} with parallel.schedule=zbv: the V-shaped schedule runs two chunks per device (leave it at 1 or 2)"
     if n_layers % (spec.stages * spec.virtual):
         return f"model.n_layers ({n_layers}) must be divisible by pipe x virtual stages ({spec.stages} x {spec.virtual})"
     if spec.microbatches < spec.stages:
