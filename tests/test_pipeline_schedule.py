@@ -304,3 +304,36 @@ def test_v_table_bubble_is_under_half_of_one_f_one_b_at_its_memory():
     assert zbv.bubble == pytest.approx(3 / 51) and zbv.bubble <= one_f_one_b.bubble / 2
     assert table.residual_slots == 8 and table.residual_slots / zbv.virtual < one_f_one_b.ring_slots
     assert executed_over_ideal(zbv, 1.0) == pytest.approx(51 / 48)
+
+
+def test_the_planner_searches_the_pipeline_schedules_it_is_given():
+    """``plan --schedules``: every pipe layout once per schedule (1F1B and interleaved 1F1B with both
+    recompute choices), each candidate's config running it (zbv only where the layers divide into
+    2 S chunks), layouts without a pipe axis once; the rough time follows each schedule's executed
+    chunk steps (zbv's third-of-a-chunk ticks under 1F1B's at S = 4, M = 8), and the schedules that
+    run their backward inside the forward keep one microbatch's logits at a time."""
+    from jaxdist.parallel.pipeline_schedule import pipeline_spec
+    from jaxdist.plan.hardware import load_hardware
+    from jaxdist.plan.search import PIPELINE_SCHEDULES, configured, enumerate_candidates, estimated_memory, estimated_time
+
+    config = load_config(None, ["model.n_layers=8", "parallel.pipeline_microbatches=8", "train.global_batch=64"])
+    candidates = enumerate_candidates(config, 4, 8, schedules=PIPELINE_SCHEDULES)
+    piped = [c for c in candidates if c.sizes["pipe"] > 1]
+    assert {c.schedule for c in candidates if c.sizes["pipe"] == 1} == {""}
+    assert {c.schedule for c in piped} == set(PIPELINE_SCHEDULES)
+    for c in piped:
+        run = configured(config, c)
+        spec = pipeline_spec(run.parallel, c.sizes["pipe"])
+        label = "interleaved" if spec.interleaved else spec.schedule
+        assert label == c.schedule and (c.pipeline_recompute is not None) == (spec.schedule == "1f1b"), c
+        assert f"parallel.schedule={run.parallel.schedule}" in c.overrides() and c.schedule in c.label()
+    four = {c.schedule for c in piped if c.sizes["pipe"] == 4}
+    assert "zbv" in four  # 8 layers into 2 x 4 chunks
+    assert {c.schedule for c in enumerate_candidates(load_config(None, ["model.n_layers=4"]), 4, 8, schedules=("zbv",))} == {"", "zbv"}
+    assert not [c for c in enumerate_candidates(load_config(None, ["model.n_layers=4"]), 4, 8, schedules=("zbv",)) if c.sizes["pipe"] == 4]
+
+    hardware = load_hardware("h100")
+    same = {c.schedule: c for c in piped if c.sizes["pipe"] == 4 and c.microbatches == 1 and c.remat == "none" and not c.pipeline_recompute}
+    n = 10**8
+    assert estimated_time(config, same["zbv"], n, hardware) < estimated_time(config, same["1f1b"], n, hardware)
+    assert estimated_memory(config, same["zbv"], n, True) < estimated_memory(config, same["gpipe"], n, True)

@@ -232,6 +232,10 @@ BAD = {
         ["--gpus", "4", "--hardware", "h100", "parallel.context_strategy=rings", *TINY],
         "parallel.context_strategy must be one of all_gather, ring, all_to_all, got 'rings'",
     ),
+    "an unknown pipeline schedule": (
+        ["--gpus", "4", "--hardware", "h100", "--schedules", "1f1b,zbx", *TINY],
+        "--schedules: zbx is not a pipeline schedule (gpipe, circular, 1f1b, interleaved, zb1, zbv or all)",
+    ),
     "a sequence that fits nowhere": (
         ["--config", "llama3-8b-128k", "--gpus", "2", "--hardware", "h100", "train.seq_len=1048576"],
         f"llama3-8b-128k fits no layout on 2 x H100 SXM 80GB: the smallest (context=2 all_to_all mb=2 remat={LEAST}) needs",

@@ -63,6 +63,13 @@ def build_arg_parser():
         "--links", default=None, metavar="PATH", help="measured links (python -m jaxdist.commbench --out PATH) for the datasheet's"
     )
     parser.add_argument("--global-batch", type=int, default=None, help="train.global_batch (sequences per step)")
+    parser.add_argument(
+        "--schedules",
+        default="",
+        metavar="LIST",
+        help="pipeline schedules to search on a pipe axis, comma-separated (gpipe, circular, 1f1b, interleaved, zb1, zbv) or all; "
+        "default: parallel.schedule's alone",
+    )
     parser.add_argument("--top", type=int, default=5, help="candidates to print")
     parser.add_argument("--time-budget", type=float, default=300.0, help="seconds of compiling, at most")
     parser.add_argument("--max-compiles", type=int, default=12, help="layouts to compile, at most")
@@ -126,7 +133,9 @@ def plan(args) -> dict:
     per_node = min(hardware.gpus_per_node, args.gpus)
     rejected: Counter = Counter()
     offload = hardware.host_link is not None and not hardware.shared_host and devices.cuda_plugin_installed()
-    candidates = enumerate_candidates(config, args.gpus, per_node, rejected, REMATS + OFFLOAD_REMATS if offload else REMATS, offload)
+    schedules = searched_schedules(getattr(args, "schedules", ""))
+    remats = REMATS + OFFLOAD_REMATS if offload else REMATS
+    candidates = enumerate_candidates(config, args.gpus, per_node, rejected, remats, offload, schedules)
     if not candidates and len(rejected) == 1:  # every layout fails the same way: the config itself is wrong
         raise JaxdistError(next(iter(rejected)))
     if not candidates:
@@ -156,6 +165,17 @@ def plan(args) -> dict:
     result = _price(config, fitting, hardware, args, target, rough)
     result["layouts"]["valid"] = len(candidates)
     return result
+
+
+def searched_schedules(text: str) -> tuple[str, ...]:
+    """``--schedules``' names (all of them for ``all``; none: the config's schedule alone)."""
+    from jaxdist.plan.search import PIPELINE_SCHEDULES
+
+    names = PIPELINE_SCHEDULES if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in PIPELINE_SCHEDULES]
+    if unknown:
+        raise JaxdistError(f"--schedules: {', '.join(unknown)} is not a pipeline schedule ({', '.join(PIPELINE_SCHEDULES)} or all)")
+    return names
 
 
 def compile_order(ranked: list[tuple]) -> list[tuple]:
@@ -235,7 +255,16 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
     the rest go in ``reranked`` order, updated after each compile."""
     from jaxdist.plan.cost import predict_summary
     from jaxdist.plan.hlo_cost import ProgramCost
-    from jaxdist.plan.search import HEADROOM, compile_summary, configured, plan_notes, routed_expert_params, say_note, states_bytes
+    from jaxdist.plan.search import (
+        HEADROOM,
+        candidate_pipeline,
+        compile_summary,
+        configured,
+        plan_notes,
+        routed_expert_params,
+        say_note,
+        states_bytes,
+    )
 
     if target is not None:
         usable = allowed_memory(hardware)
@@ -320,6 +349,7 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
                     "scan_layers": candidate.scan_layers,
                     "collective_matmul": candidate.collective_matmul,
                     "context_strategy": candidate.context_strategy or None,
+                    "schedule": candidate_pipeline(config, candidate).schedule if candidate.sizes["pipe"] > 1 else None,
                     **p.to_dict(),
                     "memory_per_device_bytes": int(memory),
                     "memory_source": source,
@@ -389,6 +419,7 @@ def format_table(result: dict, top: int) -> str:
     ]
     for i, c in enumerate(result["candidates"][:top], 1):
         mesh = f"{c['mesh']} {c['context_strategy']}" if c.get("context_strategy") else c["mesh"]
+        mesh += f" {c['schedule']}" if c.get("schedule") else ""
         marks = ("+opt" if c.get("optimizer_offload") else "") + ("" if c.get("scan_layers", True) else "+loop")
         remat = c["remat"] + marks + ("+cm" if c.get("collective_matmul") else "")
         lines.append(

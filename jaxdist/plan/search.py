@@ -19,18 +19,15 @@ keyed by the resolved config, the JAX version and the target, so a rerun is fast
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import io
-import itertools
 import json
 import logging
 import math
 import os
 import re
 import sys
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,11 +38,23 @@ from jaxdist.config import Config
 from jaxdist.errors import JaxdistError
 from jaxdist.inspect.hlo import parse_hlo
 from jaxdist.inspect.step_report import device_peak, memory, pipeline_of
-from jaxdist.layout.mesh import format_mesh, parse_mesh
-from jaxdist.layout.validate import check_config_on_mesh
+from jaxdist.layout.mesh import parse_mesh
 from jaxdist.models.experts import capacity_rows
 from jaxdist.parallel.expert import buffer_rows
-from jaxdist.parallel.pipeline_schedule import executed_over_ideal, pipeline_spec
+from jaxdist.parallel.pipeline_schedule import executed_over_ideal
+from jaxdist.plan.candidates import (  # noqa: F401 - the planner's names for them, imported from here
+    LAYOUT_AXES,
+    OFFLOAD_REMATS,
+    OPTIMIZER_OFFLOAD_REMATS,
+    PIPELINE_SCHEDULES,
+    REMATS,
+    Candidate,
+    candidate_pipeline,
+    configured,
+    divisors,
+    enumerate_candidates,
+    schedule_settings,
+)
 from jaxdist.plan.compile_cache import cache_dir, program_source
 from jaxdist.plan.context_cost import (  # noqa: F401 - CONTEXT_STRATEGIES, context_traffic: the planner's names for them
     CONTEXT_STRATEGIES,
@@ -61,14 +70,6 @@ from jaxdist.plan.hardware import Hardware
 from jaxdist.plan.hlo_cost import program_cost
 from jaxdist.training.aot import compile_train_step
 
-REMATS = ("none", "save_matmuls", "full")
-# On a GPU target only (a host link in the profile, XLA:GPU's program to show the copies): CPU
-# devices offload nothing. offload_matmuls is left out: it saves little over save_matmuls
-# (training/README.md, "Recomputation and activation offload").
-OFFLOAD_REMATS = ("offload_layer_inputs",)
-# train.optimizer_offload is tried (GPU targets) where activations are already at their least:
-# it trades two moves of the state over the host link per step for its 8 bytes a parameter
-OPTIMIZER_OFFLOAD_REMATS = ("full", "offload_layer_inputs")
 RECOMPUTE = {"none": 1.0, "save_matmuls": 1.1, "full": 4 / 3, "offload_layer_inputs": 4 / 3}  # training FLOPs with remat / without
 STATE_BYTES_PER_PARAM = 16  # fp32 params, grads, Adam's two moments
 OPTIMIZER_BYTES_PER_PARAM = 8  # Adam's two fp32 moments: what train.optimizer_offload keeps on host
@@ -80,108 +81,6 @@ log = logging.getLogger(__name__)
 # without remat, 1.12 with 2 microbatches, 0.92 with full remat, 0.62-0.74 with save_matmuls (the
 # estimate keeps half of each layer; XLA:GPU's program keeps little more than with full remat)
 PREFILTER_MARGIN = 1.6
-LAYOUT_AXES = ("data", "fsdp", "expert", "context", "tensor", "pipe")
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    mesh: tuple[tuple[str, int], ...]  # (axis, size) for data, fsdp, expert, context, tensor, pipe (an axis left out is 1)
-    microbatches: int
-    remat: str
-    context_strategy: str = ""  # all_gather | ring | all_to_all with a context axis; "" without one
-    pipeline_recompute: bool | None = None  # 1F1B on a pipe axis: recompute each stage's forward (True) or keep it (False)
-    optimizer_offload: bool = False  # train.optimizer_offload: the optimizer state in host memory
-    scan_layers: bool = True  # model.scan_layers: false for the layers in a Python loop (tried last, on the fastest)
-    collective_matmul: bool = False  # parallel.collective_matmul (tried on the fastest with a tensor axis)
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return {axis: 1 for axis in LAYOUT_AXES} | dict(self.mesh)
-
-    @property
-    def mesh_spec(self) -> str:
-        return format_mesh(parse_mesh(",".join(f"{a}={n}" for a, n in self.mesh)))
-
-    def overrides(self) -> list[str]:
-        out = [f"parallel.mesh={self.mesh_spec}", f"train.microbatches={self.microbatches}", f"model.remat={self.remat}"]
-        out += [f"parallel.pipeline_recompute={str(self.pipeline_recompute).lower()}"] if self.pipeline_recompute is not None else []
-        out += ["train.optimizer_offload=true"] if self.optimizer_offload else []
-        out += [] if self.scan_layers else ["model.scan_layers=false"]
-        out += ["parallel.collective_matmul=true"] if self.collective_matmul else []
-        return out + ([f"parallel.context_strategy={self.context_strategy}"] if self.context_strategy else [])
-
-    def label(self) -> str:
-        strategy = f" {self.context_strategy}" if self.context_strategy else ""
-        stages = "" if self.pipeline_recompute is None else (" 1f1b recompute" if self.pipeline_recompute else " 1f1b keep")
-        offload = " optimizer_offload" if self.optimizer_offload else ""
-        loop = ("" if self.scan_layers else " scan_layers=false") + (" collective_matmul" if self.collective_matmul else "")
-        return f"{self.mesh_spec}{strategy}{stages} mb={self.microbatches} remat={self.remat}{offload}{loop}"
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def configured(config: Config, candidate: Candidate) -> Config:
-    out = copy.deepcopy(config)
-    out.parallel.mesh, out.train.microbatches, out.model.remat = candidate.mesh_spec, candidate.microbatches, candidate.remat
-    out.parallel.strategy = "auto"  # fsdp where the mesh has an fsdp axis, tensor parallel where it has a tensor axis
-    if candidate.context_strategy:
-        out.parallel.context_strategy = candidate.context_strategy
-    if candidate.pipeline_recompute is not None:
-        out.parallel.pipeline_recompute = candidate.pipeline_recompute
-    out.train.optimizer_offload = candidate.optimizer_offload
-    out.model.scan_layers = out.model.scan_layers and candidate.scan_layers
-    out.parallel.collective_matmul = out.parallel.collective_matmul or candidate.collective_matmul
-    return out
-
-
-def candidate_pipeline(config: Config, candidate: Candidate):
-    """The pipeline schedule ``candidate`` runs (None without a pipe axis)."""
-    p = config.parallel
-    recompute = p.pipeline_recompute if candidate.pipeline_recompute is None else candidate.pipeline_recompute
-    return pipeline_spec(dataclasses.replace(p, pipeline_recompute=recompute), candidate.sizes["pipe"])
-
-
-def enumerate_candidates(
-    config: Config,
-    gpus: int,
-    gpus_per_node: int,
-    rejected: Counter | None = None,
-    remats: tuple[str, ...] = REMATS,
-    optimizer_offload: bool = False,
-) -> list[Candidate]:
-    """Every layout of ``config`` on ``gpus`` devices that jaxdist accepts, with each of ``remats``,
-    and with ``optimizer_offload`` each of the memory-tight ones (``OPTIMIZER_OFFLOAD_REMATS``) also
-    with the optimizer state in host memory; ``rejected`` (if given) counts the validator's reasons
-    for the others."""
-    out = []
-    batch, experts = config.train.global_batch, config.model.moe_experts if config.model.kind == "llama" else 0
-    for pipe in divisors(gpus):
-        for tensor in (t for t in divisors(gpus // pipe) if t <= gpus_per_node):
-            for context in (c for c in divisors(gpus // (pipe * tensor)) if c * tensor <= gpus_per_node):  # both inside a node
-                inner = context * tensor
-                rest = gpus // (pipe * inner)
-                for expert in (e for e in divisors(rest) if e * inner <= gpus_per_node and (e == 1 or experts % e == 0)):
-                    for fsdp in divisors(rest // expert):
-                        data = rest // (expert * fsdp)
-                        sizes = {"data": data, "fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor, "pipe": pipe}
-                        mesh = tuple((a, sizes[a]) for a in LAYOUT_AXES)
-                        shards = data * fsdp * expert
-                        for microbatches in (m for m in (1, 2, 4, 8, 16) if batch % (shards * m) == 0):
-                            one_f_one_b = pipe > 1 and config.parallel.schedule == "1f1b"
-                            for remat, recompute in itertools.product(remats, (False, True) if one_f_one_b else (None,)):
-                                offloads = (False, True) if optimizer_offload and remat in OPTIMIZER_OFFLOAD_REMATS else (False,)
-                                for strategy, offload in itertools.product(CONTEXT_STRATEGIES if context > 1 else ("",), offloads):
-                                    candidate = Candidate(mesh, microbatches, remat, strategy, recompute, offload)
-                                    try:
-                                        check_config_on_mesh(configured(config, candidate), parse_mesh(candidate.mesh_spec))
-                                    except JaxdistError as e:
-                                        if rejected is not None:
-                                            rejected[str(e)] += 1
-                                        continue
-                                    out.append(candidate)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +152,8 @@ def estimated_memory(config: Config, candidate: Candidate, n_params: int, fused_
         activations = rows / spec.microbatches * kept * spec.activations_alive()
         if spec.schedule == "1f1b" and spec.recompute:  # the ring of stage inputs the backward recomputes from
             activations += rows / spec.microbatches * spec.ring_slots / spec.virtual * s * d * compute_bytes(config)
-        head_rows = rows / spec.microbatches if spec.schedule == "1f1b" else rows  # 1F1B: one microbatch's head at a time
+        explicit = spec.schedule in ("1f1b", "zb1", "zbv")  # one microbatch's head at a time
+        head_rows = rows / spec.microbatches if explicit else rows
         head_tokens = s // spec.stages
     logit_tokens = min(head_tokens, m.loss_chunk) if m.loss_chunk > 0 else head_tokens
     logits = 2 * 4 * logit_tokens * m.vocab_size / tp
