@@ -233,7 +233,7 @@ def test_v_table_replayed_hands_every_operation_what_it_reads(stages, microbatch
     mailbox, residual ring and W ring hold named values; every forward reads the previous chunk's
     output of its microbatch (device 0's first leg: the microbatch itself), every B the next
     chunk's cotangent (the last chunk's: the head's, on device 0 in the tick of its forward), every
-    W what its B left; nothing lands on a live slot, every message sent is filed, each chunk runs
+    B and W the residuals of their forward, every W what its B left; nothing lands on a live slot, every message sent is filed, each chunk runs
     each microbatch's F, B and W once, and the buffers end empty."""
     S, M = stages, microbatches
     table = v_table(S, M)
@@ -263,13 +263,14 @@ def test_v_table_replayed_hands_every_operation_what_it_reads(stages, microbatch
                 out[s] = ("act", c, m)
             elif op in (B0, B1):
                 assert mail[s].pop(table.inbox[t][s]) == ("cot", c + 1, m), (t, s)
-                assert ring[s].pop(table.residual[t][s]) == ("res", c, m), (t, s)
+                assert ring[s][table.residual[t][s]] == ("res", c, m), (t, s)  # read; its W frees it
                 put(wring[s], table.pending[t][s], table.pending_slots, ("w", c, m))
                 out[s] = ("cot", c, m)
                 if c == 0:
                     dx.add(m)
             else:
                 assert wring[s].pop(table.pending[t][s]) == ("w", c, m), (t, s)
+                assert ring[s].pop(table.residual[t][s]) == ("res", c, m), (t, s)
         assert table.head[t] == (out[0] is not None and out[0][:2] == ("act", 2 * S - 1))
         # what moves at the end of the tick: right, left, or to the device itself
         for s in range(S):

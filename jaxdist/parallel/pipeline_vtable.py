@@ -11,12 +11,13 @@ The table is built by running the devices tick by tick, each taking one ready op
 first (the devices before it wait for it), then a forward (second leg first: it brings a
 microbatch to its loss) while the device holds fewer than 2 S chunks' activations, 1F1B's
 memory (S stages' worth), then a waiting W. A message sent in one tick is read from the next
-on. Every device then holds at most 2 S chunks' residuals (forward done, B not) and
-``pending_slots`` chunks' W inputs (B done, W not).
+on. Every device then holds at most 2 S chunks' residuals (forward done, W not) and
+``pending_slots`` chunks' B outputs that their W reads (B done, W not).
 
 Beside what each device runs, the table assigns the buffer slots each value lives in (the
-mailbox for activations and cotangents between their arrival and their use, the residual ring
-and the W ring), so the executor (``pipeline_zbv``) indexes buffers of the sizes this
+mailbox for activations and cotangents between their arrival and their use, the residual ring,
+whose slot a chunk's forward fills and its W frees (B and W both read the residuals, so they are
+kept once), and the W ring of what B hands W), so the executor (``pipeline_zbv``) indexes buffers of the sizes this
 simulation proved enough.
 """
 
@@ -34,7 +35,7 @@ NONE = -1  # no slot
 class VTable:
     """Per tick t and device s (``[t][s]``): ``op`` and its microbatch ``mb``; ``inbox``: the
     mailbox slot a forward or B reads (NONE for the first leg's forward on device 0, which reads
-    the microbatch itself); ``residual``: the ring slot a forward writes and its B reads;
+    the microbatch itself); ``residual``: the ring slot a forward writes and its B and W read (W frees it);
     ``pending``: the W ring slot a B writes and its W reads. At the end of a tick a device files
     what arrived: ``from_left`` (sent by device s - 1: a first-leg forward or second-leg B),
     ``from_right`` (by device s + 1: a second-leg forward or first-leg B) and ``local`` (its own
@@ -159,11 +160,12 @@ def v_table(stages: int, microbatches: int) -> VTable:
                 inbox[t][s] = mail[s].give((kind, m))
             if kind in FORWARDS:
                 residual[t][s] = rings[s].take((kind - F0, m))
-            elif kind in BACKWARDS:
+            elif kind in BACKWARDS:  # reads its residuals; its W reads them again and frees the slot
                 leg = int(kind == B1)
-                residual[t][s] = rings[s].give((leg, m))
+                residual[t][s] = rings[s].held[(leg, m)]
                 pending[t][s] = w_rings[s].take((leg, m))
             elif kind in WEIGHTS:
+                residual[t][s] = rings[s].give((kind - W0, m))
                 pending[t][s] = w_rings[s].give((kind - W0, m))
         # what arrives at the end of the tick, for the kind of operation that will read it
         for s, (kind, m) in enumerate(row):

@@ -17,10 +17,11 @@ here
   arrivals the table files in the mailbox.
 
 Buffers: the mailbox (activations and cotangents between arrival and use), the residual ring
-(a forward's residuals until its B) and the W ring (what a W reads, from its B until it runs).
+(a forward's residuals until its W: B and W both read them there, so nothing W needs is copied)
+and the W ring (what B hands its W: B's interface, and the output cotangent where W reads it).
 With at most 2 S chunks held per device the residual ring is S stages' worth, 1F1B's memory,
 against the 2 S - 1 stages of jaxdist's lockstep 1F1B ring; the W ring adds
-``VTable.pending_slots`` chunks of W inputs.
+``VTable.pending_slots`` chunks of B's interface.
 """
 
 from __future__ import annotations
@@ -61,8 +62,12 @@ def zero_bubble_v(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_
         split = split_backward(residuals.backward, legs[0], kept_shapes, activation)
         n_params = len(jax.tree.leaves(legs[0]))
         flat_shapes = jax.tree.leaves((legs[0], kept_shapes, activation))
-        stored = [k for k in split.w_inputs if k >= n_params]  # the residuals (and cotangent) W reads
-        w_shapes = [jax.ShapeDtypeStruct(flat_shapes[k].shape, flat_shapes[k].dtype) for k in stored] + list(split.interface_shapes)
+        # what W reads beside the weights: residuals, from the ring (its slot lives until W), and the
+        # chunk's output cotangent, if it needs it, handed over by B with B's interface
+        cotangent = len(flat_shapes) - 1
+        from_ring = [k for k in split.w_inputs if n_params <= k < cotangent]
+        handed = [k for k in split.w_inputs if k == cotangent]
+        w_shapes = [jax.ShapeDtypeStruct(flat_shapes[k].shape, flat_shapes[k].dtype) for k in handed] + list(split.interface_shapes)
         no_out, no_kept, no_store = _zeros(activation), _zeros(kept_shapes), _zeros(w_shapes)
 
         # the branches, in the table's op order (IDLE, F0, F1, B1, B0, W0, W1); each hands the
@@ -81,7 +86,7 @@ def zero_bubble_v(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_
             def run(h, aux_m, ring, wring, r_slot, w_slot, g_params):
                 flat = jax.tree.leaves((legs[leg], [buf[r_slot] for buf in ring], h))
                 gx, interface = split.b(flat)
-                return gx.astype(x_mb.dtype), no_kept, [flat[k] for k in stored] + list(interface), g_params
+                return gx.astype(x_mb.dtype), no_kept, [flat[k] for k in handed] + list(interface), g_params
 
             return run
 
@@ -89,9 +94,11 @@ def zero_bubble_v(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_
             def run(h, aux_m, ring, wring, r_slot, w_slot, g_params):
                 held = [buf[w_slot] for buf in wring]  # read in the branch that needs it
                 flat = jax.tree.leaves(legs[leg]) + [None] * (len(flat_shapes) - n_params)
-                for k, value in zip(stored, held, strict=False):
+                for k in from_ring:
+                    flat[k] = ring[k - n_params][r_slot]
+                for k, value in zip(handed, held, strict=False):
                     flat[k] = value
-                grads = split.w(flat, held[len(stored) :])
+                grads = split.w(flat, held[len(handed) :])
                 return no_out, no_kept, no_store, jax.tree.map(lambda a, g: a.at[leg].add(g.astype(jnp.float32)), g_params, grads)
 
             return run
