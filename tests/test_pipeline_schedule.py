@@ -314,6 +314,7 @@ def test_the_planner_searches_the_pipeline_schedules_it_is_given():
     chunk steps (zbv's third-of-a-chunk ticks under 1F1B's at S = 4, M = 8), and the schedules that
     run their backward inside the forward keep one microbatch's logits at a time."""
     from jaxdist.parallel.pipeline_schedule import pipeline_spec
+    from jaxdist.plan.__main__ import pipeline_name
     from jaxdist.plan.hardware import load_hardware
     from jaxdist.plan.search import PIPELINE_SCHEDULES, configured, enumerate_candidates, estimated_memory, estimated_time
 
@@ -328,6 +329,7 @@ def test_the_planner_searches_the_pipeline_schedules_it_is_given():
         label = "interleaved" if spec.interleaved else spec.schedule
         assert label == c.schedule and (c.pipeline_recompute is not None) == (spec.schedule == "1f1b"), c
         assert f"parallel.schedule={run.parallel.schedule}" in c.overrides() and c.schedule in c.label()
+        assert pipeline_name(config, c) == c.schedule  # what the table and JSON call it
     four = {c.schedule for c in piped if c.sizes["pipe"] == 4}
     assert "zbv" in four  # 8 layers into 2 x 4 chunks
     assert {c.schedule for c in enumerate_candidates(load_config(None, ["model.n_layers=4"]), 4, 8, schedules=("zbv",))} == {"", "zbv"}

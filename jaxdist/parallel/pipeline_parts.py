@@ -37,24 +37,20 @@ def stage_major(layer_params: Any, spec: PipelineSpec) -> Any:
 
     def one(x):
         k = x.shape[0] // (s * v)
-        chunks = x.reshape(v, s, k, *x.shape[1:])
-        if spec.schedule == "zbv":
-            chunks = jnp.stack([chunks[0], jnp.flip(chunks[1], 0)])
-        return jnp.swapaxes(chunks, 0, 1)
+        return jnp.swapaxes(_v_shaped(x.reshape(v, s, k, *x.shape[1:]), spec), 0, 1)
 
     return jax.tree.map(one, layer_params)
+
+
+def _v_shaped(chunks: jax.Array, spec: PipelineSpec) -> jax.Array:
+    """[V, S, ...] chunks with zbv's second leg reversed over the devices (its own inverse)."""
+    return jnp.stack([chunks[0], jnp.flip(chunks[1], 0)]) if spec.schedule == "zbv" else chunks
 
 
 def layer_major(staged: Any, like: Any, spec: PipelineSpec) -> Any:
     """The inverse of ``stage_major``: [S, V, K, ...] -> [L, ...], in ``like``'s dtypes."""
 
-    def one(g, p):
-        chunks = jnp.swapaxes(g, 0, 1)
-        if spec.schedule == "zbv":
-            chunks = jnp.stack([chunks[0], jnp.flip(chunks[1], 0)])
-        return chunks.reshape(p.shape).astype(p.dtype)
-
-    return jax.tree.map(one, staged, like)
+    return jax.tree.map(lambda g, p: _v_shaped(jnp.swapaxes(g, 0, 1), spec).reshape(p.shape).astype(p.dtype), staged, like)
 
 
 def index(tree: Any, i: jax.Array) -> Any:

@@ -178,6 +178,14 @@ def searched_schedules(text: str) -> tuple[str, ...]:
     return names
 
 
+def pipeline_name(config, candidate) -> str | None:
+    """The schedule a layout with a pipe axis runs, as ``--schedules`` names it (interleaved 1F1B apart from 1F1B)."""
+    from jaxdist.plan.search import candidate_pipeline
+
+    spec = candidate_pipeline(config, candidate)
+    return None if spec is None else ("interleaved" if spec.interleaved else spec.schedule)
+
+
 def compile_order(ranked: list[tuple]) -> list[tuple]:
     """``ranked`` ((candidate, estimate) in rough time order) with the best of each remat policy and optimizer placement
     first: the rough time favours keeping every activation, and its first dozen were all ``none``
@@ -257,7 +265,6 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
     from jaxdist.plan.hlo_cost import ProgramCost
     from jaxdist.plan.search import (
         HEADROOM,
-        candidate_pipeline,
         compile_summary,
         configured,
         plan_notes,
@@ -349,7 +356,7 @@ def _price(config, fitting, hardware, args, target=None, rough: dict | None = No
                     "scan_layers": candidate.scan_layers,
                     "collective_matmul": candidate.collective_matmul,
                     "context_strategy": candidate.context_strategy or None,
-                    "schedule": candidate_pipeline(config, candidate).schedule if candidate.sizes["pipe"] > 1 else None,
+                    "schedule": pipeline_name(config, candidate),
                     **p.to_dict(),
                     "memory_per_device_bytes": int(memory),
                     "memory_source": source,
