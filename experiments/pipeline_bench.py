@@ -87,7 +87,7 @@ def lockstep_matmul_flops(module, together_share: float = 1.0) -> float:
     """The matmul FLOPs one device executes per step, a ``conditional`` counted at its costliest
     branch: zb1's and zbv's slots pick one branch per device (a forward, a B or a W), and lockstep
     ticks last as long as the costliest. A conditional with collectives inside is one every device
-    takes together (zbv's head): its costliest branch is counted in ``together_share`` of its
+    takes together (the zero-bubble schedules' head): its costliest branch is counted in ``together_share`` of its
     executions (the share of ticks that run the head). (``program_cost`` counts every branch: an
     upper bound.)"""
     counts = computation_multipliers(module)
@@ -146,7 +146,7 @@ def main() -> None:
             *([f"parallel.pipeline_recompute={str(recompute).lower()}"] if schedule == "1f1b" else []),
         ]
         spec = pipeline_spec(load_config(None, overrides).parallel, s)
-        step, temp, flops, _ = measure(overrides, f"pipe={s}", args.steps, m / spec.ticks if schedule == "zbv" else 1.0)
+        step, temp, flops, _ = measure(overrides, f"pipe={s}", args.steps, m / spec.ticks if schedule in ("zb1", "zbv") else 1.0)
         ratio = flops / (plain_flops / s)
         label = "interleaved 1f1b" if spec.interleaved else schedule
         keep = ("recompute" if recompute else "keep") if schedule == "1f1b" else "-"

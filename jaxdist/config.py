@@ -239,7 +239,7 @@ class ParallelConfig(_Freezable):
     strategy: str = knob("auto", "auto | dp | fsdp | zero1, optionally +tp")
     schedule: Literal["gpipe", "circular", "1f1b", "zb1", "zbv"] = knob(
         "gpipe",
-        "pipeline schedule on a pipe axis (zb1: 1F1B with each weight gradient deferred into an idle slot; "
+        "pipeline schedule on a pipe axis (zb1: zero bubble in a line, each weight gradient run where the device would wait; "
         "zbv: zero bubble in a V, two chunks per device)",
     )
     pipeline_microbatches: int = knob(0, "pipeline microbatches per step (per accumulation microbatch); 0: the pipe size", ">= 0")

@@ -72,7 +72,7 @@ def test_gradients_match_the_plain_model(mesh, schedule):
 @pytest.mark.parametrize(
     ("schedule", "mesh", "extra"),
     [
-        ("zb1", "pipe=4", ("parallel.pipeline_microbatches=8",)),  # the table's W slots (ticks 6 and 13)
+        ("zb1", "pipe=4", ("parallel.pipeline_microbatches=8",)),  # the table by hand in test_pipeline_schedule
         ("zb1", "fsdp=2,pipe=2", ("parallel.pipeline_microbatches=4", "train.microbatches=2")),
         ("zb1", "data=2,tensor=2,pipe=2", ("parallel.pipeline_microbatches=4",)),
         ("zbv", "pipe=4", ("parallel.pipeline_microbatches=8",)),

@@ -8,18 +8,8 @@ import pytest
 
 from jaxdist.config import load_config
 from jaxdist.layout.mesh import parse_mesh
-from jaxdist.parallel.pipeline_schedule import (
-    BACKWARD,
-    FORWARD,
-    IDLE,
-    WEIGHT,
-    PipelineSpec,
-    executed_over_ideal,
-    one_f_one_b_backward,
-    one_f_one_b_forward,
-    zero_bubble_table,
-)
-from jaxdist.parallel.pipeline_vtable import B0, B1, F0, F1, NONE, W0, W1, v_table
+from jaxdist.parallel.pipeline_schedule import PipelineSpec, executed_over_ideal, one_f_one_b_backward, one_f_one_b_forward
+from jaxdist.parallel.pipeline_vtable import B0, B1, F0, F1, IDLE, NONE, W0, W1, line_table, v_table
 
 from helpers import TINY
 
@@ -83,54 +73,6 @@ def test_interleaved_heads_fall_in_the_head_ticks(stages, microbatches, virtual)
     last_device = [one_f_one_b_forward(spec, S - 1, t) for t in range(spec.ticks)]
     finished = {t for t, (valid, _, _, chunk) in enumerate(last_device) if valid and chunk == V - 1}
     assert finished == head_ticks and len(finished) == microbatches
-
-
-@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 4), (2, 8), (3, 5), (4, 4), (4, 8), (4, 16), (8, 16)])
-def test_zero_bubble_slots_run_every_piece_once_in_dependency_order(stages, microbatches):
-    """zb1's table, slot by slot in a tick's order (forward, head, backward, W): every device
-    runs each microbatch's F, B and W once; F after the previous stage's F of it (a tick
-    earlier: it comes through the ring), B after the next stage's B, and on the last stage in
-    the tick of its own F (after the head); W after its own B; a forward slot runs only F or W,
-    a backward slot only B or W; no more W inputs wait at once than its ring holds."""
-    table = zero_bubble_table(stages, microbatches)
-    assert table.ticks == microbatches + 2 * stages - 2
-    order = {}  # (kind, stage, microbatch) -> (tick, slot position)
-    for t, s in itertools.product(range(table.ticks), range(stages)):
-        for position, (slot, allowed) in enumerate(
-            [(table.forward, {IDLE, FORWARD, WEIGHT}), (table.backward, {IDLE, BACKWARD, WEIGHT}), (table.weight, {IDLE, WEIGHT})]
-        ):
-            op, m = slot[t][s]
-            assert op in allowed, (t, s, position, op)
-            if position == 2 and op != IDLE:
-                assert t in table.weight_ticks
-            if op != IDLE:
-                kind = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}[op]
-                assert (kind, s, m) not in order, ("twice", kind, s, m)
-                order[kind, s, m] = (t, position)
-    assert len(order) == 3 * stages * microbatches
-    for s, m in itertools.product(range(stages), range(microbatches)):
-        if s > 0:
-            assert order["F", s, m][0] == order["F", s - 1, m][0] + 1
-        if s < stages - 1:
-            assert order["B", s, m][0] == order["B", s + 1, m][0] + 1
-        else:
-            assert order["B", s, m][0] == order["F", s, m][0]
-        assert order["W", s, m] > order["B", s, m]
-    for s in range(stages):  # B writes its W's inputs at slot m % w_ring: never over one still waiting
-        for m in range(microbatches - table.w_ring):
-            assert order["W", s, m] < order["B", s, m + table.w_ring]
-
-
-def test_zero_bubble_halves_one_f_one_b_bubble_by_hand():
-    """S = 4, M = 8, in thirds of a chunk step: 1F1B runs 3 warm-up forwards, 8 ticks of F + B +
-    W and 3 of B + W: 3 + 24 + 6 = 33 for 24 of work, a bubble of 9/33. zb1 runs the same 3
-    forwards, then 11 ticks of a forward and a backward slot (22) and 8 - 2 x 4 + 2 = 2 W slots:
-    27, a bubble of 3/27, under half of 1F1B's."""
-    zb, one_f_one_b = PipelineSpec(4, 8, 1, "zb1"), PipelineSpec(4, 8, 1, "1f1b")
-    assert zero_bubble_table(4, 8).cost == 27 and len(zero_bubble_table(4, 8).weight_ticks) == 2
-    assert zb.bubble == pytest.approx(3 / 27) and one_f_one_b.bubble == pytest.approx(9 / 33)
-    assert zb.bubble <= one_f_one_b.bubble / 2
-    assert executed_over_ideal(zb, 1.0) == pytest.approx(27 / 24)
 
 
 def test_bubbles_by_hand():
@@ -227,18 +169,23 @@ def test_planner_prices_recompute_keep_and_interleaving():
     assert {c.pipeline_recompute for c in enumerate_candidates(load_config(None, ["model.n_layers=8"]), 4, 8)} == {None}
 
 
+@pytest.mark.parametrize("shape", ["line", "v"])
 @pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 4), (2, 8), (3, 5), (4, 4), (4, 8), (4, 16), (8, 16)])
-def test_v_table_replayed_hands_every_operation_what_it_reads(stages, microbatches):
-    """zbv's table replayed on symbols, the way ``pipeline_zbv`` executes it: each device's
-    mailbox, residual ring and W ring hold named values; every forward reads the previous chunk's
-    output of its microbatch (device 0's first leg: the microbatch itself), every B the next
-    chunk's cotangent (the last chunk's: the head's, on device 0 in the tick of its forward), every
-    B and W the residuals of their forward, every W what its B left; nothing lands on a live slot, every message sent is filed, each chunk runs
+def test_zero_bubble_tables_replayed_hand_every_operation_what_it_reads(shape, stages, microbatches):
+    """zb1's (a line) and zbv's (a V) tables replayed on symbols, the way ``pipeline_zb``
+    executes them: each device's mailbox, residual ring and W ring hold named values; every
+    forward reads the previous chunk's output of its microbatch (device 0's first: the
+    microbatch itself), every B the next chunk's cotangent (the last chunk's: the head's, on the
+    head device in the tick of its forward), every B and W the residuals of their forward, every
+    W what its B left; nothing lands on a live slot, every message sent is filed, each chunk runs
     each microbatch's F, B and W once, and the buffers end empty."""
     S, M = stages, microbatches
-    table = v_table(S, M)
-    chunk = {(s, leg): s if leg == 0 else 2 * S - 1 - s for s in range(S) for leg in (0, 1)}
+    table = line_table(S, M) if shape == "line" else v_table(S, M)
+    legs = 2 if shape == "v" else 1
+    G = legs * S  # chunks
+    chunk = {(s, leg): s if leg == 0 else 2 * S - 1 - s for s in range(S) for leg in range(legs)}
     leg_of = {F0: 0, B0: 0, W0: 0, F1: 1, B1: 1, W1: 1}
+    head_device = 0 if shape == "v" else S - 1
     mail, ring, wring = ([{} for _ in range(S)] for _ in range(3))
     done, dx = set(), set()
 
@@ -271,7 +218,7 @@ def test_v_table_replayed_hands_every_operation_what_it_reads(stages, microbatch
             else:
                 assert wring[s].pop(table.pending[t][s]) == ("w", c, m), (t, s)
                 assert ring[s].pop(table.residual[t][s]) == ("res", c, m), (t, s)
-        assert table.head[t] == (out[0] is not None and out[0][:2] == ("act", 2 * S - 1))
+        assert table.head[t] == (out[head_device] is not None and out[head_device][:2] == ("act", G - 1))
         # what moves at the end of the tick: right, left, or to the device itself
         for s in range(S):
             arrivals = {
@@ -279,24 +226,43 @@ def test_v_table_replayed_hands_every_operation_what_it_reads(stages, microbatch
                 "from_right": out[s + 1] if s < S - 1 and table.op[t][s + 1] in (F1, B0) else None,
                 "local": None,
             }
-            if s == 0 and table.head[t]:
-                arrivals["local"] = ("cot", 2 * S, table.mb[t][0])
-            if s == S - 1 and table.op[t][s] in (F0, B1):
+            if s == head_device and table.head[t]:
+                arrivals["local"] = ("cot", G, table.mb[t][s])
+            if shape == "v" and s == S - 1 and table.op[t][s] in (F0, B1):
                 arrivals["local"] = out[s]
             for name, value in arrivals.items():
                 slot = getattr(table, name)[t][s]
-                if value is None or (value[0] == "act" and value[1] == 2 * S - 1) or (value[0] == "cot" and value[1] == 0):
+                if value is None or (value[0] == "act" and value[1] == G - 1) or (value[0] == "cot" and value[1] == 0):
                     assert slot == NONE, (t, s, name, value)  # nothing to file: no message (or one that ends here)
                 else:
                     put(mail[s], slot, table.mail_slots, value)
-    assert len(done) == 3 * 2 * S * M and dx == set(range(M))
+    assert len(done) == 3 * G * M and dx == set(range(M))
     assert not any(mail) and not any(ring) and not any(wring)
     assert table.cost == sum(any(op != IDLE for op in row) for row in table.op)
+    if shape == "line":  # residuals and W inputs together within the lockstep 1F1B ring's 2 S - 1 chunks
+        assert table.residual_slots + table.pending_slots <= 2 * S - 1
+
+
+def test_zb1_table_by_hand_and_its_bubble_against_one_f_one_b():
+    """S = 4, M = 8, in thirds of a chunk step: 1F1B runs 3 warm-up forwards, 8 ticks of F + B +
+    W and 3 of B + W: 3 + 24 + 6 = 33 for 24 of work, a bubble of 9/33. zb1 takes 28 ticks for the
+    same 24 (a bubble of 4/28: ZB-H1's 3/27 with one tick more) holding 4 chunks' residuals and 3
+    of B's outputs, the 7 chunks 1F1B's ring holds. With M = 16: 52 ticks against 57."""
+    zb, one_f_one_b = PipelineSpec(4, 8, 1, "zb1"), PipelineSpec(4, 8, 1, "1f1b")
+    table = line_table(4, 8)
+    assert (table.ticks, table.cost, table.residual_slots, table.pending_slots) == (28, 28, 4, 3)
+    assert zb.bubble == pytest.approx(4 / 28) and one_f_one_b.bubble == pytest.approx(9 / 33)
+    assert executed_over_ideal(zb, 1.0) == pytest.approx(28 / 24)
+    longer = PipelineSpec(4, 16, 1, "zb1")
+    assert longer.bubble == pytest.approx(4 / 52) and longer.bubble < PipelineSpec(4, 16, 1, "1f1b").bubble / 2
+    # the first device's rows: forwards until 4 are held, then B, F and W as they come
+    first = [(table.op[t][0], table.mb[t][0]) for t in range(8)]
+    assert first[:4] == [(F0, 0), (F0, 1), (F0, 2), (F0, 3)] and IDLE in [op for op, _ in first[4:]]
 
 
 def test_v_table_bubble_is_under_half_of_one_f_one_b_at_its_memory():
     """S = 4, M = 8: zbv's 51 ticks of a third of a chunk step hold 48 of work (2 chunks x 8
-    microbatches x F, B, W), a bubble of 3/51 against 1F1B's 9/33 and zb1's 3/27; a device holds
+    microbatches x F, B, W), a bubble of 3/51 against 1F1B's 9/33 and zb1's 4/28; a device holds
     at most 2 S = 8 chunks' residuals, S stages' worth, where the lockstep 1F1B ring holds 2 S - 1
     stages."""
     zbv, one_f_one_b = PipelineSpec(4, 8, 2, "zbv"), PipelineSpec(4, 8, 1, "1f1b")

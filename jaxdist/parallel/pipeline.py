@@ -41,10 +41,9 @@ from jaxdist.parallel.pipeline_1f1b import one_f_one_b_loss
 from jaxdist.parallel.pipeline_parts import from_last_stage, index, promote, restore, set_where, shift, stage_major, sum_dtype
 from jaxdist.parallel.pipeline_schedule import PipelineSpec
 from jaxdist.parallel.pipeline_zb import zero_bubble
-from jaxdist.parallel.pipeline_zbv import zero_bubble_v
 
 # the schedules that run their backward inside the loss's forward (None: 1F1B's own)
-EXPLICIT = {"1f1b": None, "zb1": zero_bubble, "zbv": zero_bubble_v}
+EXPLICIT = {"1f1b": None, "zb1": zero_bubble, "zbv": zero_bubble}
 
 StageFn = Callable[[Any, jax.Array, dict[str, jax.Array]], jax.Array]
 HeadLossFn = Callable[[Any, jax.Array, dict[str, jax.Array]], jax.Array]  # (head params, y, targets) -> loss sum

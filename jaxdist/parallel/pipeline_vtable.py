@@ -1,48 +1,59 @@
-"""zbv's tick table: the V-shaped zero-bubble schedule, one operation per device per tick.
+"""The zero-bubble schedules' tick tables: one operation per device per tick.
 
-Pure Python (no JAX), like ``pipeline_schedule``. The model's 2 S chunks run down and back up
-the devices: device s holds chunk s of the first leg (stages 0..S-1, left to right) and chunk
-2 S - 1 - s of the second (right to left), so the last device hands its first-leg output to
-itself, and the loss is taken where the second leg ends, on device 0 (ZB-V's shape, Qi et al.
-2024). Each chunk's backward is split into its input gradient (B) and weight gradient (W), as
-in ``zb1``; forward, B and W each count as a third of a chunk step.
+Pure Python (no JAX), like ``pipeline_schedule``. Each chunk's backward is split into its input
+gradient (B) and weight gradient (W) (``split_backward``); forward, B and W each count as a
+third of a chunk step, and a lockstep tick lasts one operation on every device. Two shapes:
+
+- ``line`` (zb1, ZB-H1's idea): device s holds stage s; a microbatch runs down the devices, the
+  head takes the last device's output, and the cotangents run back up.
+- ``v`` (zbv, ZB-V's shape, Qi et al. 2024): the model's 2 S chunks run down and back up the
+  devices: device s holds chunk s of the first leg (stages 0..S-1, left to right) and chunk
+  2 S - 1 - s of the second (right to left), so the last device hands its first-leg output to
+  itself, and the loss is taken where the second leg ends, on device 0.
 
 The table is built by running the devices tick by tick, each taking one ready operation: a B
-first (the devices before it wait for it), then a forward (second leg first: it brings a
-microbatch to its loss) while the device holds fewer than 2 S chunks' activations, 1F1B's
-memory (S stages' worth), then a waiting W. A message sent in one tick is read from the next
-on. Every device then holds at most 2 S chunks' residuals (forward done, W not) and
-``pending_slots`` chunks' B outputs that their W reads (B done, W not).
+first (the devices before it wait for it), then a forward (zbv: second leg first, as it brings
+a microbatch to its loss), then a waiting W. A message sent in one tick is read from the next
+on. Two caps bound the memory: a device starts no forward while it holds ``held`` chunks'
+residuals (forward done, W not), and while ``pending`` B outputs wait for their W it runs a W
+first. zbv holds at most 2 S chunks, S stages' worth, 1F1B's memory, with no pending cap. zb1
+takes, of the caps whose sum is at most 2 S - 1 (the chunks jaxdist's lockstep 1F1B ring holds;
+a W's inputs from B are no larger than a forward's residuals), those that finish in the fewest
+ticks.
 
 Beside what each device runs, the table assigns the buffer slots each value lives in (the
 mailbox for activations and cotangents between their arrival and their use, the residual ring,
 whose slot a chunk's forward fills and its W frees (B and W both read the residuals, so they are
-kept once), and the W ring of what B hands W), so the executor (``pipeline_zbv``) indexes buffers of the sizes this
-simulation proved enough.
+kept once), and the W ring of what B hands W), so the executor (``pipeline_zb``) indexes buffers
+of the sizes this simulation proved enough.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
-IDLE, F0, F1, B1, B0, W0, W1 = range(7)  # F0/B0/W0 on the first leg's chunk, F1/B1/W1 on the second's
+IDLE, F0, F1, B1, B0, W0, W1 = range(7)  # F0/B0/W0 on the first leg's chunk, F1/B1/W1 on the second's (zbv)
 FORWARDS, BACKWARDS, WEIGHTS = (F0, F1), (B0, B1), (W0, W1)
 NONE = -1  # no slot
+SHAPES = ("line", "v")
+_PREFERENCE = {"line": (B0, F0), "v": (B0, B1, F1, F0)}  # the order a device takes ready operations in
 
 
 @dataclasses.dataclass(frozen=True)
-class VTable:
+class TickTable:
     """Per tick t and device s (``[t][s]``): ``op`` and its microbatch ``mb``; ``inbox``: the
-    mailbox slot a forward or B reads (NONE for the first leg's forward on device 0, which reads
+    mailbox slot a forward or B reads (NONE for the first forward on device 0, which reads
     the microbatch itself); ``residual``: the ring slot a forward writes and its B and W read (W frees it);
     ``pending``: the W ring slot a B writes and its W reads. At the end of a tick a device files
-    what arrived: ``from_left`` (sent by device s - 1: a first-leg forward or second-leg B),
-    ``from_right`` (by device s + 1: a second-leg forward or first-leg B) and ``local`` (its own
-    output: the last device's turn at the bottom of the V, or on device 0 the head's cotangent)
-    into those mailbox slots, NONE when nothing arrives. ``head[t]``: device 0 ends a
-    microbatch's second leg at tick t, so every device runs its piece of the head."""
+    what arrived: ``from_left`` (sent by device s - 1), ``from_right`` (by device s + 1) and
+    ``local`` (its own output: zbv's last device at the bottom of the V, or the head's cotangent
+    on ``head_device``) into those mailbox slots, NONE when nothing arrives. ``head[t]``:
+    ``head_device`` ends a microbatch's last chunk at tick t, so every device runs its piece of
+    the head."""
 
+    shape: str
     stages: int
     microbatches: int
     op: tuple[tuple[int, ...], ...]
@@ -59,6 +70,10 @@ class VTable:
     pending_slots: int
 
     @property
+    def head_device(self) -> int:
+        return 0 if self.shape == "v" else self.stages - 1
+
+    @property
     def ticks(self) -> int:
         return len(self.op)
 
@@ -69,22 +84,40 @@ class VTable:
         return sum(any(row) for row in self.op)
 
 
-def _operations(stages: int, microbatches: int) -> list[list[tuple[int, int]]]:
-    """[tick][device] (op, microbatch), by the greedy rule in the module's docstring."""
+def _route(shape: str, stages: int, s: int, kind: int) -> tuple[int, int] | None:
+    """Where device s's output of ``kind`` goes: (the device, the operation that reads it), or
+    None where it ends (device 0's first-leg B: the input gradient). The head sits between a
+    microbatch's last forward and its first B, on the same device."""
+    last = stages - 1
+    if kind == F0:
+        return (s + 1, F0) if s < last else ((s, F1) if shape == "v" else (s, B0))
+    if kind == F1:
+        return (s - 1, F1) if s > 0 else (0, B1)
+    if kind == B1:
+        return (s + 1, B1) if s < last else (s, B0)
+    if kind == B0 and s > 0:
+        return s - 1, B0
+    return None
+
+
+def _operations(shape: str, stages: int, microbatches: int, held_cap: int, pending_cap: int) -> list[list[tuple[int, int]]] | None:
+    """[tick][device] (op, microbatch), by the greedy rule in the module's docstring; None if
+    the caps stall the pipeline."""
     S, M = stages, microbatches
-    ready = [{kind: [] for kind in (F0, F1, B1, B0)} for _ in range(S)]  # (first tick it can run, microbatch)
+    legs = 2 if shape == "v" else 1
+    ready = [{kind: [] for kind in _PREFERENCE[shape]} for _ in range(S)]  # (first tick it can run, microbatch)
     ready[0][F0] = [(0, m) for m in range(M)]
     waiting_w = [[] for _ in range(S)]
     held = [0] * S  # chunks whose forward ran and whose W has not
     rows, done, t = [], 0, 0
-    while done < 2 * S * M:
+    while done < legs * S * M:
         if t > 8 * (M + 2 * S):
-            raise AssertionError(f"zbv's table did not finish for S={S}, M={M}")  # the rule above always does
+            return None
         row, sent = [], []
         for s in range(S):
             op = (IDLE, 0)
-            for kind in (B0, B1, F1, F0):
-                if kind in FORWARDS and held[s] >= 2 * S:
+            for kind in _PREFERENCE[shape] if len(waiting_w[s]) < pending_cap else ():
+                if kind in FORWARDS and held[s] >= held_cap:
                     continue
                 arrived = [x for x in ready[s][kind] if x[0] <= t]
                 if arrived:
@@ -92,10 +125,9 @@ def _operations(stages: int, microbatches: int) -> list[list[tuple[int, int]]]:
                     ready[s][kind].remove(first)
                     op = (kind, first[1])
                     break
-            else:
-                if waiting_w[s]:
-                    leg, m = waiting_w[s].pop(0)
-                    op = ((W0, W1)[leg], m)
+            if op[0] == IDLE and waiting_w[s]:
+                leg, m = waiting_w[s].pop(0)
+                op = ((W0, W1)[leg], m)
             kind, m = op
             if kind in FORWARDS:
                 held[s] += 1
@@ -104,14 +136,8 @@ def _operations(stages: int, microbatches: int) -> list[list[tuple[int, int]]]:
                 done += 1
             elif kind in BACKWARDS:
                 waiting_w[s].append((int(kind == B1), m))
-            if kind == F0:
-                sent.append((s + 1, F0, m) if s < S - 1 else (s, F1, m))
-            elif kind == F1:
-                sent.append((s - 1, F1, m) if s > 0 else (0, B1, m))  # device 0: the head, then its B
-            elif kind == B1:
-                sent.append((s + 1, B1, m) if s < S - 1 else (s, B0, m))
-            elif kind == B0 and s > 0:
-                sent.append((s - 1, B0, m))
+            if kind != IDLE and (to := _route(shape, S, s, kind)) is not None:
+                sent.append((*to, m))
             row.append(op)
         for device, kind, m in sent:
             ready[device][kind].append((t + 1, m))
@@ -143,11 +169,9 @@ class _Slots:
         return slot
 
 
-@functools.cache
-def v_table(stages: int, microbatches: int) -> VTable:
-    """zbv's table for S = ``stages``, M = ``microbatches``, its buffers' slots assigned."""
+def _table(shape: str, stages: int, microbatches: int, rows: list[list[tuple[int, int]]]) -> TickTable:
+    """``rows`` with their buffers' slots assigned."""
     S = stages
-    rows = _operations(stages, microbatches)
     ticks = len(rows)
     grid = lambda: [[NONE] * S for _ in range(ticks)]  # noqa: E731
     inbox, residual, pending, from_left, from_right, local = (grid() for _ in range(6))
@@ -169,19 +193,15 @@ def v_table(stages: int, microbatches: int) -> VTable:
                 pending[t][s] = w_rings[s].give((kind - W0, m))
         # what arrives at the end of the tick, for the kind of operation that will read it
         for s, (kind, m) in enumerate(row):
-            if kind == F0:
-                target, into, what = (s + 1, from_left, F0) if s < S - 1 else (s, local, F1)
-            elif kind == F1:
-                target, into, what = (s - 1, from_right, F1) if s > 0 else (0, local, B1)
-            elif kind == B1:
-                target, into, what = (s + 1, from_left, B1) if s < S - 1 else (s, local, B0)
-            elif kind == B0 and s > 0:
-                target, into, what = s - 1, from_right, B0
-            else:
+            if kind == IDLE or (to := _route(shape, S, s, kind)) is None:
                 continue
+            target, what = to
+            into = {s + 1: from_left, s - 1: from_right, s: local}[target]
             into[t][target] = mail[target].take((what, m))
+    head_device, last_forward = (0, F1) if shape == "v" else (S - 1, F0)
     freeze = lambda table: tuple(tuple(row) for row in table)  # noqa: E731
-    return VTable(
+    return TickTable(
+        shape,
         stages,
         microbatches,
         freeze([[kind for kind, _ in row] for row in rows]),
@@ -192,8 +212,26 @@ def v_table(stages: int, microbatches: int) -> VTable:
         freeze(from_left),
         freeze(from_right),
         freeze(local),
-        tuple(row[0][0] == F1 for row in rows),
+        tuple(row[head_device][0] == last_forward for row in rows),
         max(slots.size for slots in mail),
         max(slots.size for slots in rings),
         max(slots.size for slots in w_rings),
     )
+
+
+@functools.cache
+def v_table(stages: int, microbatches: int) -> TickTable:
+    """zbv's table for S = ``stages``, M = ``microbatches``: at most 2 S chunks held, no pending cap."""
+    return _table("v", stages, microbatches, _operations("v", stages, microbatches, 2 * stages, 2 * stages * microbatches))
+
+
+@functools.cache
+def line_table(stages: int, microbatches: int) -> TickTable:
+    """zb1's table for S = ``stages``, M = ``microbatches``: of the caps (held, pending) whose sum is
+    at most 2 S - 1, the fewest ticks, then the least memory, then the fewest residuals."""
+    tried = []
+    for held, pending in itertools.product(range(1, 2 * stages - 1), range(1, 2 * stages - 1)):
+        if held + pending <= 2 * stages - 1 and (rows := _operations("line", stages, microbatches, held, pending)) is not None:
+            tried.append((len(rows), held + pending, held, rows))
+    _, _, _, rows = min(tried, key=lambda x: x[:3])
+    return _table("line", stages, microbatches, rows)

@@ -1,26 +1,29 @@
-"""zb1: the zero-bubble pipeline schedule (ZB-H1's idea in lockstep SPMD ticks).
+"""zb1 and zbv: the zero-bubble schedules, one operation per device per tick.
 
-1F1B's ticks (``pipeline_1f1b``: S - 1 forward-only, M with a forward and a backward, S - 1
-backward-only) with each chunk's backward split in two (``split_backward``): the input
-gradient B runs at 1F1B's tick, since the stage before waits for it; the weight gradient W
-waits, its inputs (what B computed for it, and the residuals it reads) in a ring of
-``ZeroBubbleTable.w_ring`` slots, until a slot of that device would otherwise idle. Each tick
-has a forward slot, the head (when the last device finishes a microbatch), a backward slot
-and, in the table's ``weight_ticks``, a W slot. A device picks what its slot runs with
-``lax.switch`` (its own branch only: a forward, a B or a W), so a tick costs what its slots
-cost, not a masked copy of every kind of work. The warm-up keeps 1F1B's forwards; the
-forward slots freed after a device's last forward and the backward slots after its last
-backward run its waiting W's, and the W slots take the rest. At S = 4, M = 8 that is 27
-slots of a third of a chunk step against 1F1B's 33: the bubble 11% against 27%.
+``pipeline_vtable`` decides, per tick and device, the one operation it runs (a forward, a B or
+a W of one of its chunks: ``split_backward``) and the buffer slots its values live in. zb1 runs
+a line (device s holds stage s; the loss is taken on the last device); zbv a V (device s holds
+the first leg's chunk s and the second leg's chunk 2 S - 1 - s, ``pipeline_parts.stage_major``:
+a microbatch runs down the devices and back up, and its loss is taken on device 0). A tick here
 
-The price of lockstep: each device holds the inputs of the W's it has not run yet, up to
-``w_ring`` microbatches, where ZB-H1's own (per-device, not lockstep) timeline runs them
-sooner and keeps 1F1B's memory.
+- runs that operation, picked with ``lax.switch`` (each device its own branch only);
+- in the ticks where the head device ends a microbatch's last chunk, runs the head on every
+  device, each on 1/S of that microbatch's sequence, as the other schedules do (a ``lax.cond``
+  that every device takes together, since its reduce-scatter and all-gather are collectives);
+  the head device files the head's cotangent for its B;
+- sends its output one device right (a first-leg forward, a second-leg B) and one device left
+  (a second-leg forward, a first-leg B): two collective-permutes without the ring's wrap, whose
+  arrivals the table files in the mailbox.
+
+Buffers: the mailbox (activations and cotangents between arrival and use), the residual ring
+(a forward's residuals until its W: B and W both read them there, so nothing W needs is copied)
+and the W ring (what B hands its W: B's interface, and the output cotangent where W reads it),
+each of the size the table proved enough (``TickTable.residual_slots``, ``pending_slots``).
+zbv holds at most 2 S half-stage chunks of residuals, S stages' worth; zb1's residual and W
+rings together hold at most 2 S - 1 chunks, the lockstep 1F1B ring's count.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -28,15 +31,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdist.parallel.pipeline_1f1b import SEQ, on_stages
-from jaxdist.parallel.pipeline_parts import StageResiduals, from_last_stage, index, my_piece, set_where, shift, sum_dtype
-from jaxdist.parallel.pipeline_schedule import BACKWARD, FORWARD, WEIGHT, PipelineSpec, one_f_one_b_forward, zero_bubble_table
+from jaxdist.parallel.pipeline_parts import StageResiduals, from_last_stage, index, my_piece, set_where, sum_dtype
+from jaxdist.parallel.pipeline_schedule import PipelineSpec
+from jaxdist.parallel.pipeline_vtable import B0, B1, F0, F1, line_table, v_table
 from jaxdist.parallel.split_backward import split_backward
 
-
-def _ops(rows) -> tuple[jax.Array, jax.Array]:
-    """A table's [ticks, stages] ops and microbatches, as arrays the ticks index."""
-    table = np.asarray(rows, np.int32)  # [ticks, stages, 2]
-    return jnp.asarray(table[..., 0]), jnp.asarray(table[..., 1])
+_COLUMNS = ("op", "mb", "inbox", "residual", "pending", "from_left", "from_right", "local")
 
 
 def _zeros(shapes):
@@ -46,116 +46,120 @@ def _zeros(shapes):
 def zero_bubble(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_params, head_params, x, aux, targets, seed):
     """(loss sum, and the gradients of loss sum x ``seed`` by layer params, head params and x)."""
     S, M = spec.stages, spec.microbatches
-    R = spec.ring_slots
-    table = zero_bubble_table(S, M)
-    slots = {name: _ops(getattr(table, name)) for name in ("forward", "backward", "weight")}
+    table = v_table(S, M) if spec.schedule == "zbv" else line_table(S, M)
+    column = {name: jnp.asarray(np.asarray(getattr(table, name), np.int32)) for name in _COLUMNS}  # [ticks, S] each
+    head_ticks = jnp.asarray(np.asarray(table.head, bool))
     residuals = StageResiduals(stage_fn)
     acc = sum_dtype(x.dtype, mesh)
 
     def per_stage(params, head_params, x_mb, aux_mb, targets_mb, seed):
-        params = jax.tree.map(lambda p: p[0], params)  # [K, ...]: one chunk
         s = jax.lax.axis_index("pipe")
+        legs = [jax.tree.map(lambda p, leg=leg: p[leg], params) for leg in range(spec.virtual)]  # [K, ...] each
         mb_shape = x_mb.shape[1:]
         activation = jax.ShapeDtypeStruct(mb_shape, x_mb.dtype)
-        kept_shapes = jax.eval_shape(lambda p, h: residuals.forward(p, h, index(aux_mb, 0))[1], params, x_mb[0])
-        split = split_backward(residuals.backward, params, kept_shapes, activation)
-        n_params = len(jax.tree.leaves(params))
-        flat_shapes = jax.tree.leaves((params, kept_shapes, activation))
-        stored = [k for k in split.w_inputs if k >= n_params]  # the residuals (and cotangent) W reads
-        w_shapes = [jax.ShapeDtypeStruct(flat_shapes[k].shape, flat_shapes[k].dtype) for k in stored] + list(split.interface_shapes)
-        no_y, no_kept, no_gx = _zeros(activation), _zeros(kept_shapes), _zeros(activation)
-        no_store = _zeros(w_shapes)
+        kept_shapes = jax.eval_shape(lambda p, h: residuals.forward(p, h, index(aux_mb, 0))[1], legs[0], x_mb[0])
+        split = split_backward(residuals.backward, legs[0], kept_shapes, activation)
+        n_params = len(jax.tree.leaves(legs[0]))
+        flat_shapes = jax.tree.leaves((legs[0], kept_shapes, activation))
+        # what W reads beside the weights: residuals, from the ring (its slot lives until W), and the
+        # chunk's output cotangent, if it needs it, handed over by B with B's interface
+        cotangent = len(flat_shapes) - 1
+        from_ring = [k for k in split.w_inputs if n_params <= k < cotangent]
+        handed = [k for k in split.w_inputs if k == cotangent]
+        w_shapes = [jax.ShapeDtypeStruct(flat_shapes[k].shape, flat_shapes[k].dtype) for k in handed] + list(split.interface_shapes)
+        no_out, no_kept, no_store = _zeros(activation), _zeros(kept_shapes), _zeros(w_shapes)
 
-        def weight(wring, m, g_params):
-            w_slot = [buf[m % table.w_ring] for buf in wring]  # read in the branch that needs it
-            flat = [None] * len(flat_shapes)
-            for k, leaf in enumerate(jax.tree.leaves(params)):
-                flat[k] = leaf
-            for k, value in zip(stored, w_slot, strict=False):
-                flat[k] = value
-            grads = split.w(flat, list(w_slot[len(stored) :]))
-            return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_params, grads)
+        # the branches, in the table's op order (IDLE, F0, F1, B1, B0, W0, W1); each hands the
+        # gradients through, a W adding its chunk's into them
+        def idle(h, aux_m, ring, wring, r_slot, w_slot, g_params):
+            return no_out, no_kept, no_store, g_params
 
-        def tick(carry, t, head: bool, backward_slot: bool, weight_slot: bool, forwards: bool):
-            act_in, cot_in, ring, wring, loss, g_params, g_head, dx = carry
-            op, m = slots["forward"][0][t, s], slots["forward"][1][t, s]
-            h = jnp.where(s == 0, x_mb[m], act_in)
-            aux_m = index(aux_mb, m)
+        def forward(leg):
+            def run(h, aux_m, ring, wring, r_slot, w_slot, g_params):
+                y, kept = residuals.forward(legs[leg], h, aux_m)
+                return y, kept, no_store, g_params
 
-            # each branch adds its W into the gradients it is handed: no zeros of the weights' size
-            def f_idle(h, aux_m, wring, m, g_params):
-                return no_y, no_kept, g_params
+            return run
 
-            def f_forward(h, aux_m, wring, m, g_params):
-                y, kept = residuals.forward(params, h, aux_m)
-                return y, kept, g_params
+        def input_gradient(leg):
+            def run(h, aux_m, ring, wring, r_slot, w_slot, g_params):
+                flat = jax.tree.leaves((legs[leg], [buf[r_slot] for buf in ring], h))
+                gx, interface = split.b(flat)
+                return gx.astype(x_mb.dtype), no_kept, [flat[k] for k in handed] + list(interface), g_params
 
-            def f_weight(h, aux_m, wring, m, g_params):
-                return no_y, no_kept, weight(wring, m, g_params)
+            return run
 
-            branches = [f_idle, f_forward if forwards else f_idle, f_idle, f_weight]
-            y, kept, g_params = jax.lax.switch(op, branches, h, aux_m, wring, m, g_params)
-            ring = tuple(set_where(buf, m % R, op == FORWARD, leaf) for buf, leaf in zip(ring, kept, strict=True))
-            dy = jnp.zeros(mb_shape, x_mb.dtype)
-            if head:  # the last device's forward of this tick, its loss spread over the stages
-                valid, _, m_last, _ = one_f_one_b_forward(spec, S - 1, t)
-                mine = {k: my_piece(v, SEQ, S) for k, v in index(targets_mb, jnp.clip(m_last, 0, M - 1)).items()}
-                value, vjp = jax.vjp(lambda hp, yy: head_loss_fn(hp, yy, mine), head_params, from_last_stage(y, SEQ, S, acc))
-                dh, dy_mine = vjp(seed.astype(value.dtype))
-                dy = jax.lax.all_gather(dy_mine, "pipe", axis=SEQ, tiled=True)
-                loss = loss + jnp.where(valid, value, 0.0)
-                g_head = jax.tree.map(lambda a, g: a + jnp.where(valid, g, 0), g_head, dh)
-            gx = no_gx
-            if backward_slot:
-                op, m = slots["backward"][0][t, s], slots["backward"][1][t, s]
-                cot = jnp.where(s == S - 1, dy, cot_in).astype(x_mb.dtype)
+        def weight_gradient(leg):
+            def run(h, aux_m, ring, wring, r_slot, w_slot, g_params):
+                held = [buf[w_slot] for buf in wring]  # read in the branch that needs it
+                flat = jax.tree.leaves(legs[leg]) + [None] * (len(flat_shapes) - n_params)
+                for k in from_ring:
+                    flat[k] = ring[k - n_params][r_slot]
+                for k, value in zip(handed, held, strict=False):
+                    flat[k] = value
+                grads = split.w(flat, held[len(handed) :])
+                return no_out, no_kept, no_store, jax.tree.map(lambda a, g: a.at[leg].add(g.astype(jnp.float32)), g_params, grads)
 
-                def b_idle(ring, cot, wring, m, g_params):
-                    return no_gx, no_store, g_params
+            return run
 
-                def b_backward(ring, cot, wring, m, g_params):
-                    flat = jax.tree.leaves((params, [buf[m % R] for buf in ring], cot))
-                    gx, interface = split.b(flat)
-                    return gx.astype(x_mb.dtype), [flat[k] for k in stored] + list(interface), g_params
+        def second_leg(make):  # zb1 has one leg: its table never picks these
+            return make(1) if len(legs) == 2 else idle
 
-                def b_weight(ring, cot, wring, m, g_params):
-                    return no_gx, no_store, weight(wring, m, g_params)
+        branches = [
+            idle,
+            forward(0),
+            second_leg(forward),
+            second_leg(input_gradient),
+            input_gradient(0),
+            weight_gradient(0),
+            second_leg(weight_gradient),
+        ]
+        head_device = table.head_device
 
-                branches = [b_idle, b_idle, b_backward, b_weight]
-                gx, store, g_params = jax.lax.switch(op, branches, ring, cot, wring, m, g_params)
-                wring = tuple(set_where(buf, m % table.w_ring, op == BACKWARD, v) for buf, v in zip(wring, store, strict=True))
-                dx = set_where(dx, m, (s == 0) & (op == BACKWARD), gx)
-            if weight_slot:
-                op, m = slots["weight"][0][t, s], slots["weight"][1][t, s]
-                g_params = jax.lax.cond(op == WEIGHT, weight, lambda wring, m, g: g, wring, m, g_params)
-            act_in = shift(y, S, 1) if forwards else act_in
-            cot_in = shift(gx, S, -1) if backward_slot else cot_in
-            return (act_in, cot_in, ring, wring, loss, g_params, g_head, dx), None
+        def head(t, out, loss, g_head):  # the last chunk's output, its loss spread over the stages
+            mine = {k: my_piece(v, SEQ, S) for k, v in index(targets_mb, column["mb"][t, head_device]).items()}
+            value, vjp = jax.vjp(
+                lambda hp, yy: head_loss_fn(hp, yy, mine), head_params, from_last_stage(out, SEQ, S, acc, source=head_device)
+            )
+            dh, dy_mine = vjp(seed.astype(value.dtype))
+            dy = jax.lax.all_gather(dy_mine, "pipe", axis=SEQ, tiled=True)
+            return dy.astype(x_mb.dtype), loss + value, jax.tree.map(lambda a, g: a + g, g_head, dh)
+
+        def no_head(t, out, loss, g_head):
+            return no_out, loss, g_head
+
+        def tick(carry, t):
+            mail, ring, wring, loss, g_params, g_head, dx = carry
+            slot = {name: column[name][t, s] for name in _COLUMNS}
+            op, m = slot["op"], slot["mb"]
+            r_slot, w_slot = jnp.maximum(slot["residual"], 0), jnp.maximum(slot["pending"], 0)
+            h = jnp.where((s == 0) & (op == F0), x_mb[m], mail[jnp.maximum(slot["inbox"], 0)])
+            # the rings go to the branches whole, each reading its slot there: sliced out here, every
+            # tick would read a slot of each (more temp memory on CPU, no faster on H100)
+            out, kept, store, g_params = jax.lax.switch(op, branches, h, index(aux_mb, m), ring, wring, r_slot, w_slot, g_params)
+            ring = tuple(set_where(buf, r_slot, (op == F0) | (op == F1), leaf) for buf, leaf in zip(ring, kept, strict=True))
+            wring = tuple(set_where(buf, w_slot, (op == B0) | (op == B1), v) for buf, v in zip(wring, store, strict=True))
+            dx = set_where(dx, m, (s == 0) & (op == B0), out)
+            dy, loss, g_head = jax.lax.cond(head_ticks[t], head, no_head, t, out, loss, g_head)
+            arrivals = {
+                "from_left": jax.lax.ppermute(out, "pipe", [(j, j + 1) for j in range(S - 1)]),
+                "from_right": jax.lax.ppermute(out, "pipe", [(j + 1, j) for j in range(S - 1)]),
+                "local": jnp.where(s == head_device, dy, out),  # the head's cotangent; zbv's last device: its turn
+            }
+            for name, value in arrivals.items():
+                mail = set_where(mail, jnp.maximum(slot[name], 0), slot[name] >= 0, value)
+            return (mail, ring, wring, loss, g_params, g_head, dx), None
 
         init = (
-            jnp.zeros(mb_shape, x_mb.dtype),
-            jnp.zeros(mb_shape, x_mb.dtype),
-            tuple(jnp.zeros((R, *a.shape), a.dtype) for a in kept_shapes),
-            tuple(jnp.zeros((table.w_ring, *a.shape), a.dtype) for a in w_shapes),
+            jnp.zeros((table.mail_slots, *mb_shape), x_mb.dtype),
+            tuple(jnp.zeros((table.residual_slots, *a.shape), a.dtype) for a in kept_shapes),
+            tuple(jnp.zeros((table.pending_slots, *a.shape), a.dtype) for a in w_shapes),
             jnp.zeros((), jnp.float32),
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), head_params),
             jnp.zeros_like(x_mb),
         )
-        # ticks in runs of the same slots: warm-up (forwards), steady (forward, head, backward),
-        # cool-down (backward; the forward slot runs W's), each with or without a W slot
-        warm, steady = S - 1, M
-
-        def kind(t):
-            phase = 0 if t < warm else (1 if t < warm + steady else 2)
-            return phase, t in table.weight_ticks
-
-        carry = init
-        for (phase, has_w), run in itertools.groupby(range(table.ticks), key=kind):
-            ticks = list(run)
-            flags = {"head": phase == 1, "backward_slot": phase > 0, "weight_slot": has_w, "forwards": phase < 2}
-            carry = jax.lax.scan(lambda c, t, f=flags: tick(c, t, **f), carry, jnp.asarray(ticks, jnp.int32))[0]
-        _, _, _, _, loss, g_params, g_head, dx = carry
-        return loss, jax.tree.map(lambda g: g[None], g_params), g_head, dx
+        _, _, _, loss, g_params, g_head, dx = jax.lax.scan(tick, init, jnp.arange(table.ticks))[0]
+        return loss, g_params, g_head, dx
 
     return on_stages(per_stage, spec, mesh, layer_params, head_params, x, aux, targets, seed)
