@@ -56,8 +56,8 @@ def test_each_layout_compiles_for_h100_with_cudnn_attention_in_every_layer(layou
     if "parallel.context_strategy=all_gather" not in overrides:
         assert kernels.get("attention_cudnn_fwd", 0) >= 4 and kernels.get("attention_cudnn_bwd", 0) >= 4, kernels
     assert kernels["gemm"] > 0, kernels
-    if any(
-        o.startswith("parallel.schedule=zb") for o in overrides
-    ):  # every stage-to-stage permute asynchronous, with kernels in its window
-        permutes = collective_schedule(compiled.as_text())["collective-permute"]
+    if any(o.startswith("parallel.schedule=zb") for o in overrides):
+        # every stage-to-stage permute (the tick loop's) asynchronous, with kernels in its window;
+        # zbv's once-a-step move of its second leg's weights across pipe is XLA's to schedule
+        permutes = collective_schedule(compiled.as_text(), in_loops=True)["collective-permute"]
         assert permutes["count"] == permutes["async"] > 0 and permutes["overlapped_fraction"] == 1.0, permutes

@@ -91,6 +91,53 @@ def test_zero_bubble_gradients_match_the_plain_model(schedule, mesh, extra):
         assert np.linalg.norm(g - r) <= 1e-5 * np.linalg.norm(r), (np.linalg.norm(g - r), np.linalg.norm(r))
 
 
+@pytest.mark.parametrize("schedule", ["zb1", "zbv"])
+def test_zero_bubble_permutes_wait_for_the_heads_collectives(schedule):
+    """XLA:CPU runs the operations of a device's program that no data orders in any order, so a
+    tick's permutes and the head's conditional (its reduce-scatter and all-gather over pipe) ran in
+    one order on one device and the other on its peer, each then waiting in a different collective
+    until the 40 s rendezvous timeout aborted the process (the bf16 runs on data=2,pipe=2, about one
+    run in two under a second test worker's load). In the compiled CPU program every permute of the
+    tick loop reads a value computed from the head's conditional."""
+    from jaxdist.inspect.hlo import attribute_computations, parse_hlo
+    from jaxdist.training.run import build_trainer
+
+    config = load_config(None, [*TINY, f"parallel.schedule={schedule}", "parallel.pipeline_microbatches=2", "model.n_layers=4"])
+    resolve_vocab(config)
+    trainer = build_trainer(config, parse_mesh("pipe=2"), jax.devices()[:2])
+    state = trainer.init_state(0)
+    module = parse_hlo(jax.jit(trainer.loss_and_grads).lower(state.params, first_batch(config, trainer.layout)).compile().as_text())
+
+    def runs_reduce_scatter(computation: str) -> bool:
+        body = module.computations[computation]
+        called = [c for i in body for key in ("calls", "branch_computations", "to_apply") for c in attribute_computations(i, key)]
+        return any(i.opcode == "reduce-scatter" for i in body) or any(runs_reduce_scatter(c) for c in called)
+
+    def is_head(instruction) -> bool:
+        branches = attribute_computations(instruction, "branch_computations")
+        return instruction.opcode == "conditional" and any(runs_reduce_scatter(b) for b in branches)
+
+    checked = 0
+    for body in module.computations.values():  # the tick loop's body: the one with the head in it
+        if not any(is_head(i) for i in body):
+            continue  # (zbv's once-a-step weight move across pipe is outside the loop)
+        by_name = {i.name: i for i in body}
+        for permute in (i for i in body if i.opcode == "collective-permute"):
+            seen, todo, after_head = set(), [permute.name], False
+            while todo and not after_head:
+                node = by_name.get(todo.pop())
+                if node is None or node.name in seen:
+                    continue
+                seen.add(node.name)
+                after_head = node.opcode == "conditional" and any(
+                    runs_reduce_scatter(b) for b in attribute_computations(node, "branch_computations")
+                )
+                todo.extend(o.split()[-1].lstrip("%") for o in node.operands if o.strip())
+            assert after_head, f"{permute.name} does not wait for the head's conditional"
+            checked += 1
+    assert checked >= 2  # the tick's two permutes (left and right)
+
+
 def test_zero_bubble_resumes_a_one_f_one_b_checkpoint(tmp_path):
     """The schedule changes how the step runs, not the state: a 1F1B run saved at step 2 goes
     on under zb1, saved at step 4 goes on under zbv, and meets the uninterrupted 1F1B run."""

@@ -206,10 +206,13 @@ def _window_has_compute(body: list[Instruction], start: int, done: int, module: 
     return False
 
 
-def collective_schedule(hlo_text: str | HloModule, mesh_shape: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
+def collective_schedule(
+    hlo_text: str | HloModule, mesh_shape: dict[str, int] | None = None, in_loops: bool = False
+) -> dict[str, dict[str, Any]]:
     """Per collective kind: ``count`` (executions per step), ``async`` (asynchronous start/done
     pairs per step) and ``overlapped_fraction`` (bytes whose window holds compute / all bytes
-    of the kind; None when the kind moves nothing)."""
+    of the kind; None when the kind moves nothing). ``in_loops``: only the collectives a loop
+    runs (more than once a step), e.g. a pipeline's stage-to-stage permutes."""
     module = parse_hlo(hlo_text) if isinstance(hlo_text, str) else hlo_text
     multipliers = computation_multipliers(module)
     ops = {op.name: op for op in collective_ops(module, mesh_shape)}
@@ -228,6 +231,8 @@ def collective_schedule(hlo_text: str | HloModule, mesh_shape: dict[str, int] | 
     out = {kind: {"count": 0, "async": 0, "bytes": 0, "overlapped_bytes": 0} for kind in COLLECTIVE_KINDS}
     for op in ops.values():
         times, entry = op.executions, out[op.kind]
+        if in_loops and times <= 1:
+            continue
         entry["count"] += times
         entry["bytes"] += times * op.bytes
         start_name = wrapper_of.get(op.name, op.name)

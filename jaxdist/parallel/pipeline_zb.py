@@ -67,17 +67,21 @@ def zero_bubble(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_pa
         from_ring = [k for k in split.w_inputs if n_params <= k < cotangent]
         handed = [k for k in split.w_inputs if k == cotangent]
         w_shapes = [jax.ShapeDtypeStruct(flat_shapes[k].shape, flat_shapes[k].dtype) for k in handed] + list(split.interface_shapes)
-        no_out, no_kept, no_store = _zeros(activation), _zeros(kept_shapes), _zeros(w_shapes)
+        # a chunk's residuals and B's outputs: zeros made inside each branch that returns them (made
+        # outside, they would be operands of the conditional, buffers held across the loop); the
+        # output's, one activation, outside (made inside, XLA:GPU makes one of zbv's permutes synchronous)
+        no_kept, no_store = (lambda shapes=shapes: _zeros(shapes) for shapes in (kept_shapes, w_shapes))
+        no_out = _zeros(activation)
 
         # the branches, in the table's op order (IDLE, F0, F1, B1, B0, W0, W1); each hands the
         # gradients through, a W adding its chunk's into them
         def idle(h, aux_m, ring, wring, r_slot, w_slot, g_params):
-            return no_out, no_kept, no_store, g_params
+            return no_out, no_kept(), no_store(), g_params
 
         def forward(leg):
             def run(h, aux_m, ring, wring, r_slot, w_slot, g_params):
                 y, kept = residuals.forward(legs[leg], h, aux_m)
-                return y, kept, no_store, g_params
+                return y, kept, no_store(), g_params
 
             return run
 
@@ -85,7 +89,7 @@ def zero_bubble(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_pa
             def run(h, aux_m, ring, wring, r_slot, w_slot, g_params):
                 flat = jax.tree.leaves((legs[leg], [buf[r_slot] for buf in ring], h))
                 gx, interface = split.b(flat)
-                return gx.astype(x_mb.dtype), no_kept, [flat[k] for k in handed] + list(interface), g_params
+                return gx.astype(x_mb.dtype), no_kept(), [flat[k] for k in handed] + list(interface), g_params
 
             return run
 
@@ -98,7 +102,7 @@ def zero_bubble(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_pa
                 for k, value in zip(handed, held, strict=False):
                     flat[k] = value
                 grads = split.w(flat, held[len(handed) :])
-                return no_out, no_kept, no_store, jax.tree.map(lambda a, g: a.at[leg].add(g.astype(jnp.float32)), g_params, grads)
+                return no_out, no_kept(), no_store(), jax.tree.map(lambda a, g: a.at[leg].add(g.astype(jnp.float32)), g_params, grads)
 
             return run
 
@@ -141,9 +145,15 @@ def zero_bubble(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_pa
             wring = tuple(set_where(buf, w_slot, (op == B0) | (op == B1), v) for buf, v in zip(wring, store, strict=True))
             dx = set_where(dx, m, (s == 0) & (op == B0), out)
             dy, loss, g_head = jax.lax.cond(head_ticks[t], head, no_head, t, out, loss, g_head)
+            # What the permutes send depends on the head's result: XLA:CPU runs operations no data
+            # orders in any order, and a tick's permutes before the head's conditional on one
+            # device and after it on another leave each waiting in a different collective (the
+            # bf16 tests' data=2,pipe=2 runs did). In a head tick the head device's output goes to
+            # the head, not over the permutes, so it sends the cotangent there: nobody files it.
+            sent = jnp.where(head_ticks[t] & (s == head_device), dy, out)
             arrivals = {
-                "from_left": jax.lax.ppermute(out, "pipe", [(j, j + 1) for j in range(S - 1)]),
-                "from_right": jax.lax.ppermute(out, "pipe", [(j + 1, j) for j in range(S - 1)]),
+                "from_left": jax.lax.ppermute(sent, "pipe", [(j, j + 1) for j in range(S - 1)]),
+                "from_right": jax.lax.ppermute(sent, "pipe", [(j + 1, j) for j in range(S - 1)]),
                 "local": jnp.where(s == head_device, dy, out),  # the head's cotangent; zbv's last device: its turn
             }
             for name, value in arrivals.items():
