@@ -1,9 +1,10 @@
 """Straggler detection's goal, counted: is a process slowed from outside named within two
 windows, and does an unperturbed run name nobody, each under a second job's load?
 
-    python experiments/straggler_goal.py [--runs 10] [--window 20] [--load 1] [--cases stop,quota40,quota15,none]
+    python experiments/straggler_goal.py [--runs 10] [--window 20] [--load 1] [--cases stop,quota40,quota15,none] [--model tiny|busy]
 
-Each run launches 3 processes of the tiny model (``--mesh data=3``, one CPU device each,
+Each run launches 3 processes of the tiny model (``--model busy``: one wide and long enough that
+each process computes for most of its step; ``--mesh data=3``, one CPU device each,
 ``--straggler-window`` steps per window) beside ``--load`` busy processes (the second job).
 Once step ``window + 5`` is logged, rank 1 is slowed from outside:
 
@@ -40,7 +41,12 @@ from pathlib import Path
 
 import psutil
 
-MODEL = ("model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4", "model.dtype=float32", "train.seq_len=32")
+MODELS = {
+    # the suite's tiny model: its process wants less than 40% of a CPU here, so a 40% quota barely binds
+    "tiny": ("model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4", "model.dtype=float32", "train.seq_len=32"),
+    # wider and longer: each process computes for most of its step, so the quotas bind
+    "busy": ("model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.dtype=float32", "train.seq_len=128"),
+}
 CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup"))  # v1's cpu controller, else v2's unified tree
 
 
@@ -122,7 +128,7 @@ class Quota:
 
 def one_run(case: str, args: argparse.Namespace, run_dir: Path) -> dict:
     launch = [sys.executable, "-m", "jaxdist.launch", "--nproc", "3", "--devices-per-proc", "1", "--", "--mesh", "data=3"]
-    train = ["--run-dir", str(run_dir), "--steps", str(args.steps), "--straggler-window", str(args.window), *MODEL]
+    train = ["--run-dir", str(run_dir), "--steps", str(args.steps), "--straggler-window", str(args.window), *MODELS[args.model]]
     train += ["train.global_batch=12", "train.log_every=1"]
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     log = open(run_dir.with_suffix(".log"), "w")  # noqa: SIM115 (closed below)
@@ -186,6 +192,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=70)
     parser.add_argument("--load", type=int, default=1, help="busy processes beside each run (the second job)")
     parser.add_argument("--cases", default="stop,quota40,quota15,none")
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default="tiny", help="tiny: the suite's; busy: one a 40%% quota holds back in most periods"
+    )
     args = parser.parse_args()
     cases = args.cases.split(",")
     if any(case.startswith("quota") for case in cases):
@@ -210,7 +219,7 @@ def main() -> None:
                 verdict = "ok" if result["ok"] else "MISSED"
                 print(f"{case} run {run + 1}: {verdict}; slowed after step {result.get('started')}{extra}; named {kinds}", flush=True)
     loads = [r["load"] for rows in results.values() for r in rows]
-    print(f"\nmachine: {machine()}; load: {args.load} busy process(es); 3 training processes, 1 CPU device each")
+    print(f"\nmachine: {machine()}; load: {args.load} busy process(es); 3 training processes of the {args.model} model, 1 CPU device each")
     print(f"1-minute load average at the runs' ends: median {statistics.median(loads):.1f}, max {max(loads):.1f}")
     print(f"thread settings: XLA_FLAGS={child_env()['XLA_FLAGS']!r}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}\n")
     print(
