@@ -116,7 +116,8 @@ def _operations(shape: str, stages: int, microbatches: int, held_cap: int, pendi
         row, sent = [], []
         for s in range(S):
             op = (IDLE, 0)
-            for kind in _PREFERENCE[shape] if len(waiting_w[s]) < pending_cap else ():
+            choices = _PREFERENCE[shape] if len(waiting_w[s]) < pending_cap else ()  # W ring full: a W first
+            for kind in choices:
                 if kind in FORWARDS and held[s] >= held_cap:
                     continue
                 arrived = [x for x in ready[s][kind] if x[0] <= t]
