@@ -37,7 +37,6 @@ import itertools
 IDLE, F0, F1, B1, B0, W0, W1 = range(7)  # F0/B0/W0 on the first leg's chunk, F1/B1/W1 on the second's (zbv)
 FORWARDS, BACKWARDS, WEIGHTS = (F0, F1), (B0, B1), (W0, W1)
 NONE = -1  # no slot
-SHAPES = ("line", "v")
 _PREFERENCE = {"line": (B0, F0), "v": (B0, B1, F1, F0)}  # the order a device takes ready operations in
 
 

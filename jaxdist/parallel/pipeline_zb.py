@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from jaxdist.parallel.pipeline_1f1b import SEQ, on_stages
 from jaxdist.parallel.pipeline_parts import StageResiduals, from_last_stage, index, my_piece, set_where, sum_dtype
 from jaxdist.parallel.pipeline_schedule import PipelineSpec
-from jaxdist.parallel.pipeline_vtable import B0, B1, F0, F1, line_table, v_table
+from jaxdist.parallel.pipeline_vtable import B0, B1, F0, F1
 from jaxdist.parallel.split_backward import split_backward
 
 _COLUMNS = ("op", "mb", "inbox", "residual", "pending", "from_left", "from_right", "local")
@@ -45,8 +45,8 @@ def _zeros(shapes):
 
 def zero_bubble(stage_fn, head_loss_fn, spec: PipelineSpec, mesh: Mesh, layer_params, head_params, x, aux, targets, seed):
     """(loss sum, and the gradients of loss sum x ``seed`` by layer params, head params and x)."""
-    S, M = spec.stages, spec.microbatches
-    table = v_table(S, M) if spec.schedule == "zbv" else line_table(S, M)
+    S = spec.stages
+    table = spec.tick_table
     column = {name: jnp.asarray(np.asarray(getattr(table, name), np.int32)) for name in _COLUMNS}  # [ticks, S] each
     head_ticks = jnp.asarray(np.asarray(table.head, bool))
     residuals = StageResiduals(stage_fn)
